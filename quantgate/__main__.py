@@ -1,0 +1,5 @@
+import sys
+
+from quantgate.cli import main
+
+sys.exit(main())

