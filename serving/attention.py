@@ -1,0 +1,112 @@
+"""Paged attention for unmodified transformers models.
+
+The engine registers `paged_attention` in transformers' attention-function registry and switches the
+model to it. Each forward pass runs over the step's tokens flattened into one row (prefill chunks and
+decode tokens of many sequences together); the per-step `AttentionContext` says which tokens belong to
+which sequence, where their keys/values go in the paged cache (slot mapping) and which blocks each
+sequence reads (block tables). Because the model's own projections run, quantized Linear layers
+(bitsandbytes, torchao, ours) work unchanged.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+ATTN_IMPLEMENTATION = "quantgate_paged"
+
+
+@dataclass
+class PrefillChunk:
+    start: int  # first row of this sequence's tokens in the flattened batch
+    length: int  # tokens computed now
+    context_len: int  # tokens in the sequence's KV after this step (cached prefix + this chunk)
+    context_slots: torch.Tensor | None  # cache slots of the whole context; None when nothing was cached before
+
+
+@dataclass
+class AttentionContext:
+    k_cache: list[torch.Tensor]  # per layer [num_blocks * block_size, kv_heads, head_dim]
+    v_cache: list[torch.Tensor]
+    block_size: int
+    slot_mapping: torch.Tensor  # [num_tokens] cache slot each new token's K/V is written to
+    prefills: list[PrefillChunk] = field(default_factory=list)
+    decode_rows: torch.Tensor | None = None  # [B] rows of the single-token (decode) sequences
+    decode_block_tables: torch.Tensor | None = None  # [B, max_blocks], padded with 0
+    decode_mask: torch.Tensor | None = None  # [B, 1, 1, max_blocks * block_size], True where attended
+
+
+_context: AttentionContext | None = None
+
+
+def set_context(context: AttentionContext | None) -> None:
+    global _context
+    _context = context
+
+
+def get_context() -> AttentionContext:
+    if _context is None:
+        raise RuntimeError("paged attention called outside an engine step (no AttentionContext set)")
+    return _context
+
+
+def paged_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,  # [1, heads, tokens, head_dim]
+    key: torch.Tensor,  # [1, kv_heads, tokens, head_dim]
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    ctx = get_context()
+    layer = module.layer_idx
+    k_cache, v_cache = ctx.k_cache[layer], ctx.v_cache[layer]
+    q = query[0].transpose(0, 1)  # [tokens, heads, head_dim]
+    k = key[0].transpose(0, 1)
+    v = value[0].transpose(0, 1)
+    k_cache.index_copy_(0, ctx.slot_mapping, k.to(k_cache.dtype))
+    v_cache.index_copy_(0, ctx.slot_mapping, v.to(v_cache.dtype))
+
+    out = torch.empty_like(q)
+    gqa = q.shape[1] != k.shape[1]
+    for chunk in ctx.prefills:
+        rows = slice(chunk.start, chunk.start + chunk.length)
+        qs = q[rows].transpose(0, 1)  # [heads, len, dim]
+        if chunk.context_slots is None:  # the whole context is in this chunk: plain causal attention
+            ks, vs, mask, causal = k[rows].transpose(0, 1), v[rows].transpose(0, 1), None, True
+        else:
+            ks = k_cache[chunk.context_slots].transpose(0, 1).to(q.dtype)
+            vs = v_cache[chunk.context_slots].transpose(0, 1).to(q.dtype)
+            offset = chunk.context_len - chunk.length
+            q_pos = torch.arange(chunk.length, device=q.device)[:, None] + offset
+            mask, causal = q_pos >= torch.arange(chunk.context_len, device=q.device)[None, :], False
+        o = F.scaled_dot_product_attention(
+            qs, ks, vs, attn_mask=mask, is_causal=causal, scale=scaling, enable_gqa=gqa
+        )
+        out[rows] = o.transpose(0, 1)
+
+    if ctx.decode_rows is not None:
+        num_seqs, max_blocks = ctx.decode_block_tables.shape
+        kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2]
+        paged_k = k_cache.view(-1, ctx.block_size, kv_heads, head_dim)[ctx.decode_block_tables]
+        paged_v = v_cache.view(-1, ctx.block_size, kv_heads, head_dim)[ctx.decode_block_tables]
+        ks = paged_k.view(num_seqs, max_blocks * ctx.block_size, kv_heads, head_dim).transpose(1, 2)
+        vs = paged_v.view(num_seqs, max_blocks * ctx.block_size, kv_heads, head_dim).transpose(1, 2)
+        qd = q[ctx.decode_rows].unsqueeze(2)  # [B, heads, 1, dim]
+        o = F.scaled_dot_product_attention(
+            qd, ks.to(q.dtype), vs.to(q.dtype), attn_mask=ctx.decode_mask, scale=scaling, enable_gqa=gqa
+        )
+        out[ctx.decode_rows] = o.squeeze(2)
+    return out.unsqueeze(0), None
+
+
+def register() -> str:
+    """Make `quantgate_paged` a valid `attn_implementation` for every transformers model."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention)
+    return ATTN_IMPLEMENTATION

@@ -1,0 +1,161 @@
+"""Owns the model and the paged KV cache; turns a scheduled step into one forward pass."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from serving import attention
+from serving.attention import AttentionContext, PrefillChunk
+from serving.sampler import sample, token_logprobs
+from serving.scheduler import ScheduledSeq
+from serving.sequence import Sequence, TokenLogprob
+
+
+@dataclass
+class KVCacheShape:
+    num_layers: int
+    kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+    def bytes_per_block(self, block_size: int) -> int:
+        return 2 * self.num_layers * block_size * self.kv_heads * self.head_dim * self.dtype.itemsize
+
+    @classmethod
+    def from_config(cls, config, dtype: torch.dtype) -> KVCacheShape:
+        config = config.get_text_config() if hasattr(config, "get_text_config") else config
+        heads = config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        return cls(config.num_hidden_layers, kv_heads, head_dim, dtype)
+
+
+@dataclass
+class StepResult:
+    sampled: dict[int, int]  # index in the scheduled list -> next token
+    logprobs: dict[int, TokenLogprob]
+    prompt_logprobs: dict[int, list[TokenLogprob]]  # index -> logprobs of the prompt tokens scored this step
+
+
+def load_model(model_dir: Path, device: torch.device, dtype: torch.dtype):
+    """A plain HF dir loads here; a quantized variant (it has a quantgate.json) is loaded by quantize/."""
+    if (Path(model_dir) / "quantgate.json").is_file():
+        from quantize import load_model as load_variant
+
+        model = load_variant(Path(model_dir), str(device), dtype)
+    else:
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device)
+    model.set_attn_implementation(attention.register())
+    return model.eval()
+
+
+class ModelRunner:
+    def __init__(self, model, device: torch.device, block_size: int, num_blocks: int, kv_dtype: torch.dtype):
+        self.model = model
+        self.device = device
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.shape = KVCacheShape.from_config(model.config, kv_dtype)
+        slots = num_blocks * block_size
+        self.k_cache = [
+            torch.zeros(slots, self.shape.kv_heads, self.shape.head_dim, dtype=kv_dtype, device=device)
+            for _ in range(self.shape.num_layers)
+        ]
+        self.v_cache = [torch.zeros_like(k) for k in self.k_cache]
+        self.generators: dict[str, torch.Generator] = {}
+
+    @torch.inference_mode()
+    def run(self, scheduled: list[ScheduledSeq]) -> StepResult:
+        input_ids, positions, slots = [], [], []
+        prefills: list[PrefillChunk] = []
+        decode_rows: list[int] = []
+        decode_seqs: list[Sequence] = []
+        sample_rows: list[int] = []  # (row of the last token) for sequences that get a new token
+        sample_idx: list[int] = []
+        prompt_rows: dict[int, list[int]] = {}  # index -> rows whose logits score the next prompt token
+        bs = self.block_size
+        for idx, item in enumerate(scheduled):
+            seq, n = item.seq, item.num_new_tokens
+            start, end, row = seq.num_computed_tokens, seq.num_computed_tokens + n, len(input_ids)
+            input_ids.extend(seq.token_ids[start:end])
+            positions.extend(range(start, end))
+            table = seq.block_table
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            if n == 1 and start > 0:
+                decode_rows.append(row)
+                decode_seqs.append(seq)
+            else:
+                context = None
+                if start > 0:
+                    context = torch.tensor(
+                        [table[p // bs] * bs + p % bs for p in range(end)], device=self.device
+                    )
+                prefills.append(PrefillChunk(row, n, end, context))
+            if seq.wants_prompt_logprobs:
+                last_scored = min(end, seq.num_prompt_tokens - 1)  # position p scores token p + 1
+                if last_scored > start:
+                    prompt_rows[idx] = list(range(row, row + last_scored - start))
+            if end == seq.num_tokens:
+                sample_rows.append(row + n - 1)
+                sample_idx.append(idx)
+
+        ctx = AttentionContext(
+            self.k_cache,
+            self.v_cache,
+            bs,
+            torch.tensor(slots, device=self.device),
+            prefills,
+        )
+        if decode_seqs:
+            max_blocks = max(len(s.block_table) for s in decode_seqs)
+            tables = torch.zeros(len(decode_seqs), max_blocks, dtype=torch.long)
+            lengths = torch.empty(len(decode_seqs), dtype=torch.long)
+            for i, s in enumerate(decode_seqs):
+                tables[i, : len(s.block_table)] = torch.tensor(s.block_table)
+                lengths[i] = s.num_computed_tokens + 1
+            ctx.decode_rows = torch.tensor(decode_rows, device=self.device)
+            ctx.decode_block_tables = tables.to(self.device)
+            mask = torch.arange(max_blocks * bs)[None, :] < lengths[:, None]
+            ctx.decode_mask = mask[:, None, None, :].to(self.device)
+
+        keep_rows = sample_rows + [r for rows in prompt_rows.values() for r in rows]
+        attention.set_context(ctx)
+        try:
+            logits = self.model(
+                input_ids=torch.tensor([input_ids], device=self.device),
+                position_ids=torch.tensor([positions], device=self.device),
+                use_cache=False,
+                logits_to_keep=torch.tensor(keep_rows, device=self.device),
+            ).logits[0].float()
+        finally:
+            attention.set_context(None)
+        return self._postprocess(scheduled, logits, sample_idx, prompt_rows)
+
+    def _postprocess(self, scheduled, logits, sample_idx, prompt_rows) -> StepResult:
+        result = StepResult({}, {}, {})
+        sample_logits = logits[: len(sample_idx)]
+        seqs = [scheduled[i].seq for i in sample_idx]
+        if seqs:
+            tokens = sample(sample_logits, seqs, self.generators)
+            result.sampled = dict(zip(sample_idx, tokens, strict=True))
+            want = [k for k, s in enumerate(seqs) if s.params.logprobs is not None]
+            if want:
+                lps = torch.log_softmax(sample_logits[want], dim=-1)
+                top = max(seqs[k].params.logprobs for k in want)
+                for k, lp in zip(want, token_logprobs(lps, [tokens[k] for k in want], top), strict=True):
+                    lp.top = lp.top[: seqs[k].params.logprobs]
+                    result.logprobs[sample_idx[k]] = lp
+        offset = len(sample_idx)
+        for idx, rows in prompt_rows.items():
+            seq = scheduled[idx].seq
+            first = seq.num_computed_tokens  # position of the first scored row
+            targets = seq.token_ids[first + 1 : first + 1 + len(rows)]
+            lps = torch.log_softmax(logits[offset : offset + len(rows)], dim=-1)
+            result.prompt_logprobs[idx] = token_logprobs(lps, targets, seq.params.prompt_logprobs)
+            offset += len(rows)
+        return result

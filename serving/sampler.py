@@ -1,0 +1,39 @@
+"""Turn the last-position logits of each sequence into its next token (and logprobs when asked)."""
+
+from __future__ import annotations
+
+import torch
+
+from serving.sequence import Sequence, TokenLogprob
+
+
+def sample(logits: torch.Tensor, seqs: list[Sequence], generators: dict[str, torch.Generator]) -> list[int]:
+    """logits: [len(seqs), vocab] float32. Greedy rows share one argmax; others sample one by one."""
+    next_tokens = logits.argmax(dim=-1).tolist()
+    for i, seq in enumerate(seqs):
+        p = seq.params
+        if p.greedy:
+            continue
+        row = logits[i] / p.temperature
+        if p.top_k > 0 and p.top_k < row.shape[-1]:
+            kth = torch.topk(row, p.top_k).values[-1]
+            row = row.masked_fill(row < kth, float("-inf"))
+        if p.top_p < 1.0:
+            sorted_logits, order = torch.sort(row, descending=True)
+            cumulative = sorted_logits.softmax(-1).cumsum(-1)
+            drop = cumulative - sorted_logits.softmax(-1) >= p.top_p  # keep the smallest set reaching top_p
+            row = row.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
+        probs = row.softmax(-1)
+        next_tokens[i] = int(torch.multinomial(probs, 1, generator=generators.get(seq.request_id)).item())
+    return next_tokens
+
+
+def token_logprobs(logprobs: torch.Tensor, targets: list[int], top: int) -> list[TokenLogprob]:
+    """logprobs: [n, vocab] log-softmaxed rows; the logprob of each target plus the `top` best."""
+    chosen = logprobs.gather(1, torch.tensor(targets, device=logprobs.device)[:, None])[:, 0].tolist()
+    if top > 0:
+        values, indices = torch.topk(logprobs, top, dim=-1)
+        tops = [list(zip(i, v, strict=True)) for i, v in zip(indices.tolist(), values.tolist(), strict=True)]
+    else:
+        tops = [[] for _ in targets]
+    return [TokenLogprob(t, lp, tp) for t, lp, tp in zip(targets, chosen, tops, strict=True)]
