@@ -1,0 +1,309 @@
+"""Evaluate a policy against what MLflow recorded for a variant run and its release's baseline, and
+record every gate's verdict back on the run (metrics, tags, a `gates.md` report, a plot).
+
+Recorded per gate (name like `task/arc_easy/max_drop`): metrics `gate/<name>/pass` (1/0),
+`gate/<name>/threshold`, `gate/<name>/observed` (only when measured); tags `gate/<name>/verdict`
+("pass"/"fail"), `.../reason`, `.../rule`, `.../threshold`, `.../observed` ("not measured" when
+missing), `.../stage`. Per stage: tags `gates/<stage>/verdict` (written last), `.../evaluated_at`,
+`.../policy_sha256`, `.../policy_source`, `.../baseline_run_id`, `.../failed`; metric
+`gates/<stage>/pass`; artifacts `gates/<stage>/gates.md`, `gates.json`, `policy.yaml`, `task_deltas.png`.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING
+
+from gates import metrics as M
+from gates.policy import Policy, load_policy
+from gates.tracking import BASELINE, TAG_KIND, TAG_ROLE, _log_batch, baseline_run, get_client, get_run
+
+if TYPE_CHECKING:
+    from mlflow import MlflowClient
+
+NOT_MEASURED = "not measured"
+_EPS = 1e-9  # float slack so that e.g. 1 - 0.6 / 1.0 meets a 0.4 threshold
+
+
+@dataclass(frozen=True)
+class GateResult:
+    name: str
+    stage: str
+    rule: str  # "observed >= threshold" in words, e.g. "delta CI low >= -max_drop"
+    threshold: float
+    observed: float | None
+    passed: bool
+    reason: str
+
+
+@dataclass
+class Evaluation:
+    run_id: str
+    stage: str
+    results: list[GateResult]
+    evaluated_at: str = ""
+    policy_sha256: str = ""
+    policy_source: str = ""
+    baseline_run_id: str = ""
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def passed(self) -> bool:
+        return all(r.passed for r in self.results)
+
+    @property
+    def failed(self) -> list[GateResult]:
+        return [r for r in self.results if not r.passed]
+
+
+def _at_least(name, stage, rule, observed, threshold, detail="") -> GateResult:
+    ok = observed >= threshold - _EPS
+    cmp = ">=" if ok else "<"
+    return GateResult(name, stage, rule, threshold, observed, ok, f"{observed:+.4g} {cmp} {threshold:+.4g}{detail}")
+
+
+def _at_most(name, stage, rule, observed, threshold, detail="") -> GateResult:
+    ok = observed <= threshold + _EPS
+    cmp = "<=" if ok else ">"
+    return GateResult(name, stage, rule, threshold, observed, ok, f"{observed:+.4g} {cmp} {threshold:+.4g}{detail}")
+
+
+def _missing(name, stage, rule, threshold, what: list[str]) -> GateResult:
+    return GateResult(name, stage, rule, threshold, None, False, f"{NOT_MEASURED}: {', '.join(what)} not recorded")
+
+
+def judge(
+    policy: Policy,
+    variant: Mapping[str, float],
+    baseline: Mapping[str, float] | None,
+    stage: str = "release",
+) -> list[GateResult]:
+    """Every gate of `stage` against the recorded metrics; a missing metric fails its gate."""
+    M.stage_tag(stage, "verdict")  # validates the stage name
+    base = baseline or {}
+    results: list[GateResult] = []
+
+    def need(source: Mapping[str, float], key: str, where: str, missing: list[str]) -> float | None:
+        if key in source:
+            return source[key]
+        missing.append(f"{key} ({where})")
+        return None
+
+    if stage == "canary":
+        for key, limit, name in (
+            (M.CANARY_ERROR_RATE, policy.canary_max_error_rate, "canary/max_error_rate"),
+            (M.CANARY_TPOT_P99_S, policy.canary_max_tpot_p99_s, "canary/max_tpot_p99_s"),
+        ):
+            if limit is None:
+                continue
+            rule = f"{key} <= max"
+            missing: list[str] = []
+            value = need(variant, key, "variant", missing)
+            results.append(_missing(name, stage, rule, limit, missing) if missing else _at_most(name, stage, rule, value, limit))
+        return results
+
+    tasks = sorted(set(policy.required_tasks) | M.tasks_in(variant) | M.tasks_in(base))
+    if not tasks:
+        results.append(_missing("tasks/any_measured", stage, "at least one task measured", -policy.tasks.max_drop, ["task/<task>/delta_ci_low"]))
+    for task in tasks:
+        gate = policy.task_gate(task)
+        name = f"task/{task}/max_drop"
+        missing = []
+        detail = ""
+        if M.task_delta(task) in variant:
+            detail = f" (point delta {variant[M.task_delta(task)]:+.4g}"
+            if M.task_key(task, "n") in variant:
+                detail += f", n={int(variant[M.task_key(task, 'n')])}"
+            detail += ")"
+        if gate.higher_is_better:
+            rule, threshold = "delta CI low >= -max_drop", -gate.max_drop
+            value = need(variant, M.task_delta_ci_low(task), "variant", missing)
+            results.append(_missing(name, stage, rule, threshold, missing) if missing else _at_least(name, stage, rule, value, threshold, detail))
+        else:
+            rule, threshold = "delta CI high <= +max_drop (lower is better)", gate.max_drop
+            value = need(variant, M.task_delta_ci_high(task), "variant", missing)
+            results.append(_missing(name, stage, rule, threshold, missing) if missing else _at_most(name, stage, rule, value, threshold, detail))
+
+    def vs_baseline(key: str, limit: float | None, name: str, rule: str, combine, at_least: bool) -> None:
+        if limit is None:
+            return
+        missing: list[str] = []
+        v = need(variant, key, "variant", missing)
+        b = need(base, key, "baseline" if baseline is not None else "no baseline run", missing)
+        if missing:
+            results.append(_missing(name, stage, rule, limit, missing))
+            return
+        observed = combine(v, b)
+        if observed is None:
+            results.append(GateResult(name, stage, rule, limit, None, False, f"{NOT_MEASURED}: baseline {key} is {b}"))
+            return
+        detail = f" (variant {v:.4g}, baseline {b:.4g})"
+        judge_fn = _at_least if at_least else _at_most
+        results.append(judge_fn(name, stage, rule, observed, limit, detail))
+
+    diff = lambda v, b: v - b  # noqa: E731
+    if policy.refusal_rate_max_fall is not None:
+        vs_baseline(M.SAFETY_REFUSAL_RATE, -policy.refusal_rate_max_fall, "safety/refusal_rate/max_fall",
+                    "refusal_rate change >= -max_fall", diff, at_least=True)
+    vs_baseline(M.SAFETY_OVER_REFUSAL_RATE, policy.over_refusal_rate_max_rise, "safety/over_refusal_rate/max_rise",
+                "over_refusal_rate change <= max_rise", diff, at_least=False)
+    vs_baseline(M.WEIGHTS_BYTES, policy.min_weight_reduction, "weights/min_reduction",
+                "1 - variant bytes / baseline bytes >= min", lambda v, b: 1.0 - v / b if b > 0 else None, at_least=True)
+    vs_baseline(M.SERVE_DECODE_TPS, policy.min_decode_speedup, "serve/min_decode_speedup",
+                "variant decode tok/s / baseline >= min", lambda v, b: v / b if b > 0 else None, at_least=True)
+    if policy.max_tpot_p99_s is not None:
+        name, rule, missing = "serve/max_tpot_p99_s", f"{M.SERVE_TPOT_P99_S} <= max", []
+        value = need(variant, M.SERVE_TPOT_P99_S, "variant", missing)
+        results.append(_missing(name, stage, rule, policy.max_tpot_p99_s, missing) if missing
+                       else _at_most(name, stage, rule, value, policy.max_tpot_p99_s))
+    return results
+
+
+def evaluate_run(
+    run_id: str,
+    policy: Policy | str | None = None,
+    stage: str = "release",
+    client: MlflowClient | None = None,
+) -> Evaluation:
+    """Read the variant's and baseline's metrics back from MLflow, judge, and record the verdicts."""
+    client = client or get_client()
+    if not isinstance(policy, Policy):
+        policy = load_policy(policy)
+    run = get_run(run_id, client)
+    if run.data.tags.get(TAG_KIND) != "variant":
+        raise ValueError(f"run {run_id} is not a quantgate variant run; gates judge variant runs")
+    if run.data.tags.get(TAG_ROLE) == BASELINE:
+        raise ValueError(f"run {run_id} is the baseline; gates judge variants against it")
+    base = baseline_run(run_id, client)
+    results = judge(policy, run.data.metrics, base.data.metrics if base else None, stage)
+    evaluation = Evaluation(
+        run_id=run_id,
+        stage=stage,
+        results=results,
+        evaluated_at=dt.datetime.now(dt.UTC).isoformat(timespec="milliseconds"),
+        policy_sha256=policy.sha256,
+        policy_source=policy.source,
+        baseline_run_id=base.info.run_id if base else "",
+    )
+    _record(client, run, evaluation, policy, base.data.metrics if base else {})
+    return evaluation
+
+
+def _record(client: MlflowClient, run, evaluation: Evaluation, policy: Policy, baseline: Mapping[str, float]) -> None:
+    run_id, stage = evaluation.run_id, evaluation.stage
+    # Nothing half-written looks complete: the stage verdict is "pending" until everything is recorded.
+    client.set_tag(run_id, M.stage_tag(stage, "verdict"), "pending")
+    for key, value in run.data.tags.items():
+        if key.startswith("gate/") and key.endswith("/stage") and value == stage:
+            name = key[len("gate/") : -len("/stage")]
+            for f in ("verdict", "reason", "rule", "threshold", "observed", "stage"):
+                if M.gate_key(name, f) in run.data.tags:
+                    client.delete_tag(run_id, M.gate_key(name, f))
+    metrics: dict[str, float] = {}
+    for r in evaluation.results:
+        metrics[M.gate_key(r.name, "pass")] = 1.0 if r.passed else 0.0
+        metrics[M.gate_key(r.name, "threshold")] = r.threshold
+        if r.observed is not None:
+            metrics[M.gate_key(r.name, "observed")] = r.observed
+        tags = {
+            "verdict": "pass" if r.passed else "fail",
+            "reason": r.reason,
+            "rule": r.rule,
+            "threshold": repr(r.threshold),
+            "observed": NOT_MEASURED if r.observed is None else repr(r.observed),
+            "stage": stage,
+        }
+        for f, value in tags.items():
+            client.set_tag(run_id, M.gate_key(r.name, f), value)
+    metrics[M.stage_tag(stage, "pass")] = 1.0 if evaluation.passed else 0.0
+    _log_batch(client, run_id, metrics=metrics)
+    stage_tags = {
+        "evaluated_at": evaluation.evaluated_at,
+        "policy_sha256": evaluation.policy_sha256,
+        "policy_source": evaluation.policy_source,
+        "baseline_run_id": evaluation.baseline_run_id,
+        "failed": ", ".join(r.name for r in evaluation.failed)[:7000],
+    }
+    for f, value in stage_tags.items():
+        client.set_tag(run_id, M.stage_tag(stage, f), value)
+    folder = f"gates/{stage}"
+    client.log_text(run_id, render_markdown(evaluation, run.info.run_name or run_id), f"{folder}/gates.md")
+    client.log_dict(run_id, _as_json(evaluation), f"{folder}/gates.json")
+    client.log_text(run_id, policy.text, f"{folder}/policy.yaml")
+    if stage == "release":
+        from gates.plots import task_delta_figure
+
+        figure = task_delta_figure(run.data.metrics, policy, title=f"{run.info.run_name}: paired deltas vs baseline")
+        if figure is not None:
+            client.log_figure(run_id, figure, f"{folder}/task_deltas.png")
+    verdict = "pass" if evaluation.passed else "fail"
+    version_tag = "verdict" if stage == "release" else f"{stage}_verdict"
+    for mv in client.search_model_versions(f"run_id = '{run_id}'"):
+        client.set_model_version_tag(mv.name, mv.version, version_tag, verdict)
+    client.set_tag(run_id, M.stage_tag(stage, "verdict"), verdict)
+
+
+def _as_json(evaluation: Evaluation) -> dict:
+    data = asdict(evaluation)
+    data["passed"] = evaluation.passed
+    return data
+
+
+def read_evaluation(run_id: str, stage: str = "release", client: MlflowClient | None = None) -> Evaluation | None:
+    """The verdicts recorded on a run (None when never evaluated), from tags alone."""
+    client = client or get_client()
+    tags = get_run(run_id, client).data.tags
+    if M.stage_tag(stage, "verdict") not in tags:
+        return None
+    results = []
+    for key, value in sorted(tags.items()):
+        if not (key.startswith("gate/") and key.endswith("/stage") and value == stage):
+            continue
+        name = key[len("gate/") : -len("/stage")]
+        observed = tags.get(M.gate_key(name, "observed"), NOT_MEASURED)
+        results.append(
+            GateResult(
+                name=name,
+                stage=stage,
+                rule=tags.get(M.gate_key(name, "rule"), ""),
+                threshold=float(tags.get(M.gate_key(name, "threshold"), "nan")),
+                observed=None if observed == NOT_MEASURED else float(observed),
+                passed=tags.get(M.gate_key(name, "verdict")) == "pass",
+                reason=tags.get(M.gate_key(name, "reason"), ""),
+            )
+        )
+    return Evaluation(
+        run_id=run_id,
+        stage=stage,
+        results=results,
+        evaluated_at=tags.get(M.stage_tag(stage, "evaluated_at"), ""),
+        policy_sha256=tags.get(M.stage_tag(stage, "policy_sha256"), ""),
+        policy_source=tags.get(M.stage_tag(stage, "policy_source"), ""),
+        baseline_run_id=tags.get(M.stage_tag(stage, "baseline_run_id"), ""),
+        extra={"verdict": tags[M.stage_tag(stage, "verdict")]},
+    )
+
+
+def render_markdown(evaluation: Evaluation, title: str) -> str:
+    verdict = "PASS" if evaluation.passed else "FAIL"
+    lines = [
+        f"# Gates ({evaluation.stage}): {title} — {verdict}",
+        "",
+        f"- run: `{evaluation.run_id}`; baseline run: `{evaluation.baseline_run_id or 'none'}`",
+        f"- policy: `{evaluation.policy_source}` (sha256 `{evaluation.policy_sha256[:12]}`)",
+        f"- evaluated at {evaluation.evaluated_at}; a metric that was not recorded fails its gate",
+        "",
+        "| gate | rule | threshold | observed | verdict | reason |",
+        "| --- | --- | ---: | ---: | --- | --- |",
+    ]
+    for r in evaluation.results:
+        observed = NOT_MEASURED if r.observed is None else f"{r.observed:.4g}"
+        lines.append(
+            f"| `{r.name}` | {r.rule} | {r.threshold:.4g} | {observed} | {'pass' if r.passed else '**FAIL**'} | {r.reason} |"
+        )
+    if not evaluation.results:
+        lines.append("| (no gates configured for this stage) | | | | pass | |")
+    return "\n".join(lines) + "\n"
+
