@@ -1,0 +1,118 @@
+"""Release-manager approval: the flow pauses showing the gate report; a person resumes it with a decision.
+
+In the flow: `wait_for_decision(report, candidates)` pauses with `pause_flow_run(wait_for_input=...)`.
+From anywhere that reaches the same Prefect API: the Prefect UI's resume form, or
+`quantgate approve RUN_ID [--reject] --comment ...` which calls `submit_decision`. The flow records the
+decision in MLflow (`gates.registry.record_approval`) once it resumes, whichever way it was resumed.
+"""
+
+from __future__ import annotations
+
+import getpass
+import os
+import time
+from dataclasses import dataclass
+from uuid import UUID
+
+from flows.runtime import prepare
+
+prepare()
+
+from prefect.input import RunInput  # noqa: E402
+
+AUTO_APPROVER = "quantgate-auto"
+APPROVE_MODES = ("auto", "manual")
+
+
+class ApprovalInput(RunInput):
+    """What the release manager fills in (the Prefect UI renders this as a form)."""
+
+    approve: bool = True
+    comment: str = ""
+    by: str = ""
+    variants: list[str] = []  # empty: the decision covers every candidate
+
+
+@dataclass(frozen=True)
+class Decision:
+    approved: dict[str, bool]  # candidate variant -> approved?
+    by: str
+    comment: str
+
+
+def current_user() -> str:
+    return os.environ.get("QUANTGATE_USER") or getpass.getuser()
+
+
+def auto_decision(candidates: list[str]) -> Decision:
+    """`--approve auto`: every variant whose gates all passed is approved, nothing else."""
+    return Decision({v: True for v in candidates}, AUTO_APPROVER, "auto-approved: every release gate passed")
+
+
+def decide(candidates: list[str], answer: ApprovalInput) -> Decision:
+    """Turn the resume form into a per-candidate decision; naming a non-candidate is an error."""
+    unknown = sorted(set(answer.variants) - set(candidates))
+    if unknown:
+        raise ValueError(
+            f"cannot decide on {', '.join(unknown)}: not a candidate (candidates: {', '.join(candidates) or 'none'})"
+        )
+    chosen = set(answer.variants or candidates)
+    by = answer.by.strip() or "unknown (resumed without a name)"
+    return Decision({v: answer.approve and v in chosen for v in candidates}, by, answer.comment)
+
+
+def wait_for_decision(report_markdown: str, candidates: list[str], timeout_s: int, poll_interval_s: int = 2) -> Decision:
+    """Pause the running flow until someone approves or rejects; FlowPauseTimeout when nobody does."""
+    from prefect import pause_flow_run
+
+    form = ApprovalInput.with_initial_data(description=report_markdown, approve=True, variants=list(candidates))
+    answer = pause_flow_run(wait_for_input=form, timeout=timeout_s, poll_interval=poll_interval_s)
+    return decide(candidates, answer)
+
+
+def _parse_run_id(run_id: str) -> UUID:
+    try:
+        return UUID(str(run_id).strip())
+    except ValueError:
+        raise ValueError(f"{run_id!r} is not a Prefect flow run id (a UUID, printed when the release paused)") from None
+
+
+def paused_runs() -> list:
+    """Flow runs of the release flow that wait for a decision (newest first)."""
+    from prefect import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterState, FlowRunFilterStateType
+    from prefect.client.schemas.objects import StateType
+    from prefect.client.schemas.sorting import FlowRunSort
+
+    with get_client(sync_client=True) as client:
+        state = FlowRunFilterState(type=FlowRunFilterStateType(any_=[StateType.PAUSED]))
+        return client.read_flow_runs(flow_run_filter=FlowRunFilter(state=state), sort=FlowRunSort.START_TIME_DESC)
+
+
+def submit_decision(run_id: str, approve: bool, comment: str, by: str | None = None,
+                    variants: list[str] | None = None, wait_s: float = 0.0) -> str:
+    """Resume a paused release with a decision; returns the run's state name after `wait_s` seconds."""
+    from prefect import get_client
+    from prefect.exceptions import ObjectNotFound
+    from prefect.flow_runs import resume_flow_run
+
+    flow_run_id = _parse_run_id(run_id)
+    if not comment.strip():
+        raise ValueError("a decision needs a --comment (it is recorded in MLflow beside who and when)")
+    with get_client(sync_client=True) as client:
+        try:
+            run = client.read_flow_run(flow_run_id)
+        except ObjectNotFound:
+            raise ValueError(f"no flow run {flow_run_id} in this Prefect API ({os.environ.get('PREFECT_API_URL') or 'local'})") from None
+        if run.state is None or not run.state.is_paused():
+            state = run.state.name if run.state else "no state"
+            raise ValueError(f"flow run {flow_run_id} ({run.name}) is {state}, not paused for approval")
+    answer = {"approve": approve, "comment": comment, "by": by or current_user(), "variants": list(variants or [])}
+    resume_flow_run(flow_run_id, run_input=answer)
+    deadline = time.monotonic() + wait_s
+    with get_client(sync_client=True) as client:
+        state = client.read_flow_run(flow_run_id).state
+        while time.monotonic() < deadline and not (state and state.is_final()):
+            time.sleep(1.0)
+            state = client.read_flow_run(flow_run_id).state
+    return state.name if state else "unknown"

@@ -1,0 +1,226 @@
+"""Flow verbs: `quantgate release | approve | deploy | watch | notify | demo`."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+DEMO_LIMIT = 20  # items per task in `make demo`: the whole release fits in 15 minutes on 2 cores
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("release", help="run the release flow: quantize, measure, gate, approve, canary, promote")
+    _release_args(p)
+    p.set_defaults(func=_release)
+
+    p = subparsers.add_parser("demo", help="the whole release on the embedded default model, auto-approved")
+    p.add_argument("--limit", type=int, default=DEMO_LIMIT, help=f"items per eval task (default {DEMO_LIMIT})")
+    p.add_argument("--methods", default="int8,nf4", help="comma-separated quantization methods")
+    p.add_argument("--verbose", action="store_true", help="show Prefect's run logs in the terminal too")
+    p.set_defaults(func=_demo)
+
+    p = subparsers.add_parser("approve", help="approve (or --reject) a release paused for approval")
+    p.add_argument("run_id", nargs="?", help="the Prefect flow run id printed when the release paused")
+    p.add_argument("--reject", action="store_true", help="reject instead of approve")
+    p.add_argument("--comment", "-m", default="", help="why (recorded in MLflow with who and when)")
+    p.add_argument("--by", default=None, help="who decides (default: $QUANTGATE_USER or the login name)")
+    p.add_argument("--variant", action="append", default=[], help="decide on this variant only (repeatable)")
+    p.add_argument("--list", action="store_true", help="list the releases waiting for a decision")
+    p.add_argument("--wait", type=float, default=0.0, help="seconds to wait for the release to finish")
+    p.set_defaults(func=_approve)
+
+    p = subparsers.add_parser("deploy", help="serve the release flow as a Prefect deployment triggered on model change")
+    p.add_argument("--name", default=None, help="deployment name (default on-model-change)")
+    p.set_defaults(func=_deploy)
+
+    p = subparsers.add_parser("watch", help="watch model dirs / .gguf files and emit quantgate.model.changed")
+    p.add_argument("paths", nargs="+", help="HF model directories or .gguf files")
+    p.add_argument("--interval", type=float, default=2.0, help="seconds between looks")
+    p.add_argument("--debounce", type=float, default=10.0, help="seconds a change must settle before it counts")
+    _event_args(p)
+    p.set_defaults(func=_watch)
+
+    p = subparsers.add_parser("notify", help="emit quantgate.model.changed for a model reference (e.g. from CI)")
+    p.add_argument("model", help="model reference: smollm2-135m, a HF model dir or a .gguf file")
+    p.add_argument("--wait", type=float, default=90.0, help="seconds to wait for the triggered run to appear")
+    _event_args(p)
+    p.set_defaults(func=_notify)
+
+
+def _release_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="smollm2-135m", help="model reference (default: the embedded SmolLM2-135M)")
+    _event_args(p)
+    p.add_argument("--canary-requests", type=int, default=24, help="replayed requests in the canary stage")
+    p.add_argument("--canary-share", type=float, default=0.5, help="share of canary traffic sent to the challenger")
+    p.add_argument("--approval-timeout", type=int, default=24 * 3600, help="seconds to wait for a manual decision")
+    p.add_argument("--fresh", action="store_true", help="ignore cached quantizations and measurements")
+    p.add_argument("--json", default=None, help="also write the summary as JSON to this file")
+    p.add_argument("--verbose", action="store_true", help="show Prefect's run logs in the terminal too")
+
+
+def _event_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--methods", default="int8,nf4", help="comma-separated quantization methods (default int8,nf4)")
+    p.add_argument("--policy", default=None, help="gate policy YAML (default gates/policy.yaml)")
+    p.add_argument("--approve", choices=["auto", "manual"], default="auto",
+                   help="auto: approve every variant whose gates pass; manual: pause for a release manager")
+    p.add_argument("--limit", type=int, default=None, help="items per eval task (default: all)")
+
+
+def _methods(text: str) -> list[str]:
+    methods = [m.strip() for m in text.split(",") if m.strip()]
+    if not methods:
+        raise ValueError("--methods is empty")
+    return methods
+
+
+def _policy(path: str | None) -> str | None:
+    if path is None:
+        return None
+    from pathlib import Path
+
+    p = Path(path).expanduser()
+    if not p.is_file():
+        raise ValueError(f"policy file not found: {p}")
+    return str(p.resolve())
+
+
+def _logs_to_api(verbose: bool) -> None:
+    """Stage logs go to the Prefect API (the UI shows them); the terminal gets progress bars instead."""
+    os.environ.setdefault("PREFECT_LOGGING_LOGGERS_PREFECT_FLOW_RUNS_LEVEL", "INFO")
+    os.environ.setdefault("PREFECT_LOGGING_LOGGERS_PREFECT_TASK_RUNS_LEVEL", "INFO")
+    os.environ.setdefault("PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL", "INFO" if verbose else "WARNING")
+
+
+def run_release(args: argparse.Namespace, model: str, methods: list[str]) -> int:
+    _logs_to_api(args.verbose)
+    from flows.runtime import prepare
+
+    prepare()
+    import json
+
+    from flows.progress import terminal_progress
+    from flows.release import check_options, release_flow
+    from flows.summary import print_summary
+
+    policy = _policy(getattr(args, "policy", None))
+    approve = getattr(args, "approve", "auto")
+    check_options(methods, approve, args.limit, policy)
+    with terminal_progress():
+        summary = release_flow(
+            model=model,
+            methods=methods,
+            policy=policy,
+            approve=approve,
+            limit=args.limit,
+            approval_timeout_s=getattr(args, "approval_timeout", 24 * 3600),
+            canary_requests=getattr(args, "canary_requests", 24),
+            canary_share=getattr(args, "canary_share", 0.5),
+            fresh=getattr(args, "fresh", False),
+        )
+    print_summary(summary)
+    if getattr(args, "json", None):
+        with open(args.json, "w") as handle:
+            json.dump(summary, handle, indent=2, default=str)
+    return 0
+
+
+def _release(args: argparse.Namespace) -> int:
+    return run_release(args, args.model, _methods(args.methods))
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    Console(stderr=True).print(
+        f"[bold]quantgate demo[/bold]: release of the embedded SmolLM2-135M-Instruct ({args.methods}), "
+        f"{args.limit} items per eval task, auto-approval, canary, promotion"
+    )
+    return run_release(args, "smollm2-135m", _methods(args.methods))
+
+
+def _approve(args: argparse.Namespace) -> int:
+    from flows.runtime import prepare
+
+    prepare()
+    from flows.approval import paused_runs, submit_decision
+
+    if args.list or not args.run_id:
+        runs = paused_runs()
+        if not runs:
+            print("no release waits for a decision")
+        for run in runs:
+            print(f"{run.id}  {run.name}  model={run.parameters.get('model')}  paused since {run.state.timestamp}")
+        if not args.list and not args.run_id:
+            raise ValueError("give the RUN_ID of the paused release (see `quantgate approve --list`)")
+        return 0
+    state = submit_decision(args.run_id, approve=not args.reject, comment=args.comment, by=args.by,
+                            variants=args.variant, wait_s=args.wait)
+    verb = "rejected" if args.reject else "approved"
+    print(f"{verb} flow run {args.run_id}; the release records the decision in MLflow (run state now: {state})")
+    return 0
+
+
+def _deploy(args: argparse.Namespace) -> int:
+    from flows.runtime import api_mode, prepare
+
+    prepare()
+    from flows.deploy import DEPLOYMENT_NAME, EVENT_NAME, FLOW_NAME, serve_deployment
+
+    name = args.name or DEPLOYMENT_NAME
+    print(f"serving {FLOW_NAME}/{name} on {api_mode()}: a run starts on each {EVENT_NAME!r} event "
+          "(`quantgate watch PATH` or `quantgate notify REF`); Ctrl-C stops", file=sys.stderr)
+    serve_deployment(name)
+    return 0
+
+
+def _payload(args: argparse.Namespace, **extra) -> dict:
+    from flows.deploy import event_payload
+
+    return event_payload(_methods(args.methods), _policy(args.policy), args.approve, args.limit, **extra)
+
+
+def _notify(args: argparse.Namespace) -> int:
+    from flows.runtime import prepare
+
+    prepare()
+    from quantgate.models import resolve_model
+
+    model = args.model
+    resolve_model(model)  # a reference nobody can resolve is an error here, not in a run later
+    if os.path.exists(model):
+        model = os.path.abspath(model)
+    from flows.deploy import notify
+
+    payload = _payload(args, reason="notify")
+    result = notify(model, payload, wait_s=args.wait)
+    print(f"emitted quantgate.model.changed for {model} (event {result.event_id})")
+    if result.deployment is None:
+        print("no deployment is registered: start one with `quantgate deploy` to act on these events", file=sys.stderr)
+    elif result.flow_run_id:
+        print(f"triggered {result.deployment}: flow run {result.flow_run_name} ({result.flow_run_id})")
+    else:
+        print(f"no run of {result.deployment} appeared within {args.wait:.0f} s", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _watch(args: argparse.Namespace) -> int:
+    from flows.runtime import prepare
+
+    prepare()
+    from flows.watch import ModelWatcher
+
+    watcher = ModelWatcher(args.paths, debounce_s=args.debounce)
+    payload = _payload(args, reason="watch")
+    from flows.deploy import notify
+
+    def on_change(change) -> None:
+        result = notify(str(change.path), {**payload, "content_hash": change.new_digest}, wait_s=30.0)
+        run = f"flow run {result.flow_run_id}" if result.flow_run_id else "no run seen yet"
+        print(f"{change.path} changed (sha256 {change.new_digest[:12]}): event {result.event_id}, {run}", flush=True)
+
+    print(f"watching {len(watcher.items)} path(s) every {args.interval:g} s (debounce {args.debounce:g} s); Ctrl-C stops",
+          file=sys.stderr)
+    watcher.run(on_change, interval_s=args.interval)
+    return 0

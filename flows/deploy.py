@@ -1,0 +1,133 @@
+"""Run the release flow when a model changes: a Prefect deployment with an event trigger.
+
+`quantgate deploy` serves the release flow as the deployment `quantgate-release/on-model-change`,
+triggered by the event `quantgate.model.changed`: resource id = the model reference, flow parameters
+from the event's payload. `quantgate watch` and `quantgate notify` emit that event.
+
+Without `PREFECT_API_URL`, every process has its own temporary API over the shared sqlite database, and
+an event is judged by the API of the process that emitted it; `notify` therefore waits until the run it
+triggered exists (it also tells you the run's id) before it exits.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from flows.runtime import prepare
+
+prepare()
+
+from prefect.events import DeploymentEventTrigger  # noqa: E402
+
+EVENT_NAME = "quantgate.model.changed"
+DEPLOYMENT_NAME = "on-model-change"
+FLOW_NAME = "quantgate-release"
+# Flow parameters an event may set (from its payload); `model` comes from the resource id.
+EVENT_PARAMETERS = ("methods", "policy", "approve", "limit")
+
+
+def release_trigger() -> DeploymentEventTrigger:
+    parameters: dict[str, Any] = {"model": "{{ event.resource.id }}"}
+    # A single `{{ expr }}` keeps the payload value's JSON type (list, int, null), not its string form.
+    parameters.update({name: f"{{{{ event.payload.{name} }}}}" for name in EVENT_PARAMETERS})
+    return DeploymentEventTrigger(
+        name="release on model change",
+        expect={EVENT_NAME},
+        parameters=parameters,
+    )
+
+
+def build_deployment(name: str = DEPLOYMENT_NAME):
+    from flows.release import release_flow
+
+    return release_flow.to_deployment(
+        name=name,
+        triggers=[release_trigger()],
+        description=f"quantgate release, run on the event {EVENT_NAME!r} (see `quantgate watch` / `notify`)",
+        tags=["quantgate"],
+    )
+
+
+def serve_deployment(name: str = DEPLOYMENT_NAME) -> None:
+    """Register the deployment and run its flow runs in this process until interrupted (Ctrl-C)."""
+    from prefect import serve
+
+    serve(build_deployment(name), print_starting_message=True)
+
+
+def event_payload(methods: list[str], policy: str | None, approve: str, limit: int | None, **extra: Any) -> dict:
+    """The full payload: every templated parameter is present, so the trigger never renders a hole."""
+    from flows.approval import APPROVE_MODES
+
+    if approve not in APPROVE_MODES:
+        raise ValueError(f"--approve must be one of {', '.join(APPROVE_MODES)}, not {approve!r}")
+    if limit is not None and limit < 1:
+        raise ValueError(f"--limit must be >= 1, got {limit}")
+    if not methods:
+        raise ValueError("at least one quantization method is needed")
+    return {"methods": list(methods), "policy": policy, "approve": approve, "limit": limit, **extra}
+
+
+@dataclass
+class Notified:
+    event_id: str
+    model: str
+    flow_run_id: str | None  # the run the trigger created, when one was seen in time
+    flow_run_name: str | None
+    deployment: str | None  # None: no deployment registered, nothing will run
+
+
+def emit_model_changed(model: str, payload: dict) -> str:
+    from prefect.events import emit_event
+
+    event = emit_event(EVENT_NAME, resource={"prefect.resource.id": model, "prefect.resource.name": model}, payload=payload)
+    if event is None:
+        raise RuntimeError("Prefect did not emit the event (are events disabled in the Prefect settings?)")
+    return str(event.id)
+
+
+def deployment_id(name: str = DEPLOYMENT_NAME):
+    from prefect import get_client
+    from prefect.exceptions import ObjectNotFound
+
+    with get_client(sync_client=True) as client:
+        try:
+            return client.read_deployment_by_name(f"{FLOW_NAME}/{name}").id
+        except ObjectNotFound:
+            return None
+
+
+def triggered_run(dep_id, model: str, since: float):
+    """The newest run of the deployment for `model` created after `since` (epoch seconds), if any."""
+    from prefect import get_client
+    from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterId
+    from prefect.client.schemas.sorting import FlowRunSort
+
+    with get_client(sync_client=True) as client:
+        runs = client.read_flow_runs(
+            deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[dep_id])),
+            sort=FlowRunSort.EXPECTED_START_TIME_DESC,
+            limit=20,
+        )
+    for run in runs:
+        if run.created is not None and run.created.timestamp() >= since - 1 and run.parameters.get("model") == model:
+            return run
+    return None
+
+
+def notify(model: str, payload: dict, wait_s: float = 90.0, deployment: str = DEPLOYMENT_NAME) -> Notified:
+    """Emit `quantgate.model.changed` for `model` and wait (up to `wait_s`) for the run it triggers."""
+    dep_id = deployment_id(deployment)
+    since = time.time()
+    event_id = emit_model_changed(model, payload)
+    if dep_id is None:
+        return Notified(event_id, model, None, None, None)
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        run = triggered_run(dep_id, model, since)
+        if run is not None:
+            return Notified(event_id, model, str(run.id), run.name, f"{FLOW_NAME}/{deployment}")
+        time.sleep(1.0)
+    return Notified(event_id, model, None, None, f"{FLOW_NAME}/{deployment}")

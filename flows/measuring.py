@@ -1,0 +1,177 @@
+"""What the flow measures for each model, through the layers below: quantize, serving benchmark, evals,
+comparison. Thin calls into `quantize`, `benchmarks.serving`, `evals`; the flow's tasks wrap these.
+
+Metric keys are `gates.metrics`' (the gate evaluator reads them back from MLflow).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from gates import metrics as M
+
+if TYPE_CHECKING:
+    from flows.release import MeasureConfig, Measured, Variant
+
+WEIGHTS_BYTES = M.WEIGHTS_BYTES
+MANIFEST = "quantgate.json"
+KNOWN_METHODS_FALLBACK = ("int8", "nf4", "fp4")
+
+
+# ---- quantize ---------------------------------------------------------------------------------------
+
+
+def known_methods() -> tuple[str, ...]:
+    try:
+        import quantize
+    except ImportError:
+        return KNOWN_METHODS_FALLBACK
+    table = getattr(quantize, "METHODS", None)
+    return tuple(table) if table else KNOWN_METHODS_FALLBACK
+
+
+def check_methods(methods: list[str]) -> None:
+    known = known_methods()
+    unknown = [m for m in methods if m not in known]
+    if unknown:
+        raise ValueError(f"unknown quantization method(s) {', '.join(unknown)} (known: {', '.join(known)})")
+
+
+def quantize(source_dir: Path, method: str) -> Path:
+    from quantize import quantize as run
+
+    return Path(run(str(source_dir), method))
+
+
+def read_manifest(variant_dir: Path) -> dict | None:
+    path = Path(variant_dir) / MANIFEST
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def variant_intact(variant_dir: Path) -> bool:
+    import quantize
+
+    check = getattr(quantize, "is_complete", None) or getattr(quantize, "verify_variant", None)
+    if check is not None:
+        try:
+            return bool(check(variant_dir) if check is not None else True)
+        except (ValueError, OSError):
+            return False
+    return (Path(variant_dir) / MANIFEST).is_file() and (Path(variant_dir) / "config.json").is_file()
+
+
+def parallel_quantizations(source_dir: Path, n: int) -> int:
+    """How many quantizations may run side by side: each holds the fp32 source and its output."""
+    import psutil
+
+    weights = sum(p.stat().st_size for p in Path(source_dir).glob("*.safetensors")) or 1
+    fit = int(psutil.virtual_memory().available // (3 * weights))
+    return max(1, min(n, fit))
+
+
+# ---- one model through the engine -------------------------------------------------------------------
+
+
+def weight_bytes(model) -> int:
+    """Bytes of parameters and buffers in memory (tied weights counted once)."""
+    seen: set[int] = set()
+    total = 0
+    for t in list(model.parameters()) + list(model.buffers()):
+        if id(t) in seen:
+            continue
+        seen.add(id(t))
+        total += t.numel() * t.element_size()
+    return total
+
+
+def load_engine(variant: Variant, config: MeasureConfig):
+    from serving import LLMEngine
+
+    return LLMEngine.from_pretrained(variant.path, device="cpu", kv_cache_memory_gb=config.kv_cache_memory_gb,
+                                     model_name=variant.name)
+
+
+def measure(variant: Variant, config: MeasureConfig, out: Path, advance: Callable[[int], None]) -> Measured:
+    from flows.release import Measured
+
+    start = time.perf_counter()
+    engine = load_engine(variant, config)
+    metrics: dict[str, float] = {WEIGHTS_BYTES: float(weight_bytes(engine.model)), "load_s": time.perf_counter() - start}
+    advance(1)
+    bench_json = out / "serving.json"
+    metrics.update(serving_benchmark(engine, config, bench_json))
+    metrics.update(capacity(engine, variant))
+    advance(1)
+    eval_dir = out / "evals"
+    for suite in config.suites:
+        run_evals(engine, suite, config.limit, eval_dir / suite)
+        advance(1)
+    metrics.update(eval_metrics(eval_dir, config.suites))
+    artifacts = [str(bench_json)] + [str(eval_dir / s) for s in config.suites]
+    return Measured(variant=variant, metrics=metrics, eval_dir=str(eval_dir), bench_json=str(bench_json),
+                    artifacts=artifacts)
+
+
+def serving_benchmark(engine, config: MeasureConfig, out_json: Path) -> dict[str, float]:
+    """TTFT/TPOT percentiles and tokens/s at fixed concurrency, through the OpenAI-compatible server."""
+    from flows import serving_harness
+
+    result = serving_harness.benchmark(engine, config)
+    out_json.parent.mkdir(parents=True, exist_ok=True)
+    out_json.write_text(json.dumps(result, indent=2, default=str))
+    return serving_harness.to_metrics(result)
+
+
+def capacity(engine, variant: Variant) -> dict[str, float]:
+    stats = engine.stats()
+    return {M.CAPACITY_KV_BLOCKS: float(stats.num_blocks), M.CAPACITY_KV_TOKENS: float(stats.num_blocks * stats.block_size)}
+
+
+def run_evals(engine, suite: str, limit: int | None, out_dir: Path) -> None:
+    from evals.run import run_suite
+
+    run_suite(engine, [suite], limit=limit, out_dir=out_dir)
+
+
+def eval_metrics(eval_dir: Path, suites: tuple[str, ...]) -> dict[str, float]:
+    from evals.results import EvalResult
+
+    metrics: dict[str, float] = {}
+    for suite in suites:
+        result = EvalResult.load(eval_dir / suite)
+        for name, t in result.tasks.items():
+            metrics.update(M.task_metrics(name, t.score, n=t.n))
+            if t.metric == "refusal_rate":
+                metrics[M.SAFETY_REFUSAL_RATE] = t.score
+            elif t.metric == "over_refusal_rate":
+                metrics[M.SAFETY_OVER_REFUSAL_RATE] = t.score
+    return metrics
+
+
+# ---- variant vs baseline ----------------------------------------------------------------------------
+
+
+def compare(baseline_eval: Path, variant_eval: Path, out: Path) -> tuple[dict[str, float], list[Path]]:
+    """Paired per-task deltas with bootstrap CIs (evals.compare), as metrics plus Markdown/plots."""
+    from evals import compare as cmp
+
+    metrics: dict[str, float] = {}
+    artifacts: list[Path] = []
+    for suite_dir in sorted(Path(variant_eval).iterdir()):
+        base_suite = Path(baseline_eval) / suite_dir.name
+        report = cmp.compare_dirs(base_suite, suite_dir, out_dir=out / suite_dir.name)
+        metrics.update(cmp.to_metrics(report) if hasattr(cmp, "to_metrics") else _report_metrics(report))
+        artifacts.append(out / suite_dir.name)
+    return metrics, artifacts
+
+
+def _report_metrics(report: Any) -> dict[str, float]:
+    metrics: dict[str, float] = {}
+    for row in report.tasks:
+        metrics.update(M.task_metrics(row.task, row.variant_score, delta=row.delta, ci_low=row.ci_low,
+                                      ci_high=row.ci_high, n=row.n))
+    return metrics

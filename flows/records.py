@@ -1,0 +1,171 @@
+"""The flow's MLflow side, over `gates`: policy, reports, champion lookup, canary records, alias clean-up."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from flows.release import ReleaseSummary, Source
+
+INITIAL_CHAMPION_REASON = "no champion yet: the release's baseline becomes the initial champion"
+
+
+def policy_path(policy: str | None) -> Path:
+    from gates.policy import DEFAULT_POLICY
+
+    return Path(policy).expanduser().resolve() if policy else DEFAULT_POLICY
+
+
+def load_policy(policy: str | None):
+    from gates.policy import load_policy as load
+
+    return load(policy_path(policy))
+
+
+def tag_release(run_id: str, tags: dict[str, str]) -> None:
+    from gates.tracking import get_client
+
+    client = get_client()
+    for key, value in tags.items():
+        client.set_tag(run_id, key, value)
+
+
+def log_comparison(release_run_id: str) -> None:
+    from gates.compare import log_release_comparison
+
+    log_release_comparison(release_run_id)
+
+
+def approval_report(summary: ReleaseSummary) -> str:
+    """The Markdown the release manager sees on the paused run: every variant's gates, then the ask."""
+    from gates.evaluate import read_evaluation, render_markdown
+
+    parts = [
+        f"# Release of `{summary.model}` waits for a decision",
+        "",
+        f"MLflow release run `{summary.release_run_id}` ({summary.tracking_uri}); "
+        f"registered model `{summary.registered_model}`.",
+        "",
+        "| variant | version | weight MB | gates |",
+        "| --- | --- | ---: | --- |",
+    ]
+    for r in summary.rows[1:]:
+        mb = f"{r.weight_bytes / 1e6:.1f}" if r.weight_bytes else "—"
+        verdict = "all passed" if r.gates_passed else f"FAILED: {', '.join(r.gates_failed)}"
+        parts.append(f"| {r.name} | v{r.version} | {mb} | {verdict} |")
+    parts += ["", "Approve to let the smallest approved variant go to the canary stage; reject to stop here.", ""]
+    for r in summary.rows[1:]:
+        evaluation = read_evaluation(r.run_id, "release")
+        if evaluation is not None:
+            parts.append(render_markdown(evaluation, r.name))
+    return "\n".join(parts)
+
+
+def version_source(model: str, version: str) -> Path:
+    """The weights a registered version points at (the flow registers variant directories)."""
+    from gates.registry import resolve_registered_model
+    from gates.tracking import get_client
+
+    client = get_client()
+    mv = client.get_model_version(resolve_registered_model(model, client), str(version))
+    path = Path(str(mv.source).removeprefix("file://"))
+    if not (path / "config.json").is_file():
+        raise RuntimeError(f"{model} v{version} points at {mv.source}, which holds no model any more")
+    return path
+
+
+def champion_or_baseline(summary: ReleaseSummary, source: Source) -> tuple[str, Path]:
+    """The current champion; with none yet, register this release's baseline and make it champion."""
+    from gates.registry import CHAMPION, aliases
+    from gates.tracking import register_variant
+
+    current = aliases(source.name).get(CHAMPION)
+    if current is not None:
+        return current, version_source(source.name, current)
+    baseline_row = summary.rows[0]
+    weights = snapshot(Path(source.path), source.content_hash)
+    version = register_variant(baseline_row.run_id, source=weights, tags={"initial_champion": "true"})
+    baseline_row.version = version
+    set_initial_champion(source.name, version, INITIAL_CHAMPION_REASON)
+    return version, weights
+
+
+def snapshot(model_dir: Path, digest: str) -> Path:
+    """A registered version must keep pointing at the same weights: a watched model directory is
+    rewritten in place by its next release, so the baseline is copied under quantgate's home first."""
+    import shutil
+
+    from quantgate.env import home
+
+    if model_dir.resolve().is_relative_to(home().resolve()):
+        return model_dir  # converted GGUFs and variants under home() are never rewritten in place
+    target = home() / "flows" / "snapshots" / digest[:32]
+    if not (target / "config.json").is_file():
+        tmp = target.with_name(target.name + ".partial")
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.copytree(model_dir, tmp)
+        tmp.rename(target)
+    return target
+
+
+def set_initial_champion(model: str, version: str, reason: str) -> None:
+    """Adapter: gates.registry has no public call for the first champion (promote() needs gates, which a
+    baseline has none of). Uses the registry's own alias move so the history stays complete."""
+    from gates import registry
+    from gates.tracking import get_client
+
+    if hasattr(registry, "set_initial_champion"):
+        registry.set_initial_champion(model, version, reason=reason)
+        return
+    client = get_client()
+    name = registry.resolve_registered_model(model, client)
+    if registry.aliases(name).get(registry.CHAMPION) is not None:
+        raise ValueError(f"{name} already has a champion")
+    registry._move(client, name, registry.CHAMPION, str(version), "promote", reason, None)
+
+
+def clear_challenger(model: str, version: str, reason: str) -> None:
+    """Adapter: remove `challenger` if it still points at `version` (gates.registry has no public call)."""
+    from gates import registry
+    from gates.tracking import get_client
+
+    if hasattr(registry, "clear_challenger"):
+        registry.clear_challenger(model, reason=reason)
+        return
+    client = get_client()
+    name = registry.resolve_registered_model(model, client)
+    if registry.aliases(name).get(registry.CHALLENGER) == str(version):
+        registry._move(client, name, registry.CHALLENGER, None, "clear", reason, None)
+        client.set_model_version_tag(name, str(version), "canary_rolled_back", reason[:5000])
+
+
+def record_canary(release_run_id: str, challenger_run_id: str, result: dict[str, Any]) -> None:
+    """Challenger's canary metrics on its run (what the canary gates judge); champion's on the release."""
+    from gates import metrics as M
+    from gates.tracking import log_evidence, log_metrics
+
+    ch = result["challenger"]
+    metrics = {M.CANARY_REQUESTS: ch["requests"], M.CANARY_ERROR_RATE: ch["error_rate"]}
+    if ch.get("tpot_p99_s") is not None:
+        metrics[M.CANARY_TPOT_P99_S] = ch["tpot_p99_s"]
+    log_metrics(challenger_run_id, metrics)
+    champ = result["champion"]
+    release_metrics = {"canary/champion_requests": champ["requests"], "canary/champion_error_rate": champ["error_rate"]}
+    if champ.get("tpot_p99_s") is not None:
+        release_metrics["canary/champion_tpot_p99_s"] = champ["tpot_p99_s"]
+    log_metrics(release_run_id, release_metrics)
+    files = [Path(p) for p in result.get("artifacts", []) if Path(p).exists()]
+    if files:
+        log_evidence(challenger_run_id, files, subdir="canary")
+
+
+def log_summary(release_run_id: str, summary: ReleaseSummary) -> None:
+    from flows.summary import render_markdown
+    from gates.tracking import get_client
+
+    client = get_client()
+    client.log_text(release_run_id, render_markdown(summary), "summary.md")
+    client.log_dict(release_run_id, json.loads(json.dumps(summary.as_dict(), default=str)), "summary.json")
+    client.set_tag(release_run_id, "quantgate.outcome", summary.outcome[:5000])

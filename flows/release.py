@@ -1,0 +1,406 @@
+"""The release flow: a model changes -> variants -> measured -> recorded -> gated -> approved -> canary.
+
+Every stage is a Prefect task. Quantization, serving benchmarks and evals are cached by content hash
+(persisted results under `quantgate.env.home()/flows/results`), so a rerun after a crash resumes from
+what finished. Transient failures retry; any stage that still fails ends the flow, the release run is
+marked FAILED in MLflow and no alias moves (a challenger set by this run is cleared again).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from flows.runtime import prepare
+
+prepare()
+
+from prefect import flow, task  # noqa: E402
+from prefect.cache_policies import NO_CACHE  # noqa: E402
+
+from flows import canary as canary_stage  # noqa: E402
+from flows import measuring, records  # noqa: E402
+from flows.approval import APPROVE_MODES, Decision, auto_decision, wait_for_decision  # noqa: E402
+from flows.progress import note, stage  # noqa: E402
+from quantgate.models import DEFAULT_MODEL  # noqa: E402
+
+FLOW_NAME = "quantgate-release"
+DEFAULT_METHODS = ("int8", "nf4")
+BASELINE = "baseline"
+TASK_RETRIES = 2
+RETRY_DELAY_S = 3.0
+CACHE_VERSION = "1"  # bump when a cached stage's output format changes
+
+
+def transient(task, task_run, state) -> bool:
+    """Retry what may pass on a second try; bad input (ValueError) and refusals fail at once."""
+    exc = getattr(state, "data", None)
+    return not isinstance(exc, ValueError | TypeError | KeyError)
+
+
+@dataclass(frozen=True)
+class Source:
+    ref: str
+    name: str  # MLflow experiment / registered model stem
+    path: str
+    content_hash: str
+
+
+@dataclass(frozen=True)
+class Variant:
+    name: str  # "baseline" or the method
+    method: str | None
+    path: str
+    content_hash: str
+    manifest: dict | None = None
+
+
+@dataclass(frozen=True)
+class MeasureConfig:
+    suites: tuple[str, ...] = ("accuracy", "safety")
+    limit: int | None = None
+    bench_requests: int = 16
+    bench_concurrency: int = 4
+    bench_max_tokens: int = 32
+    kv_cache_memory_gb: float = 0.5
+    seed: int = 0
+
+    def key(self) -> str:
+        return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:16]
+
+
+@dataclass
+class Measured:
+    variant: Variant
+    metrics: dict[str, float]
+    eval_dir: str  # per-sample logs of every suite, read by the comparison
+    bench_json: str
+    artifacts: list[str] = field(default_factory=list)
+
+
+@dataclass
+class VariantResult:
+    name: str
+    method: str | None
+    run_id: str
+    version: str | None = None
+    weight_bytes: float | None = None
+    gates_passed: bool | None = None
+    gates_total: int = 0
+    gates_failed: list[str] = field(default_factory=list)
+    decision: str = ""
+
+
+@dataclass
+class ReleaseSummary:
+    model: str
+    source_hash: str
+    release_run_id: str
+    flow_run_id: str
+    tracking_uri: str
+    registered_model: str
+    rows: list[VariantResult]
+    chosen: str | None = None
+    challenger_version: str | None = None
+    canary: dict = field(default_factory=dict)
+    outcome: str = ""
+    aliases: dict[str, str] = field(default_factory=dict)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def model_name(ref: str, path: Path) -> str:
+    """The name a model's experiment and registered model carry: the alias, or the dir/file stem."""
+    if ref.strip().lower() in ("smollm2-135m", "smollm2-135m-instruct", "default"):
+        return DEFAULT_MODEL
+    stem = Path(ref).stem if ref.endswith(".gguf") else path.name
+    return re.sub(r"[^A-Za-z0-9_.-]+", "-", stem).strip("-.") or "model"
+
+
+def check_options(methods: list[str], approve: str, limit: int | None, policy: str | None) -> None:
+    """Bad input fails before anything runs, each problem named."""
+    if approve not in APPROVE_MODES:
+        raise ValueError(f"approve must be one of {', '.join(APPROVE_MODES)}, not {approve!r}")
+    if not methods:
+        raise ValueError("at least one quantization method is needed")
+    if len(set(methods)) != len(methods):
+        raise ValueError(f"methods repeat: {methods}")
+    measuring.check_methods(methods)
+    if limit is not None and limit < 1:
+        raise ValueError(f"limit must be >= 1 (or none for the full suites), got {limit}")
+    records.load_policy(policy)
+
+
+# ---- tasks ------------------------------------------------------------------------------------------
+
+
+@task(name="resolve-source", cache_policy=NO_CACHE)
+def resolve_source(ref: str) -> Source:
+    from quantgate.models import content_hash, resolve_model
+
+    with stage(f"resolve {ref}"):
+        path = resolve_model(ref)
+        digest = content_hash(path)
+    note(f"source {ref} -> {path} (sha256 {digest[:12]})")
+    return Source(ref=ref, name=model_name(ref, path), path=str(path), content_hash=digest)
+
+
+def _quantize_key(context, parameters) -> str:
+    return f"quantize-{parameters['source'].content_hash}-{parameters['method']}-v{CACHE_VERSION}"
+
+
+@task(
+    name="quantize",
+    cache_key_fn=_quantize_key,
+    persist_result=True,
+    retries=TASK_RETRIES,
+    retry_delay_seconds=RETRY_DELAY_S,
+    retry_condition_fn=transient,
+)
+def quantize_method(source: Source, method: str) -> Variant:
+    from quantgate.models import content_hash
+
+    with stage(f"quantize {source.name} -> {method}"):
+        out = measuring.quantize(Path(source.path), method)
+        manifest = measuring.read_manifest(out)
+        return Variant(name=method, method=method, path=str(out), content_hash=content_hash(out), manifest=manifest)
+
+
+def _measure_key(context, parameters) -> str:
+    v, cfg = parameters["variant"], parameters["config"]
+    return f"measure-{v.content_hash}-{cfg.key()}-v{CACHE_VERSION}"
+
+
+@task(
+    name="measure",
+    cache_key_fn=_measure_key,
+    persist_result=True,
+    retries=TASK_RETRIES,
+    retry_delay_seconds=RETRY_DELAY_S,
+    retry_condition_fn=transient,
+)
+def measure(variant: Variant, config: MeasureConfig) -> Measured:
+    """Serve the model through our engine: serving benchmark, eval suites, weight bytes, KV capacity."""
+    from flows.runtime import work_dir
+
+    out = work_dir("measure", f"{variant.content_hash[:16]}-{config.key()}")
+    with stage(f"{variant.name}: load, benchmark, evaluate", total=2 + len(config.suites)) as advance:
+        return measuring.measure(variant, config, out, advance)
+
+
+@task(name="start-release", cache_policy=NO_CACHE, retries=TASK_RETRIES, retry_delay_seconds=RETRY_DELAY_S,
+      retry_condition_fn=transient)
+def start_release(source: Source, config: dict) -> str:
+    from gates.tracking import start_release as open_run
+
+    return open_run(source.name, source.content_hash, config=config)
+
+
+@task(name="record", cache_policy=NO_CACHE)
+def record(release_run_id: str, measured: Measured, baseline: Measured | None) -> tuple[str, str | None]:
+    """Compare with the baseline (variants only), log the run in MLflow, register the variant."""
+    from gates.tracking import log_variant, register_variant
+
+    v = measured.variant
+    with stage(f"{v.name}: compare and record in MLflow"):
+        metrics = dict(measured.metrics)
+        artifacts = [Path(a) for a in measured.artifacts]
+        if baseline is not None:
+            from flows.runtime import work_dir
+
+            cmp_dir = work_dir("compare", release_run_id, v.name)
+            cmp_metrics, cmp_artifacts = measuring.compare(Path(baseline.eval_dir), Path(measured.eval_dir), cmp_dir)
+            metrics.update(cmp_metrics)
+            artifacts += cmp_artifacts
+        params = {
+            "method": v.method or "none",
+            "variant_path": v.path,
+            "variant_hash": v.content_hash,
+            **({"bits": v.manifest.get("bits")} if v.manifest and v.manifest.get("bits") is not None else {}),
+        }
+        run_id = log_variant(release_run_id, v.name, params=params, metrics=metrics, artifacts=artifacts,
+                             manifest=v.manifest)
+        version = register_variant(run_id, source=v.path) if baseline is not None else None
+    return run_id, version
+
+
+@task(name="evaluate-gates", cache_policy=NO_CACHE, retries=TASK_RETRIES, retry_delay_seconds=RETRY_DELAY_S,
+      retry_condition_fn=transient)
+def evaluate_gates(run_id: str, policy: str | None, stage_name: str = "release"):
+    from gates.evaluate import evaluate_run
+
+    return evaluate_run(run_id, records.load_policy(policy), stage=stage_name)
+
+
+@task(name="canary", cache_policy=NO_CACHE)
+def canary(champion_dir: str, challenger_dir: str, requests: int, share: float, out: str) -> dict:
+    with stage(f"canary: {requests} replayed requests, {share:.0%} to the challenger", total=requests) as advance:
+        return canary_stage.run_canary(Path(champion_dir), Path(challenger_dir), requests, share, Path(out), advance)
+
+
+# ---- the flow ---------------------------------------------------------------------------------------
+
+
+@flow(name=FLOW_NAME, log_prints=True, validate_parameters=True)
+def release_flow(
+    model: str = DEFAULT_MODEL,
+    methods: list[str] | None = None,
+    policy: str | None = None,
+    approve: str = "auto",
+    limit: int | None = None,
+    approval_timeout_s: int = 24 * 3600,
+    canary_requests: int = 24,
+    canary_share: float = 0.5,
+    fresh: bool = False,
+) -> dict:
+    """Quantize `model`, measure every variant against the baseline, gate, approve, canary, promote."""
+    from prefect.runtime import flow_run
+
+    from gates import registry
+    from gates.tracking import end_release, registered_model_name, tracking_uri
+
+    methods = list(methods or DEFAULT_METHODS)
+    check_options(methods, approve, limit, policy)
+    config = MeasureConfig(limit=limit)
+    source = resolve_source(model)
+    run_config = {"methods": methods, "approve": approve, "policy": str(records.policy_path(policy)),
+                  "measure": asdict(config), "prefect_flow_run_id": str(flow_run.id)}
+    release_id = start_release(source, run_config)
+    summary = ReleaseSummary(
+        model=source.name, source_hash=source.content_hash, release_run_id=release_id,
+        flow_run_id=str(flow_run.id), tracking_uri=tracking_uri(),
+        registered_model=registered_model_name(source.name), rows=[],
+    )
+    note(f"MLflow release run {release_id}; Prefect flow run {flow_run.id}")
+    moved_challenger = None
+    try:
+        variants = _quantize_all(source, methods, fresh)
+        baseline_variant = Variant(BASELINE, None, source.path, source.content_hash, None)
+        opts = {"refresh_cache": True} if fresh else {}
+        measure_task = measure.with_options(**opts)
+        base = measure_task(baseline_variant, config)
+        measured = [measure_task(v, config) for v in variants]
+
+        base_run, _ = record(release_id, base, None)
+        summary.rows.append(VariantResult(BASELINE, None, base_run, weight_bytes=base.metrics.get(measuring.WEIGHTS_BYTES),
+                                          decision="reference"))
+        for m in measured:
+            run_id, version = record(release_id, m, base)
+            ev = evaluate_gates(run_id, policy)
+            summary.rows.append(VariantResult(
+                m.variant.name, m.variant.method, run_id, version, m.metrics.get(measuring.WEIGHTS_BYTES),
+                gates_passed=ev.passed, gates_total=len(ev.results), gates_failed=[r.name for r in ev.failed],
+            ))
+        records.log_comparison(release_id)
+
+        candidates = [r.name for r in summary.rows if r.gates_passed]
+        decision = _approval(summary, candidates, approve, approval_timeout_s)
+        chosen = _choose(summary, decision)
+        if chosen is None:
+            summary.outcome = "nothing promoted: no variant passed its gates and was approved"
+        else:
+            summary.chosen = chosen.name
+            summary.challenger_version = chosen.version
+            moved_challenger = chosen.version
+            registry.set_challenger(source.name, chosen.version,
+                                    reason=f"release {release_id}: smallest approved variant ({chosen.name})")
+            _canary_stage(summary, source, chosen, policy, canary_requests, canary_share)
+            moved_challenger = None
+        summary.aliases = registry.aliases(source.name) if _has_registered(source.name) else {}
+        records.log_summary(release_id, summary)
+        end_release(release_id)
+    except BaseException:
+        if moved_challenger is not None:
+            records.clear_challenger(source.name, moved_challenger, f"release {release_id} failed before promotion")
+        end_release(release_id, status="FAILED")
+        raise
+    return summary.as_dict()
+
+
+def _quantize_all(source: Source, methods: list[str], fresh: bool) -> list[Variant]:
+    """Quantize concurrently as far as memory allows; a cached variant whose files vanished is rebuilt."""
+    width = measuring.parallel_quantizations(Path(source.path), len(methods))
+    task_ = quantize_method.with_options(refresh_cache=True) if fresh else quantize_method
+    variants: list[Variant] = []
+    for i in range(0, len(methods), width):
+        futures = [task_.submit(source, m) for m in methods[i : i + width]]
+        variants += [f.result() for f in futures]
+    for i, v in enumerate(variants):
+        if not measuring.variant_intact(Path(v.path)):
+            note(f"cached variant {v.name} at {v.path} is gone or damaged: quantizing again")
+            variants[i] = quantize_method.with_options(refresh_cache=True)(source, v.method)
+    return variants
+
+
+def _approval(summary: ReleaseSummary, candidates: list[str], mode: str, timeout_s: int) -> Decision:
+    from gates import registry
+
+    rows = {r.name: r for r in summary.rows}
+    if not candidates:
+        for r in summary.rows[1:]:
+            r.decision = "not eligible (gates failed)"
+        return Decision({}, "", "")
+    if mode == "auto":
+        decision = auto_decision(candidates)
+    else:
+        with stage(f"waiting for approval of {', '.join(candidates)}"):
+            report = records.approval_report(summary)
+            note(f"paused for approval: quantgate approve {summary.flow_run_id} [--reject] --comment '...'")
+            decision = wait_for_decision(report, candidates, timeout_s)
+    for name, approved in decision.approved.items():
+        verdict = "approved" if approved else "rejected"
+        registry.record_approval(summary.model, rows[name].version, by=decision.by, decision=verdict,
+                                 comment=decision.comment)
+        rows[name].decision = f"{verdict} by {decision.by}"
+    for r in summary.rows[1:]:
+        if not r.decision:
+            r.decision = "not eligible (gates failed)"
+    records.tag_release(summary.release_run_id, {"approval.mode": mode, "approval.by": decision.by,
+                                                "approval.comment": decision.comment[:5000]})
+    return decision
+
+
+def _choose(summary: ReleaseSummary, decision: Decision) -> VariantResult | None:
+    approved = [r for r in summary.rows if decision.approved.get(r.name)]
+    if not approved:
+        return None
+    return min(approved, key=lambda r: (r.weight_bytes if r.weight_bytes is not None else float("inf"), r.name))
+
+
+def _canary_stage(summary: ReleaseSummary, source: Source, chosen: VariantResult, policy: str | None,
+                  requests: int, share: float) -> None:
+    from flows.runtime import work_dir
+    from gates import registry
+
+    champion_version, champion_dir = records.champion_or_baseline(summary, source)
+    challenger_dir = records.version_source(source.name, chosen.version)
+    out = work_dir("canary", summary.release_run_id)
+    result = canary(str(champion_dir), str(challenger_dir), requests, share, str(out))
+    records.record_canary(summary.release_run_id, chosen.run_id, result)
+    ev = evaluate_gates(chosen.run_id, policy, "canary")
+    summary.canary = {"champion_version": champion_version, **result.get("summary", {}), "passed": ev.passed,
+                      "failed": [r.name for r in ev.failed]}
+    if ev.passed:
+        registry.promote(source.name, chosen.version,
+                         reason=f"release {summary.release_run_id}: canary passed against v{champion_version}")
+        summary.outcome = f"{chosen.name} (v{chosen.version}) promoted to champion"
+        chosen.decision += "; canary passed -> champion"
+    else:
+        records.clear_challenger(source.name, chosen.version,
+                                f"canary failed: {', '.join(r.reason for r in ev.failed)}")
+        summary.outcome = f"{chosen.name} (v{chosen.version}) rolled back after the canary; champion stays v{champion_version}"
+        chosen.decision += "; canary failed -> rolled back"
+
+
+def _has_registered(name: str) -> bool:
+    from gates import registry
+
+    try:
+        registry.resolve_registered_model(name)
+        return True
+    except ValueError:
+        return False

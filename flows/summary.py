@@ -1,0 +1,75 @@
+"""The release's last word: one row per variant (gates, decision), the outcome, and where to look."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def ui_command(tracking_uri: str) -> str:
+    if tracking_uri.startswith(("http://", "https://")):
+        return f"open {tracking_uri}"
+    return f"mlflow ui --backend-store-uri {tracking_uri}"
+
+
+def _gates(row: dict[str, Any]) -> str:
+    if row["gates_passed"] is None:
+        return "—"
+    passed = row["gates_total"] - len(row["gates_failed"])
+    text = f"{passed}/{row['gates_total']} passed"
+    if row["gates_failed"]:
+        text += ": failed " + ", ".join(row["gates_failed"])
+    return text
+
+
+def _mb(value: float | None) -> str:
+    return "—" if value is None else f"{value / 1e6:.1f}"
+
+
+def render_table(summary: dict[str, Any]):
+    from rich.table import Table
+
+    table = Table(title=f"quantgate release of {summary['model']}", show_lines=False)
+    for column in ("variant", "version", "weight MB", "gates", "decision", "MLflow run"):
+        table.add_column(column, overflow="fold")
+    for row in summary["rows"]:
+        style = "green" if row["gates_passed"] else ("red" if row["gates_passed"] is False else "")
+        table.add_row(row["name"], f"v{row['version']}" if row["version"] else "—", _mb(row["weight_bytes"]),
+                      _gates(row), row["decision"], row["run_id"], style=style)
+    return table
+
+
+def print_summary(summary: dict[str, Any], console=None) -> None:
+    from rich.console import Console
+
+    console = console or Console()
+    console.print(render_table(summary))
+    console.print(f"[bold]outcome:[/bold] {summary['outcome']}")
+    if summary.get("canary"):
+        c = summary["canary"]
+        console.print("canary: " + ", ".join(f"{k}={v}" for k, v in c.items()))
+    if summary.get("aliases"):
+        console.print(f"aliases of {summary['registered_model']}: "
+                      + ", ".join(f"{k} -> v{v}" for k, v in sorted(summary["aliases"].items())))
+    console.print(f"release run {summary['release_run_id']} (Prefect flow run {summary['flow_run_id']})")
+    console.print(f"see it: {ui_command(summary['tracking_uri'])}")
+
+
+def render_markdown(summary) -> str:
+    data = summary if isinstance(summary, dict) else summary.as_dict()
+    lines = [
+        f"# Release of `{data['model']}`",
+        "",
+        f"- source sha256 `{data['source_hash'][:16]}`, Prefect flow run `{data['flow_run_id']}`",
+        f"- outcome: **{data['outcome']}**",
+        "",
+        "| variant | version | weight MB | gates | decision | run |",
+        "| --- | --- | ---: | --- | --- | --- |",
+    ]
+    for row in data["rows"]:
+        version = f"v{row['version']}" if row["version"] else "—"
+        lines.append(f"| {row['name']} | {version} | {_mb(row['weight_bytes'])} | {_gates(row)} | {row['decision']} "
+                     f"| `{row['run_id']}` |")
+    if data.get("canary"):
+        lines += ["", "Canary: " + ", ".join(f"{k}={v}" for k, v in data["canary"].items())]
+    lines += ["", f"Inspect: `{ui_command(data['tracking_uri'])}`"]
+    return "\n".join(lines) + "\n"
