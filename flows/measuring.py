@@ -10,35 +10,27 @@ import json
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from gates import metrics as M
 
 if TYPE_CHECKING:
+    from evals.results import EvalResult
     from flows.release import MeasureConfig, Measured, Variant
 
 WEIGHTS_BYTES = M.WEIGHTS_BYTES
 MANIFEST = "quantgate.json"
-KNOWN_METHODS_FALLBACK = ("int8", "nf4", "fp4")
 
 
 # ---- quantize ---------------------------------------------------------------------------------------
 
 
-def known_methods() -> tuple[str, ...]:
-    try:
-        import quantize
-    except ImportError:
-        return KNOWN_METHODS_FALLBACK
-    table = getattr(quantize, "METHODS", None)
-    return tuple(table) if table else KNOWN_METHODS_FALLBACK
-
-
 def check_methods(methods: list[str]) -> None:
-    known = known_methods()
-    unknown = [m for m in methods if m not in known]
-    if unknown:
-        raise ValueError(f"unknown quantization method(s) {', '.join(unknown)} (known: {', '.join(known)})")
+    """Unknown methods are named before anything runs (the method table is quantize's)."""
+    from quantize.methods import get_method
+
+    for m in methods:
+        get_method(m)
 
 
 def quantize(source_dir: Path, method: str) -> Path:
@@ -53,15 +45,14 @@ def read_manifest(variant_dir: Path) -> dict | None:
 
 
 def variant_intact(variant_dir: Path) -> bool:
-    import quantize
+    """A cached variant is reused only while its directory is complete (quantize's own check)."""
+    from quantize import verify_variant
 
-    check = getattr(quantize, "is_complete", None) or getattr(quantize, "verify_variant", None)
-    if check is not None:
-        try:
-            return bool(check(variant_dir) if check is not None else True)
-        except (ValueError, OSError):
-            return False
-    return (Path(variant_dir) / MANIFEST).is_file() and (Path(variant_dir) / "config.json").is_file()
+    try:
+        verify_variant(Path(variant_dir))
+    except (ValueError, OSError):
+        return False
+    return True
 
 
 def parallel_quantizations(source_dir: Path, n: int) -> int:
@@ -155,23 +146,31 @@ def eval_metrics(eval_dir: Path, suites: tuple[str, ...]) -> dict[str, float]:
 # ---- variant vs baseline ----------------------------------------------------------------------------
 
 
-def compare(baseline_eval: Path, variant_eval: Path, out: Path) -> tuple[dict[str, float], list[Path]]:
-    """Paired per-task deltas with bootstrap CIs (evals.compare), as metrics plus Markdown/plots."""
-    from evals import compare as cmp
+def load_evals(eval_dir: Path) -> EvalResult:
+    """One model's results over all suites (each suite ran into its own directory)."""
+    from evals.results import EvalResult
 
+    suites = sorted(p for p in Path(eval_dir).iterdir() if p.is_dir())
+    if not suites:
+        raise ValueError(f"{eval_dir} holds no eval results")
+    results = [EvalResult.load(p) for p in suites]
+    merged = results[0]
+    for r in results[1:]:
+        merged.tasks.update(r.tasks)
+        merged.suites = sorted(set(merged.suites) | set(r.suites))
+    return merged
+
+
+def compare(baseline_eval: Path, variant_eval: Path, name: str, out: Path) -> tuple[dict[str, float], list[Path]]:
+    """Paired per-task deltas with bootstrap CIs (evals.compare) as metrics, plus its report files."""
+    from evals.compare import compare as paired
+    from evals.compare import write_report
+
+    base, var = load_evals(baseline_eval), load_evals(variant_eval)
+    comparison = paired(base, {name: var})
+    paths = write_report(comparison, base, {name: var}, out)
     metrics: dict[str, float] = {}
-    artifacts: list[Path] = []
-    for suite_dir in sorted(Path(variant_eval).iterdir()):
-        base_suite = Path(baseline_eval) / suite_dir.name
-        report = cmp.compare_dirs(base_suite, suite_dir, out_dir=out / suite_dir.name)
-        metrics.update(cmp.to_metrics(report) if hasattr(cmp, "to_metrics") else _report_metrics(report))
-        artifacts.append(out / suite_dir.name)
-    return metrics, artifacts
-
-
-def _report_metrics(report: Any) -> dict[str, float]:
-    metrics: dict[str, float] = {}
-    for row in report.tasks:
+    for row in comparison.rows:
         metrics.update(M.task_metrics(row.task, row.variant_score, delta=row.delta, ci_low=row.ci_low,
                                       ci_high=row.ci_high, n=row.n))
-    return metrics
+    return metrics, list(paths.values())

@@ -213,7 +213,8 @@ def record(release_run_id: str, measured: Measured, baseline: Measured | None) -
             from flows.runtime import work_dir
 
             cmp_dir = work_dir("compare", release_run_id, v.name)
-            cmp_metrics, cmp_artifacts = measuring.compare(Path(baseline.eval_dir), Path(measured.eval_dir), cmp_dir)
+            cmp_metrics, cmp_artifacts = measuring.compare(Path(baseline.eval_dir), Path(measured.eval_dir), v.name,
+                                                             cmp_dir)
             metrics.update(cmp_metrics)
             artifacts += cmp_artifacts
         params = {
