@@ -170,7 +170,7 @@ def _mlflow_ui(args: argparse.Namespace) -> int:
     import shlex
     import subprocess
 
-    from gates.tracking import is_local_store, tracking_uri, ui_command
+    from gates.tracking import is_local_store, tracking_uri, ui_command, ui_env
 
     uri = tracking_uri()
     if not is_local_store(uri):
@@ -181,7 +181,7 @@ def _mlflow_ui(args: argparse.Namespace) -> int:
     if args.print_only:
         return 0
     print(f"starting; open http://{args.host}:{args.port} (Ctrl-C stops it)", flush=True)
-    process = subprocess.Popen(command)
+    process = subprocess.Popen(command, env=ui_env())
     try:
         return process.wait()
     except KeyboardInterrupt:

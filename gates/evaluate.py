@@ -202,12 +202,13 @@ def _record(client: MlflowClient, run, evaluation: Evaluation, policy: Policy, b
                 if M.gate_key(name, f) in run.data.tags:
                     client.delete_tag(run_id, M.gate_key(name, f))
     metrics: dict[str, float] = {}
+    tags: dict[str, str] = {}
     for r in evaluation.results:
         metrics[M.gate_key(r.name, "pass")] = 1.0 if r.passed else 0.0
         metrics[M.gate_key(r.name, "threshold")] = r.threshold
         if r.observed is not None:
             metrics[M.gate_key(r.name, "observed")] = r.observed
-        tags = {
+        fields = {
             "verdict": "pass" if r.passed else "fail",
             "reason": r.reason,
             "rule": r.rule,
@@ -215,19 +216,17 @@ def _record(client: MlflowClient, run, evaluation: Evaluation, policy: Policy, b
             "observed": NOT_MEASURED if r.observed is None else repr(r.observed),
             "stage": stage,
         }
-        for f, value in tags.items():
-            client.set_tag(run_id, M.gate_key(r.name, f), value)
+        tags.update({M.gate_key(r.name, f): value for f, value in fields.items()})
     metrics[M.stage_tag(stage, "pass")] = 1.0 if evaluation.passed else 0.0
-    _log_batch(client, run_id, metrics=metrics)
-    stage_tags = {
+    stage_fields = {
         "evaluated_at": evaluation.evaluated_at,
         "policy_sha256": evaluation.policy_sha256,
         "policy_source": evaluation.policy_source,
         "baseline_run_id": evaluation.baseline_run_id,
         "failed": ", ".join(r.name for r in evaluation.failed)[:7000],
     }
-    for f, value in stage_tags.items():
-        client.set_tag(run_id, M.stage_tag(stage, f), value)
+    tags.update({M.stage_tag(stage, f): value for f, value in stage_fields.items()})
+    _log_batch(client, run_id, metrics=metrics, tags=tags)
     folder = f"gates/{stage}"
     client.log_text(run_id, render_markdown(evaluation, run.info.run_name or run_id), f"{folder}/gates.md")
     client.log_dict(run_id, _as_json(evaluation), f"{folder}/gates.json")

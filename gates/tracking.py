@@ -127,15 +127,23 @@ def flatten_params(params: Mapping[str, Any], prefix: str = "") -> dict[str, str
 
 
 def _log_batch(
-    client: MlflowClient, run_id: str, params: Mapping[str, str] = {}, metrics: Mapping[str, float] = {}
+    client: MlflowClient,
+    run_id: str,
+    params: Mapping[str, str] = {},
+    metrics: Mapping[str, float] = {},
+    tags: Mapping[str, str] = {},
 ) -> None:
-    from mlflow.entities import Metric, Param
+    """Few round trips (each call is one store transaction); MLflow's per-batch limits respected."""
+    from mlflow.entities import Metric, Param, RunTag
 
     now = int(time.time() * 1000)
     param_list = [Param(k, v) for k, v in params.items()]
     metric_list = [Metric(k, v, now, 0) for k, v in metrics.items()]
+    tag_list = [RunTag(k, v) for k, v in tags.items()]
     for i in range(0, len(param_list), 100):
         client.log_batch(run_id, params=param_list[i : i + 100])
+    for i in range(0, len(tag_list), 100):
+        client.log_batch(run_id, tags=tag_list[i : i + 100])
     for i in range(0, len(metric_list), 1000):
         client.log_batch(run_id, metrics=metric_list[i : i + 1000])
 
@@ -336,3 +344,9 @@ def ui_command(host: str = "127.0.0.1", port: int = 5000, workers: int = 1, verb
         artifact_root().mkdir(parents=True, exist_ok=True)
         command += ["--default-artifact-root", artifact_root().resolve().as_uri()]
     return command + ["--host", host, "--port", str(port), "--workers", str(workers)]
+
+
+def ui_env() -> dict[str, str]:
+    """Environment for that command: quiet, offline, and without MLflow's GenAI job runner processes."""
+    apply_defaults()
+    return {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": os.environ.get("MLFLOW_SERVER_ENABLE_JOB_EXECUTION", "false")}

@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-from pathlib import Path
-
-import pytest
 
 from gates import metrics as M
 
@@ -53,26 +50,6 @@ GOOD = {
 BAD_ARC = {**GOOD, **M.task_metrics("arc", 0.57, delta=-0.03, ci_low=-0.09, ci_high=0.03, n=60)}
 
 NO_TPOT = {k: v for k, v in GOOD.items() if k != M.SERVE_TPOT_P99_S}
-
-
-@pytest.fixture(scope="module")
-def store(tmp_path_factory) -> str:
-    """A fresh sqlite tracking store (and QUANTGATE_HOME for artifacts) for one test module."""
-    root = tmp_path_factory.mktemp("gates-store")
-    uri = f"sqlite:///{root / 'mlflow.db'}"
-    patch = pytest.MonkeyPatch()
-    patch.setenv("MLFLOW_TRACKING_URI", uri)
-    patch.setenv("QUANTGATE_HOME", str(root / "home"))
-    patch.setenv("QUANTGATE_USER", "tester")
-    yield uri
-    patch.undo()
-
-
-@pytest.fixture(scope="module")
-def policy_file(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("gates-policy") / "policy.yaml"
-    path.write_text(POLICY_YAML)
-    return path
 
 
 def make_release(model: str, variants: dict[str, dict[str, float]], baseline: dict | None = BASELINE,

@@ -6,11 +6,31 @@ import json
 from pathlib import Path
 
 import pytest
-from gates_fixtures import BAD_ARC, GOOD, NO_TPOT, fluent_tracking, make_release, policy_file, store  # noqa: F401
+from gates_fixtures import BAD_ARC, GOOD, NO_TPOT, POLICY_YAML, fluent_tracking, make_release
 
 from gates import metrics as M
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory) -> str:
+    """A fresh sqlite tracking store (and QUANTGATE_HOME for artifacts) for one test module."""
+    root = tmp_path_factory.mktemp("gates-store")
+    uri = f"sqlite:///{root / 'mlflow.db'}"
+    patch = pytest.MonkeyPatch()
+    patch.setenv("MLFLOW_TRACKING_URI", uri)
+    patch.setenv("QUANTGATE_HOME", str(root / "home"))
+    patch.setenv("QUANTGATE_USER", "tester")
+    yield uri
+    patch.undo()
+
+
+@pytest.fixture(scope="module")
+def policy_file(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("gates-policy") / "policy.yaml"
+    path.write_text(POLICY_YAML)
+    return path
 
 
 def _client():
@@ -258,3 +278,89 @@ def test_recording_rejects_bad_input(store):
         log_variant("0" * 32, "int8", {}, {})
     with pytest.raises(ValueError, match="variant name"):
         log_variant(release, "int8 fast!", {}, {})
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _group_alive(pgid: int) -> bool:
+    import os
+
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+@pytest.mark.slow
+def test_mlflow_server_serves_runs_over_rest(store, policy_file, tmp_path, monkeypatch):
+    """`mlflow server` on loopback over our store: read a run through REST, then record through it."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    import httpx
+
+    from gates.evaluate import evaluate_run
+    from gates.tracking import ui_command, ui_env
+
+    run_id, version = make_release("m-rest", {"int8": GOOD})["int8"]
+    evaluate_run(run_id, str(policy_file))
+    port = _free_port()
+    base = f"http://127.0.0.1:{port}"
+    log = (tmp_path / "server.log").open("wb")
+    process = subprocess.Popen(ui_command(port=port, verb="server"), env=ui_env(), cwd=tmp_path, stdout=log,
+                               stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert process.poll() is None, (tmp_path / "server.log").read_text()[-3000:]
+            try:
+                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "mlflow server not healthy after 120 s"
+            time.sleep(0.5)
+
+        reply = httpx.get(f"{base}/api/2.0/mlflow/runs/get", params={"run_id": run_id}, timeout=30)
+        assert reply.status_code == 200, reply.text
+        data = reply.json()["run"]["data"]
+        metrics = {m["key"]: m["value"] for m in data["metrics"]}
+        tags = {t["key"]: t["value"] for t in data["tags"]}
+        assert metrics["task/arc/delta_ci_low"] == pytest.approx(-0.03)
+        assert metrics["gate/task/arc/max_drop/pass"] == 1.0
+        assert tags["gates/release/verdict"] == "pass" and tags["quantgate.variant"] == "int8"
+        reply = httpx.get(f"{base}/api/2.0/mlflow/model-versions/get",
+                          params={"name": "m-rest-quantgate", "version": version}, timeout=30)
+        assert reply.json()["model_version"]["run_id"] == run_id
+
+        # The same recording API works unchanged against a tracking server (kept small: REST is slow here).
+        monkeypatch.setenv("MLFLOW_TRACKING_URI", base)
+        remote_run, remote_version = make_release("m-remote", {"int4": BAD_ARC}, baseline=None)["int4"]
+        monkeypatch.setenv("MLFLOW_TRACKING_URI", store)
+        mv = _client().get_model_version("m-remote-quantgate", remote_version)  # read from the sqlite file
+        assert mv.run_id == remote_run and mv.tags["verdict"] == "pending"
+        assert _client().get_run(remote_run).data.metrics["task/arc/delta_ci_low"] == pytest.approx(-0.09)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGTERM)
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait(timeout=10)
+            pytest.fail("mlflow server ignored SIGTERM for 30 s")
+        finally:
+            log.close()
+    deadline = time.monotonic() + 15
+    while _group_alive(process.pid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not _group_alive(process.pid), "mlflow server left worker processes behind"
