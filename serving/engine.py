@@ -95,6 +95,8 @@ class LLMEngine:
         shape = KVCacheShape.from_config(model.config, kv_dtype)
         if num_kv_blocks is None:
             num_kv_blocks = self._blocks_for_budget(shape, kv_cache_memory_gb)
+            if kv_cache_memory_gb is None:  # never reserve more than every slot at full context could use
+                num_kv_blocks = min(num_kv_blocks, max_num_seqs * -(-self.max_model_len // block_size))
         self.block_manager = BlockManager(num_kv_blocks, block_size, enable_prefix_caching)
         self.scheduler = SCHEDULERS[scheduler](self.block_manager, max_num_seqs, max_num_batched_tokens)
         self.scheduler_name = scheduler
@@ -146,7 +148,7 @@ class LLMEngine:
         params = params or SamplingParams()
         params.validate()
         text, token_ids = self._tokenize(prompt)
-        self._check_fits(len(token_ids), params.max_tokens)
+        self._check_fits(len(token_ids), params.max_tokens, tenant)
         with self._lock:
             request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
             if request_id in self.sequences or any(s.request_id == request_id for s in self._inbox):
@@ -300,7 +302,7 @@ class LLMEngine:
                 raise ValueError(f"token id {t!r} is not in the vocabulary (0..{self.vocab_size - 1})")
         return None, list(prompt)
 
-    def _check_fits(self, prompt_len: int, max_tokens: int) -> None:
+    def _check_fits(self, prompt_len: int, max_tokens: int, tenant: str = "default") -> None:
         if prompt_len + max_tokens > self.max_model_len:
             raise ValueError(
                 f"this model's maximum context length is {self.max_model_len} tokens, but the request needs "
@@ -311,6 +313,12 @@ class LLMEngine:
             raise ValueError(
                 f"the request needs {need} KV blocks ({prompt_len} prompt + {max_tokens} max_tokens) but the "
                 f"KV cache holds only {self.block_manager.num_blocks} blocks of {self.block_size} tokens"
+            )
+        quota = self.scheduler.tenant_max_kv_blocks.get(tenant)
+        if quota is not None and need > quota:  # it could never be admitted: refuse it now, not hang
+            raise ValueError(
+                f"the request needs {need} KV blocks ({prompt_len} prompt + {max_tokens} max_tokens) but "
+                f"tenant {tenant!r} may hold at most {quota} blocks of {self.block_size} tokens"
             )
 
     def _check_finished(self, seq: Sequence, token: int) -> None:

@@ -130,7 +130,7 @@ class ModelRunner:
                 input_ids=torch.tensor([input_ids], device=self.device),
                 position_ids=torch.tensor([positions], device=self.device),
                 use_cache=False,
-                logits_to_keep=torch.tensor(keep_rows, device=self.device),
+                logits_to_keep=torch.tensor(keep_rows, dtype=torch.long, device=self.device),
             ).logits[0].float()
         finally:
             attention.set_context(None)
