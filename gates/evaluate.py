@@ -273,6 +273,8 @@ def read_evaluation(run_id: str, stage: str = "release", client: MlflowClient | 
                 reason=tags.get(M.gate_key(name, "reason"), ""),
             )
         )
+    families = ("tasks", "task", "safety", "weights", "serve", "canary")
+    results.sort(key=lambda r: (families.index(r.name.split("/")[0]) if r.name.split("/")[0] in families else 99, r.name))
     return Evaluation(
         run_id=run_id,
         stage=stage,

@@ -180,7 +180,10 @@ def get_run(run_id: str, client: MlflowClient | None = None) -> Run:
 
 
 def release_children(release_run_id: str, client: MlflowClient | None = None) -> list[Run]:
-    """The variant runs (baseline included) nested under a release run, oldest first."""
+    """The variant runs (baseline included) nested under a release run, oldest first.
+
+    Runs that failed while being recorded are left out, so a retried flow task can record them again.
+    """
     client = client or get_client()
     release = get_run(release_run_id, client)
     runs = client.search_runs(
@@ -189,7 +192,7 @@ def release_children(release_run_id: str, client: MlflowClient | None = None) ->
         order_by=["attributes.start_time ASC"],
         max_results=1000,
     )
-    return list(runs)
+    return [run for run in runs if run.info.status not in ("FAILED", "KILLED")]
 
 
 def find_variant_run(release_run_id: str, variant_name: str, client: MlflowClient | None = None) -> Run | None:
