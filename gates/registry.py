@@ -49,7 +49,7 @@ class AliasMove:
     alias: str
     version: str | None  # None: the alias was removed
     previous: str | None
-    kind: str  # "promote" | "rollback" | "challenger" | "clear"
+    kind: str  # "initial" | "promote" | "rollback" | "challenger" | "clear"
     at: str
     by: str
     reason: str
@@ -201,6 +201,39 @@ def promote(model: str, version: str | int, reason: str = "", by: str | None = N
     return move
 
 
+def set_initial_champion(model: str, version: str | int, reason: str = "", by: str | None = None) -> AliasMove:
+    """The first champion of a model: a registered baseline (the reference, which has no gates of its own).
+
+    Refused once any champion exists; from then on only `promote` (gates + approval) and `rollback` move it.
+    """
+    client = get_client()
+    name = resolve_registered_model(model, client)
+    mv = _version(client, name, version)
+    current = _aliases(client, name).get(CHAMPION)
+    if current is not None:
+        raise ValueError(f"{name} already has a champion (v{current}); use promote")
+    if mv.tags.get("role") != "baseline":
+        raise ValueError(f"{name} v{mv.version} is not a baseline version; a variant becomes champion via promote")
+    return _move(client, name, CHAMPION, str(mv.version), "initial", reason or "initial champion: the baseline", by)
+
+
+def clear_challenger(
+    model: str, reason: str = "", version: str | int | None = None, by: str | None = None
+) -> AliasMove | None:
+    """Remove the `challenger` alias (only if it points at `version`, when given); None when nothing moved.
+
+    The version that was challenger gets the tag `challenger_cleared` with the reason (e.g. a failed canary).
+    """
+    client = get_client()
+    name = resolve_registered_model(model, client)
+    current = _aliases(client, name).get(CHALLENGER)
+    if current is None or (version is not None and str(version) != current):
+        return None
+    move = _move(client, name, CHALLENGER, None, "clear", reason or "challenger withdrawn", by)
+    client.set_model_version_tag(name, current, "challenger_cleared", f"{move.at}: {move.reason}"[:5000])
+    return move
+
+
 def champion_lineage(history: list[AliasMove]) -> list[str]:
     """The stack of champions: promotions push, rollbacks pop."""
     stack: list[str] = []
@@ -251,10 +284,12 @@ __all__ = [
     "aliases",
     "check_promotable",
     "champion_lineage",
+    "clear_challenger",
     "promote",
     "read_approval",
     "record_approval",
     "resolve_registered_model",
     "rollback",
     "set_challenger",
+    "set_initial_champion",
 ]

@@ -173,7 +173,17 @@ def test_verdicts_come_from_the_store_and_approval_must_follow_them(store, polic
 
 def test_rollback_restores_the_previous_champion(store, policy_file):
     from gates.evaluate import evaluate_run
-    from gates.registry import alias_history, aliases, promote, record_approval, rollback, set_challenger
+    from gates.registry import (
+        alias_history,
+        aliases,
+        clear_challenger,
+        promote,
+        record_approval,
+        rollback,
+        set_challenger,
+        set_initial_champion,
+    )
+    from gates.tracking import register_variant
 
     runs = make_release("m-roll", {"int8": GOOD, "nf4": GOOD})
     for name in ("int8", "nf4"):
@@ -182,6 +192,12 @@ def test_rollback_restores_the_previous_champion(store, policy_file):
     v1, v2 = runs["int8"][1], runs["nf4"][1]
     with pytest.raises(ValueError, match="no champion"):
         rollback("m-roll")
+    with pytest.raises(ValueError, match="not a baseline version"):
+        set_initial_champion("m-roll", v1)
+    v0 = register_variant(runs["baseline"][0])
+    set_initial_champion("m-roll", v0, reason="first release: the fp32 baseline")
+    with pytest.raises(ValueError, match="already has a champion"):
+        set_initial_champion("m-roll", v0)
     promote("m-roll", v1)
     set_challenger("m-roll", v2, reason="smaller weights")
     assert aliases("m-roll") == {"champion": v1, "challenger": v2}
@@ -192,16 +208,24 @@ def test_rollback_restores_the_previous_champion(store, policy_file):
     assert aliases("m-roll") == {"champion": v1}
     assert str(_client().get_model_version_by_alias("m-roll-quantgate", "champion").version) == v1
     assert _client().get_model_version("m-roll-quantgate", v2).tags["rolled_back_reason"].startswith("p99 TPOT")
+    set_challenger("m-roll", v2, reason="retry after the fix")
+    assert clear_challenger("m-roll", reason="canary failed", version=v1) is None  # points at v2, not v1
+    assert clear_challenger("m-roll", reason="canary failed", version=v2).previous == v2
+    assert "canary failed" in _client().get_model_version("m-roll-quantgate", v2).tags["challenger_cleared"]
     history = alias_history("m-roll")
     assert [(m.alias, m.kind, m.version) for m in history] == [
+        ("champion", "initial", v0),
         ("champion", "promote", v1),
         ("challenger", "challenger", v2),
         ("champion", "promote", v2),
         ("challenger", "clear", None),
         ("champion", "rollback", v1),
+        ("challenger", "challenger", v2),
+        ("challenger", "clear", None),
     ]
     assert [m.at for m in history] == sorted(m.at for m in history)
     assert all(m.reason and m.by == "tester" for m in history)
+    assert rollback("m-roll").version == v0
     with pytest.raises(ValueError, match="no previous champion"):
         rollback("m-roll")
 
