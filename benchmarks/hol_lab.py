@@ -1,0 +1,427 @@
+"""The head-of-line blocking lab: one mixed workload through static and continuous batching, side by side.
+
+80 % short requests (8–32 new tokens) and 20 % long ones (256–512), all at once or at a fixed rate,
+with a fixed seed, run through the real engine twice: once with the static scheduler (a new batch only
+when the whole batch has finished) and once with the continuous one, same model, same batch size.
+Output lengths are forced with `ignore_eos`. Reports completion-time percentiles of short requests and
+of all requests, TTFT/TPOT, throughput, and how many times better continuous batching makes the short
+requests' p99; plots their latency CDFs and a Gantt timeline of which request held which batch slot.
+
+    quantgate bench hol --num-requests 48 --max-num-seqs 16
+"""
+
+from __future__ import annotations
+
+import gc
+import heapq
+import random
+import time
+from collections import deque
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from benchmarks.common import (
+    ProgressBar,
+    fmt,
+    load_prompts,
+    machine,
+    output_dir,
+    pyplot,
+    ratio,
+    save_figure,
+    summarize,
+    write_json,
+)
+
+SCHEDULERS = ("static", "continuous")
+COLORS = {"short": "#1f77b4", "long": "#ff7f0e", "static": "#d62728", "continuous": "#2ca02c"}
+
+
+@dataclass
+class LabRequest:
+    index: int
+    kind: str  # "short" | "long"
+    prompt: str
+    max_tokens: int
+    arrival: float  # seconds after the start of the run
+
+    @property
+    def request_id(self) -> str:
+        return f"r{self.index}"
+
+
+@dataclass
+class SlotInterval:
+    request_id: str
+    slot: int
+    start: float  # seconds after the start of the run
+    end: float
+
+
+@dataclass
+class RunResult:
+    """What one workload did in one engine: per-request timings (seconds after the start) and slots."""
+
+    scheduler: str
+    requests: list[dict[str, Any]]
+    intervals: list[SlotInterval]
+    makespan: float
+    num_steps: int
+    num_preemptions: int
+    step_batch_sizes: list[int] = field(default_factory=list)
+
+
+def make_workload(
+    num_requests: int = 48,
+    *,
+    short_fraction: float = 0.8,
+    short_tokens: tuple[int, int] = (8, 32),
+    long_tokens: tuple[int, int] = (256, 512),
+    rate: float | None = None,
+    seed: int = 0,
+    prompts: list[str] | None = None,
+) -> list[LabRequest]:
+    """A reproducible mixed workload. `rate` (requests/s) spaces arrivals evenly; None sends all at once."""
+    if num_requests < 1:
+        raise ValueError(f"num_requests must be at least 1, got {num_requests}")
+    if not 0 <= short_fraction <= 1:
+        raise ValueError(f"short_fraction must be in [0, 1], got {short_fraction}")
+    for name, (lo, hi) in (("short_tokens", short_tokens), ("long_tokens", long_tokens)):
+        if not 1 <= lo <= hi:
+            raise ValueError(f"{name} must be a range 1 <= lo <= hi, got {lo}..{hi}")
+    if rate is not None and rate <= 0:
+        raise ValueError(f"rate must be positive (requests/s), got {rate}")
+    rng = random.Random(seed)
+    prompts = prompts or load_prompts()
+    num_short = round(num_requests * short_fraction)
+    kinds = ["short"] * num_short + ["long"] * (num_requests - num_short)
+    rng.shuffle(kinds)
+    workload = []
+    for i, kind in enumerate(kinds):
+        lo, hi = short_tokens if kind == "short" else long_tokens
+        workload.append(
+            LabRequest(
+                index=i,
+                kind=kind,
+                prompt=rng.choice(prompts),
+                max_tokens=rng.randint(lo, hi),
+                arrival=0.0 if rate is None else i / rate,
+            )
+        )
+    return workload
+
+
+def kv_blocks_for(engine, workload: list[LabRequest], max_num_seqs: int) -> int:
+    """Enough KV blocks that `max_num_seqs` of the longest requests fit: the lab measures scheduling,
+    not preemption."""
+    longest = max(len(engine.tokenizer.encode(r.prompt)) + r.max_tokens for r in workload)
+    return max_num_seqs * engine.block_manager.blocks_needed(longest) + 1
+
+
+def run_workload(engine, workload: list[LabRequest], *, label: str = "", progress: bool = True) -> RunResult:
+    """Feed requests at their arrival times, step the engine until all finish, record slot occupancy."""
+    from serving import SamplingParams
+
+    pending = deque(sorted(workload, key=lambda r: r.arrival))
+    by_id = {r.request_id: r for r in workload}
+    finals: dict[str, Any] = {}
+    slot_of: dict[str, tuple[int, float]] = {}  # request id -> (slot, start)
+    free_slots: list[int] = []
+    next_slot = 0
+    last_end = 0.0
+    intervals: list[SlotInterval] = []
+    batch_sizes: list[int] = []
+    preempt_before = engine.scheduler.num_preemptions
+    bar = ProgressBar(len(workload), label) if progress else None
+    t0 = time.perf_counter()
+    while pending or engine.has_unfinished():
+        now = time.perf_counter() - t0
+        while pending and pending[0].arrival <= now:
+            r = pending.popleft()
+            params = SamplingParams(max_tokens=r.max_tokens, temperature=0.0, ignore_eos=True)
+            engine.add_request(r.prompt, params, request_id=r.request_id, arrival_time=t0 + r.arrival)
+        if not engine.has_unfinished():
+            time.sleep(max(0.0, pending[0].arrival - now))
+            continue
+        start = time.perf_counter() - t0
+        outputs = engine.step()
+        end = time.perf_counter() - t0
+        occupying = [s.request_id for s in engine.scheduler.running]
+        for out in outputs:
+            if out.finished:
+                occupying.append(out.request_id)
+                finals[out.request_id] = out
+                if bar:
+                    bar.advance(1)
+        batch_sizes.append(len(occupying))
+        current = set(occupying)
+        for rid in [rid for rid in slot_of if rid not in current]:  # left the batch after the last step
+            slot, began = slot_of.pop(rid)
+            intervals.append(SlotInterval(rid, slot, began, last_end))
+            heapq.heappush(free_slots, slot)
+        for rid in occupying:
+            if rid not in slot_of:
+                if free_slots:
+                    slot = heapq.heappop(free_slots)
+                else:
+                    slot, next_slot = next_slot, next_slot + 1
+                slot_of[rid] = (slot, start)
+        last_end = end
+    for rid, (slot, began) in slot_of.items():
+        intervals.append(SlotInterval(rid, slot, began, last_end))
+    if bar:
+        bar.stop()
+    requests = []
+    for rid, out in finals.items():
+        r, m = by_id[rid], out.metrics
+        requests.append(
+            {
+                "request_id": rid,
+                "kind": r.kind,
+                "prompt_tokens": len(out.prompt_token_ids),
+                "output_tokens": len(out.token_ids),
+                "arrival": m.arrival_time - t0,
+                "first_token": m.first_token_time - t0,
+                "finished": m.finished_time - t0,
+                "completion": m.e2e,
+                "queue_time": m.queue_time,
+                "ttft": m.ttft,
+                "tpot": m.tpot,
+            }
+        )
+    requests.sort(key=lambda d: by_id[d["request_id"]].index)
+    return RunResult(
+        scheduler=engine.scheduler_name,
+        requests=requests,
+        intervals=sorted(intervals, key=lambda iv: (iv.start, iv.slot)),
+        makespan=max((d["finished"] for d in requests), default=0.0),
+        num_steps=len(batch_sizes),
+        num_preemptions=engine.scheduler.num_preemptions - preempt_before,
+        step_batch_sizes=batch_sizes,
+    )
+
+
+def summarize_run(run: RunResult) -> dict[str, Any]:
+    short = [d for d in run.requests if d["kind"] == "short"]
+    tokens = sum(d["output_tokens"] for d in run.requests)
+    return {
+        "completion_short_s": summarize(d["completion"] for d in short),
+        "completion_all_s": summarize(d["completion"] for d in run.requests),
+        "ttft_short_s": summarize(d["ttft"] for d in short),
+        "ttft_s": summarize(d["ttft"] for d in run.requests),
+        "tpot_s": summarize(d["tpot"] for d in run.requests),
+        "queue_time_s": summarize(d["queue_time"] for d in run.requests),
+        "makespan_s": run.makespan,
+        "output_tokens": tokens,
+        "throughput_tokens_per_s": ratio(tokens, run.makespan),
+        "throughput_requests_per_s": ratio(len(run.requests), run.makespan),
+        "num_requests": len(run.requests),
+        "num_short": len(short),
+        "num_steps": run.num_steps,
+        "mean_batch_size": ratio(sum(run.step_batch_sizes), len(run.step_batch_sizes)),
+        "num_preemptions": run.num_preemptions,
+    }
+
+
+def full_batch_step_time(engine, batch: int, steps: int = 6) -> float:
+    """Warm the engine up and return the median time of a decode step with `batch` sequences."""
+    from serving import SamplingParams
+
+    params = SamplingParams(max_tokens=steps + 1, temperature=0.0, ignore_eos=True)
+    for i in range(batch):
+        engine.add_request(f"warm-up request {i}", params)
+    times = []
+    while engine.has_unfinished():
+        start = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - start)
+    decode = sorted(times[1:-1] or times)
+    return decode[len(decode) // 2]
+
+
+def run_hol_lab(
+    model: str = "smollm2-135m",
+    *,
+    num_requests: int = 48,
+    max_num_seqs: int = 16,
+    rate: float | str | None = "auto",
+    steps_per_arrival: float = 8.0,
+    seed: int = 0,
+    device: str | None = None,
+    dtype: str | None = None,
+    num_kv_blocks: int | None = None,
+    max_num_batched_tokens: int = 512,
+    short_tokens: tuple[int, int] = (8, 32),
+    long_tokens: tuple[int, int] = (256, 512),
+    short_fraction: float = 0.8,
+    out_dir: str | Path | None = None,
+    plots: bool = True,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Run the lab and write `hol_lab.json` (+ PNGs) into `out_dir`; returns the report.
+
+    `rate`: requests/s at a fixed rate; None sends all at once; "auto" sends one request every
+    `steps_per_arrival` full-batch decode steps, timed on this machine during warm-up, so the load
+    relative to the engine's capacity is the same on any machine.
+    """
+    from serving import LLMEngine
+
+    if isinstance(rate, str) and rate != "auto":
+        raise ValueError(f"rate must be a number of requests/s, None (all at once) or 'auto', got {rate!r}")
+    if steps_per_arrival <= 0:
+        raise ValueError(f"steps_per_arrival must be positive, got {steps_per_arrival}")
+    shape = dict(short_fraction=short_fraction, short_tokens=short_tokens, long_tokens=long_tokens, seed=seed)
+    workload = make_workload(num_requests, **shape)  # validates before the model loads
+    out = output_dir(out_dir, "hol")
+    base = LLMEngine.from_pretrained(model, device=device, dtype=dtype, num_kv_blocks=1, max_num_seqs=1)
+    blocks = num_kv_blocks or kv_blocks_for(base, workload, max_num_seqs)
+    runs: dict[str, RunResult] = {}
+    step_time = None
+    for name in SCHEDULERS:
+        engine = LLMEngine(
+            base.model, base.tokenizer, device=base.device, scheduler=name, max_num_seqs=max_num_seqs,
+            num_kv_blocks=blocks, max_num_batched_tokens=max_num_batched_tokens, model_name=str(model),
+        )
+        measured = full_batch_step_time(engine, max_num_seqs)
+        if step_time is None:  # the first engine fixes the workload; both run exactly the same one
+            step_time = measured
+            if rate == "auto":
+                rate = 1.0 / (steps_per_arrival * step_time)
+            workload = make_workload(num_requests, rate=rate, **shape)
+        runs[name] = run_workload(engine, workload, label=f"{name:>10}", progress=progress)
+        del engine
+        gc.collect()
+    summaries = {name: summarize_run(run) for name, run in runs.items()}
+    static_p99 = summaries["static"]["completion_short_s"]["p99"]
+    cont_p99 = summaries["continuous"]["completion_short_s"]["p99"]
+    report: dict[str, Any] = {
+        "benchmark": "hol_lab",
+        "config": {
+            "model": str(model),
+            "device": str(base.device),
+            "dtype": str(base.model.dtype).removeprefix("torch."),
+            "num_requests": num_requests,
+            "short_fraction": short_fraction,
+            "short_tokens": list(short_tokens),
+            "long_tokens": list(long_tokens),
+            "arrivals": "all at once" if rate is None else f"fixed rate {rate:.3g} req/s",
+            "rate_requests_per_s": rate,
+            "full_batch_step_s": step_time,
+            "seed": seed,
+            "max_num_seqs": max_num_seqs,
+            "max_num_batched_tokens": max_num_batched_tokens,
+            "num_kv_blocks": blocks,
+            "block_size": base.block_size,
+        },
+        "machine": machine(),
+        "schedulers": summaries,
+        # continuous / static, as the issue asks; below 1 means continuous is faster
+        "short_p99_continuous_over_static": ratio(cont_p99, static_p99),
+        "short_p99_speedup": ratio(static_p99, cont_p99),  # how many times better continuous is
+        "all_p99_speedup": ratio(
+            summaries["static"]["completion_all_s"]["p99"], summaries["continuous"]["completion_all_s"]["p99"]
+        ),
+        "throughput_continuous_over_static": ratio(
+            summaries["continuous"]["throughput_tokens_per_s"], summaries["static"]["throughput_tokens_per_s"]
+        ),
+        "runs": {
+            name: {"requests": run.requests, "intervals": [asdict(iv) for iv in run.intervals]}
+            for name, run in runs.items()
+        },
+        "plots": {},
+    }
+    if plots:
+        report["plots"] = {
+            "cdf": str(plot_short_cdf(runs, out / "hol_short_cdf.png")),
+            "gantt": str(plot_gantt(runs, out / "hol_gantt.png")),
+        }
+    report["json"] = str(write_json(out / "hol_lab.json", report))
+    return report
+
+
+def plot_short_cdf(runs: dict[str, RunResult], path: Path) -> Path:
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name, run in runs.items():
+        times = sorted(d["completion"] for d in run.requests if d["kind"] == "short")
+        if not times:
+            continue
+        ys = [(i + 1) / len(times) for i in range(len(times))]
+        p99 = summarize(times)["p99"]
+        ax.step([times[0]] + times, [0.0] + ys, where="post", color=COLORS[name],
+                label=f"{name} batching (p99 {p99:.2f} s)")
+        ax.axvline(p99, color=COLORS[name], linestyle="--", linewidth=1)
+    ax.set_xscale("log")
+    ax.set_xlabel("completion time of short requests (s, arrival → last token)")
+    ax.set_ylabel("fraction of short requests")
+    ax.set_ylim(0, 1.02)
+    ax.grid(alpha=0.3)
+    ax.legend(loc="lower right")
+    ax.set_title("Head-of-line blocking: short-request latency CDF")
+    return save_figure(fig, path)
+
+
+def plot_gantt(runs: dict[str, RunResult], path: Path) -> Path:
+    plt = pyplot()
+    from matplotlib.patches import Patch
+
+    fig, axes = plt.subplots(len(runs), 1, figsize=(10, 2.2 + 2.2 * len(runs)), sharex=True, squeeze=False)
+    for ax, (name, run) in zip(axes[:, 0], runs.items(), strict=True):
+        kinds = {d["request_id"]: d["kind"] for d in run.requests}
+        for iv in run.intervals:
+            ax.barh(iv.slot, iv.end - iv.start, left=iv.start, height=0.8,
+                    color=COLORS[kinds.get(iv.request_id, "short")], edgecolor="white", linewidth=0.5)
+        ax.set_ylabel("batch slot")
+        ax.yaxis.get_major_locator().set_params(integer=True)
+        ax.set_title(f"{name} batching: {len(run.requests)} requests, done at {run.makespan:.1f} s", fontsize=10)
+        ax.invert_yaxis()
+        ax.grid(axis="x", alpha=0.3)
+    axes[-1, 0].set_xlabel("time since the start (s)")
+    axes[0, 0].legend(handles=[Patch(color=COLORS["short"], label="short request"),
+                               Patch(color=COLORS["long"], label="long request")],
+                      loc="upper right", fontsize=8)
+    return save_figure(fig, path)
+
+
+def print_report(report: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    cfg = report["config"]
+    s, c = report["schedulers"]["static"], report["schedulers"]["continuous"]
+    table = Table(title=f"HOL lab: {cfg['num_requests']} requests ({cfg['arrivals']}), "
+                        f"batch {cfg['max_num_seqs']}, {cfg['model']} on {cfg['device']}")
+    table.add_column("metric")
+    table.add_column("static", justify="right")
+    table.add_column("continuous", justify="right")
+    table.add_column("static / continuous", justify="right")
+    rows = [
+        ("short completion p50 (s)", "completion_short_s", "p50"),
+        ("short completion p95 (s)", "completion_short_s", "p95"),
+        ("short completion p99 (s)", "completion_short_s", "p99"),
+        ("all completion p50 (s)", "completion_all_s", "p50"),
+        ("all completion p99 (s)", "completion_all_s", "p99"),
+        ("TTFT p50 (s)", "ttft_s", "p50"),
+        ("TTFT p99 (s)", "ttft_s", "p99"),
+        ("TPOT p50 (ms)", "tpot_s", "p50"),
+        ("TPOT p99 (ms)", "tpot_s", "p99"),
+    ]
+    for label, key, stat in rows:
+        scale = 1000 if "ms" in label else 1
+        sv, cv = s[key][stat], c[key][stat]
+        table.add_row(label, fmt(sv and sv * scale, 2), fmt(cv and cv * scale, 2), fmt(ratio(sv, cv), 2) + "×")
+    table.add_row("throughput (tok/s)", fmt(s["throughput_tokens_per_s"], 1), fmt(c["throughput_tokens_per_s"], 1),
+                  fmt(ratio(s["throughput_tokens_per_s"], c["throughput_tokens_per_s"]), 2) + "×")
+    table.add_row("makespan (s)", fmt(s["makespan_s"], 1), fmt(c["makespan_s"], 1), "")
+    table.add_row("mean batch size", fmt(s["mean_batch_size"], 1), fmt(c["mean_batch_size"], 1), "")
+    console.print(table)
+    console.print(
+        f"short-request p99: continuous/static = {fmt(report['short_p99_continuous_over_static'], 3)} → "
+        f"[bold]{fmt(report['short_p99_speedup'], 1)}× better[/bold] with continuous batching"
+    )
+    console.print(f"report: {report['json']}")
+    for name, p in report["plots"].items():
+        console.print(f"{name}: {p}")
+
