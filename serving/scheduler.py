@@ -11,12 +11,21 @@ Every step the continuous scheduler:
 Finished sequences are evicted by the engine right after the step, so the next step's admission
 already sees their blocks free.
 
+With several tenants (the server's API keys) two rules keep one tenant from starving another:
+admission takes the head of each tenant's FIFO in turn (round-robin), skipping a tenant whose
+KV-block quota (`tenant_max_kv_blocks`, reserved for prompt + max_tokens) is full; and while more
+than one tenant has work, each gets an equal share of the step's token budget for prefill chunks
+(decode tokens always run), so a burst of long prompts cannot hold back another tenant's decodes
+or admission. A share left unused tops up the prefills that were cut short. With one tenant the
+schedule is exactly the plain FIFO one.
+
 The static scheduler differs in one rule: it admits a new batch only when every sequence of the
 current batch has finished — the head-of-line blocking that continuous batching removes.
 """
 
 from __future__ import annotations
 
+import bisect
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -57,6 +66,8 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.tenant_max_kv_blocks: dict[str, int] = {}
+        self._last_tenant: str | None = None
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -68,35 +79,60 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         batch_open = self._batch_open()
+        shares = self._tenant_shares()  # None unless several tenants have work
 
         # 1. Running sequences first, oldest first; preempt the newest when blocks run out.
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.num_uncomputed_tokens, budget)
+            if shares is not None and n > 1:  # a prefill chunk stays within its tenant's share
+                n = min(n, shares[seq.tenant])
+                if n == 0:
+                    i += 1
+                    continue
             if self._make_room(seq, n, out):
                 self.block_manager.append_slots(seq, n)
                 out.scheduled.append(ScheduledSeq(seq, n))
                 budget -= n
+                if shares is not None:
+                    shares[seq.tenant] = max(0, shares[seq.tenant] - n)
                 i += 1
 
-        # 2. Admission, FIFO. No admission in a step that had to preempt.
+        # 2. Admission, FIFO (per tenant, tenants in turn). No admission in a step that had to preempt.
         while (
             self.waiting
             and not out.preempted
             and batch_open
             and self._has_budget(budget)
             and len(self.running) < self.max_num_seqs
-            and self._fits(self.waiting[0])
         ):
-            seq = self.waiting.popleft()
+            seq = self._next_waiting(shares)
+            if seq is None or not self._fits(seq):
+                break
+            self.waiting.remove(seq)
             self.block_manager.allocate(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
+            self._last_tenant = seq.tenant
             n = min(seq.num_uncomputed_tokens, budget)
+            if shares is not None:
+                n = min(n, shares[seq.tenant])
+                shares[seq.tenant] -= max(n, 0)
             if n > 0:
                 out.scheduled.append(ScheduledSeq(seq, n))
                 budget -= n
+
+        # 3. Tenant shares left unused top up the prefill chunks that were cut short.
+        if shares is not None and not out.preempted:
+            for item in out.scheduled:
+                if budget <= 0:
+                    break
+                extra = min(item.seq.num_uncomputed_tokens - item.num_new_tokens, budget)
+                if extra > 0 and self.block_manager.can_append(item.seq, item.num_new_tokens + extra):
+                    item.num_new_tokens += extra
+                    self.block_manager.append_slots(item.seq, item.num_new_tokens)
+                    budget -= extra
         return out
 
     def finish(self, seq: Sequence) -> None:
@@ -115,7 +151,42 @@ class Scheduler:
                 return seq
         return None
 
+    def reserved_blocks(self, tenant: str) -> int:
+        """KV blocks a tenant's running sequences may grow to (what its quota is checked against)."""
+        return sum(self._reservation(s) for s in self.running if s.tenant == tenant)
+
     # ---- rules ---------------------------------------------------------------------------------
+    def _tenant_shares(self) -> dict[str, int] | None:
+        tenants = {s.tenant for s in self.running} | {s.tenant for s in self.waiting}
+        if len(tenants) < 2:
+            return None
+        return dict.fromkeys(tenants, max(1, self.max_num_batched_tokens // len(tenants)))
+
+    def _next_waiting(self, shares: dict[str, int] | None) -> Sequence | None:
+        """The head of the next tenant's FIFO, tenants taken in turn after the last one admitted;
+        tenants whose quota or token share is used up are skipped."""
+        heads: dict[str, Sequence] = {}
+        for seq in self.waiting:
+            heads.setdefault(seq.tenant, seq)
+        order = sorted(heads)
+        if self._last_tenant is not None:
+            k = bisect.bisect_right(order, self._last_tenant)
+            order = order[k:] + order[:k]
+        for tenant in order:
+            seq = heads[tenant]
+            if shares is not None and shares[tenant] <= 0:
+                continue
+            if self._within_quota(seq):
+                return seq
+        return None
+
+    def _within_quota(self, seq: Sequence) -> bool:
+        quota = self.tenant_max_kv_blocks.get(seq.tenant)
+        return quota is None or self.reserved_blocks(seq.tenant) + self._reservation(seq) <= quota
+
+    def _reservation(self, seq: Sequence) -> int:
+        return self.block_manager.blocks_needed(seq.num_prompt_tokens + seq.params.max_tokens)
+
     def _batch_open(self) -> bool:
         return True
 
