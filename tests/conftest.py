@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -10,6 +12,7 @@ import pytest
 
 # Isolate every piece of long-lived state before anything imports MLflow/Prefect/transformers.
 _SESSION_HOME = Path(tempfile.mkdtemp(prefix="quantgate-test-home-"))
+atexit.register(shutil.rmtree, _SESSION_HOME, ignore_errors=True)
 os.environ["QUANTGATE_HOME"] = str(_SESSION_HOME)
 os.environ["PREFECT_HOME"] = str(_SESSION_HOME / "prefect")
 os.environ["MLFLOW_TRACKING_URI"] = f"sqlite:///{_SESSION_HOME / 'mlflow.db'}"
