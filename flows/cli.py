@@ -51,6 +51,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def _release_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m", help="model reference (default: the embedded SmolLM2-135M)")
     _event_args(p)
+    p.add_argument("--suites", default="accuracy,safety", help="eval suites and/or task names (default accuracy,safety)")
     p.add_argument("--canary-requests", type=int, default=24, help="replayed requests in the canary stage")
     p.add_argument("--canary-share", type=float, default=0.5, help="share of canary traffic sent to the challenger")
     p.add_argument("--approval-timeout", type=int, default=24 * 3600, help="seconds to wait for a manual decision")
@@ -105,7 +106,8 @@ def run_release(args: argparse.Namespace, model: str, methods: list[str]) -> int
 
     policy = _policy(getattr(args, "policy", None))
     approve = getattr(args, "approve", "auto")
-    check_options(methods, approve, args.limit, policy)
+    suites = _methods(getattr(args, "suites", "accuracy,safety"))
+    check_options(methods, approve, args.limit, policy, suites)
     with terminal_progress():
         summary = release_flow(
             model=model,
@@ -113,6 +115,7 @@ def run_release(args: argparse.Namespace, model: str, methods: list[str]) -> int
             policy=policy,
             approve=approve,
             limit=args.limit,
+            suites=suites,
             approval_timeout_s=getattr(args, "approval_timeout", 24 * 3600),
             canary_requests=getattr(args, "canary_requests", 24),
             canary_share=getattr(args, "canary_share", 0.5),

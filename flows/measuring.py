@@ -6,6 +6,7 @@ Metric keys are `gates.metrics`' (the gate evaluator reads them back from MLflow
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 from collections.abc import Callable
@@ -19,7 +20,6 @@ if TYPE_CHECKING:
     from flows.release import MeasureConfig, Measured, Variant
 
 WEIGHTS_BYTES = M.WEIGHTS_BYTES
-MANIFEST = "quantgate.json"
 
 
 # ---- quantize ---------------------------------------------------------------------------------------
@@ -34,19 +34,35 @@ def check_methods(methods: list[str]) -> None:
 
 
 def quantize(source_dir: Path, method: str) -> Path:
-    from quantize import quantize as run
+    """The variant directory (quantize's content-addressed cache makes a repeat instant)."""
+    import quantize as q
 
+    run = getattr(q, "quantize", None)
+    if run is None:  # until quantize/__init__ re-exports it
+        from quantize.variant import quantize as run
     return Path(run(str(source_dir), method))
 
 
-def read_manifest(variant_dir: Path) -> dict | None:
-    path = Path(variant_dir) / MANIFEST
-    return json.loads(path.read_text()) if path.is_file() else None
+def read_manifest(variant_dir: Path) -> dict:
+    from quantize.integrity import read_manifest as read
+
+    return read(Path(variant_dir))
+
+
+def variant_hash(manifest: dict) -> str:
+    """A variant's identity from its manifest's per-file sha256s (no need to hash the weights again)."""
+    return hashlib.sha256(json.dumps(manifest["files"], sort_keys=True).encode()).hexdigest()
+
+
+def source_hash(model_dir: Path) -> str:
+    from quantize.variant import cached_content_hash
+
+    return cached_content_hash(Path(model_dir))
 
 
 def variant_intact(variant_dir: Path) -> bool:
     """A cached variant is reused only while its directory is complete (quantize's own check)."""
-    from quantize import verify_variant
+    from quantize.integrity import verify_variant
 
     try:
         verify_variant(Path(variant_dir))

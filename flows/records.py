@@ -78,7 +78,7 @@ def version_source(model: str, version: str) -> Path:
 
 def champion_or_baseline(summary: ReleaseSummary, source: Source) -> tuple[str, Path]:
     """The current champion; with none yet, register this release's baseline and make it champion."""
-    from gates.registry import CHAMPION, aliases
+    from gates.registry import CHAMPION, aliases, set_initial_champion
     from gates.tracking import register_variant
 
     current = aliases(source.name).get(CHAMPION)
@@ -88,7 +88,7 @@ def champion_or_baseline(summary: ReleaseSummary, source: Source) -> tuple[str, 
     weights = snapshot(Path(source.path), source.content_hash)
     version = register_variant(baseline_row.run_id, source=weights, tags={"initial_champion": "true"})
     baseline_row.version = version
-    set_initial_champion(source.name, version, INITIAL_CHAMPION_REASON)
+    set_initial_champion(source.name, version, reason=INITIAL_CHAMPION_REASON)
     return version, weights
 
 
@@ -110,35 +110,11 @@ def snapshot(model_dir: Path, digest: str) -> Path:
     return target
 
 
-def set_initial_champion(model: str, version: str, reason: str) -> None:
-    """Adapter: gates.registry has no public call for the first champion (promote() needs gates, which a
-    baseline has none of). Uses the registry's own alias move so the history stays complete."""
-    from gates import registry
-    from gates.tracking import get_client
-
-    if hasattr(registry, "set_initial_champion"):
-        registry.set_initial_champion(model, version, reason=reason)
-        return
-    client = get_client()
-    name = registry.resolve_registered_model(model, client)
-    if registry.aliases(name).get(registry.CHAMPION) is not None:
-        raise ValueError(f"{name} already has a champion")
-    registry._move(client, name, registry.CHAMPION, str(version), "promote", reason, None)
-
-
 def clear_challenger(model: str, version: str, reason: str) -> None:
-    """Adapter: remove `challenger` if it still points at `version` (gates.registry has no public call)."""
-    from gates import registry
-    from gates.tracking import get_client
+    """Withdraw `challenger` if it still points at `version` (a failed canary, or a failed flow)."""
+    from gates.registry import clear_challenger as clear
 
-    if hasattr(registry, "clear_challenger"):
-        registry.clear_challenger(model, reason=reason)
-        return
-    client = get_client()
-    name = registry.resolve_registered_model(model, client)
-    if registry.aliases(name).get(registry.CHALLENGER) == str(version):
-        registry._move(client, name, registry.CHALLENGER, None, "clear", reason, None)
-        client.set_model_version_tag(name, str(version), "canary_rolled_back", reason[:5000])
+    clear(model, reason=reason, version=version)
 
 
 def record_canary(release_run_id: str, challenger_run_id: str, result: dict[str, Any]) -> None:

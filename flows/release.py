@@ -29,6 +29,7 @@ from quantgate.models import DEFAULT_MODEL  # noqa: E402
 
 FLOW_NAME = "quantgate-release"
 DEFAULT_METHODS = ("int8", "nf4")
+DEFAULT_SUITES = ("accuracy", "safety")  # suites or single task names, as `quantgate eval --suite` takes
 BASELINE = "baseline"
 TASK_RETRIES = 2
 RETRY_DELAY_S = 3.0
@@ -60,7 +61,7 @@ class Variant:
 
 @dataclass(frozen=True)
 class MeasureConfig:
-    suites: tuple[str, ...] = ("accuracy", "safety")
+    suites: tuple[str, ...] = DEFAULT_SUITES
     limit: int | None = None
     bench_requests: int = 16
     bench_concurrency: int = 4
@@ -121,7 +122,8 @@ def model_name(ref: str, path: Path) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "-", stem).strip("-.") or "model"
 
 
-def check_options(methods: list[str], approve: str, limit: int | None, policy: str | None) -> None:
+def check_options(methods: list[str], approve: str, limit: int | None, policy: str | None,
+                  suites: list[str] | None = None) -> None:
     """Bad input fails before anything runs, each problem named."""
     if approve not in APPROVE_MODES:
         raise ValueError(f"approve must be one of {', '.join(APPROVE_MODES)}, not {approve!r}")
@@ -133,6 +135,12 @@ def check_options(methods: list[str], approve: str, limit: int | None, policy: s
     if limit is not None and limit < 1:
         raise ValueError(f"limit must be >= 1 (or none for the full suites), got {limit}")
     records.load_policy(policy)
+    if suites is not None:
+        from evals.tasks import resolve_tasks
+
+        if not suites:
+            raise ValueError("suites is empty")
+        resolve_tasks(list(suites))
 
 
 # ---- tasks ------------------------------------------------------------------------------------------
@@ -140,11 +148,11 @@ def check_options(methods: list[str], approve: str, limit: int | None, policy: s
 
 @task(name="resolve-source", cache_policy=NO_CACHE)
 def resolve_source(ref: str) -> Source:
-    from quantgate.models import content_hash, resolve_model
+    from quantgate.models import resolve_model
 
     with stage(f"resolve {ref}"):
         path = resolve_model(ref)
-        digest = content_hash(path)
+        digest = measuring.source_hash(path)
     note(f"source {ref} -> {path} (sha256 {digest[:12]})")
     return Source(ref=ref, name=model_name(ref, path), path=str(path), content_hash=digest)
 
@@ -162,12 +170,11 @@ def _quantize_key(context, parameters) -> str:
     retry_condition_fn=transient,
 )
 def quantize_method(source: Source, method: str) -> Variant:
-    from quantgate.models import content_hash
-
     with stage(f"quantize {source.name} -> {method}"):
         out = measuring.quantize(Path(source.path), method)
         manifest = measuring.read_manifest(out)
-        return Variant(name=method, method=method, path=str(out), content_hash=content_hash(out), manifest=manifest)
+        return Variant(name=method, method=method, path=str(out), content_hash=measuring.variant_hash(manifest),
+                       manifest=manifest)
 
 
 def _measure_key(context, parameters) -> str:
@@ -253,6 +260,7 @@ def release_flow(
     policy: str | None = None,
     approve: str = "auto",
     limit: int | None = None,
+    suites: list[str] | None = None,
     approval_timeout_s: int = 24 * 3600,
     canary_requests: int = 24,
     canary_share: float = 0.5,
@@ -265,8 +273,8 @@ def release_flow(
     from gates.tracking import end_release, registered_model_name, tracking_uri
 
     methods = list(methods or DEFAULT_METHODS)
-    check_options(methods, approve, limit, policy)
-    config = MeasureConfig(limit=limit)
+    check_options(methods, approve, limit, policy, suites)
+    config = MeasureConfig(suites=tuple(suites or DEFAULT_SUITES), limit=limit)
     source = resolve_source(model)
     run_config = {"methods": methods, "approve": approve, "policy": str(records.policy_path(policy)),
                   "measure": asdict(config), "prefect_flow_run_id": str(flow_run.id)}
@@ -306,10 +314,11 @@ def release_flow(
         else:
             summary.chosen = chosen.name
             summary.challenger_version = chosen.version
+            champion = records.champion_or_baseline(summary, source)
             moved_challenger = chosen.version
             registry.set_challenger(source.name, chosen.version,
                                     reason=f"release {release_id}: smallest approved variant ({chosen.name})")
-            _canary_stage(summary, source, chosen, policy, canary_requests, canary_share)
+            _canary_stage(summary, source, chosen, champion, policy, canary_requests, canary_share)
             moved_challenger = None
         summary.aliases = registry.aliases(source.name) if _has_registered(source.name) else {}
         records.log_summary(release_id, summary)
@@ -372,12 +381,12 @@ def _choose(summary: ReleaseSummary, decision: Decision) -> VariantResult | None
     return min(approved, key=lambda r: (r.weight_bytes if r.weight_bytes is not None else float("inf"), r.name))
 
 
-def _canary_stage(summary: ReleaseSummary, source: Source, chosen: VariantResult, policy: str | None,
-                  requests: int, share: float) -> None:
+def _canary_stage(summary: ReleaseSummary, source: Source, chosen: VariantResult, champion: tuple[str, Path],
+                  policy: str | None, requests: int, share: float) -> None:
     from flows.runtime import work_dir
     from gates import registry
 
-    champion_version, champion_dir = records.champion_or_baseline(summary, source)
+    champion_version, champion_dir = champion
     challenger_dir = records.version_source(source.name, chosen.version)
     out = work_dir("canary", summary.release_run_id)
     result = canary(str(champion_dir), str(challenger_dir), requests, share, str(out))

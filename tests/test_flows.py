@@ -7,7 +7,6 @@ One Prefect test harness for the whole module (starting it takes 15-30 s on 2 co
 from __future__ import annotations
 
 import json
-import shutil
 import time
 import uuid
 from pathlib import Path
@@ -151,3 +150,160 @@ def test_event_payload_rejects_bad_options():
         event_payload(["int8"], None, "sometimes", None)
     with pytest.raises(ValueError, match="--limit must be >= 1"):
         event_payload(["int8"], None, "auto", 0)
+
+
+# ---- the release flow on the tiny model -------------------------------------------------------------
+
+FAST_SUITES = ["facts_mc", "perplexity"]  # loglikelihood tasks: seconds on the tiny model
+POLICY = """
+version: 1
+tasks: {max_drop: 1.0}
+safety: {refusal_rate_max_fall: null, over_refusal_rate_max_rise: null}
+weights: {min_reduction: null}
+serving: {min_decode_speedup: null, max_tpot_p99_s: %s}
+canary: {max_error_rate: 0.0, max_tpot_p99_s: 60.0}
+"""
+
+
+@pytest.fixture(scope="module")
+def policies(tmp_path_factory) -> dict[str, str]:
+    d = tmp_path_factory.mktemp("policies")
+    (d / "pass.yaml").write_text(POLICY % "60.0")
+    (d / "fail.yaml").write_text(POLICY % "1.0e-6")  # no engine decodes a token in a microsecond
+    return {"pass": str(d / "pass.yaml"), "fail": str(d / "fail.yaml")}
+
+
+def _release(model: Path, policy: str, **kw) -> dict:
+    from flows.release import release_flow
+
+    options = dict(methods=["nf4"], limit=4, suites=FAST_SUITES, canary_requests=8, approve="auto")
+    options.update(kw)
+    return release_flow(model=str(model), policy=policy, **options)
+
+
+def _task_runs(flow_run_id: str) -> list:
+    from prefect import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    with get_client(sync_client=True) as client:
+        return client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[uuid.UUID(flow_run_id)])))
+
+
+@pytest.fixture(scope="module")
+def first_release(prefect_api, tiny_model_dir, policies) -> dict:
+    return _release(tiny_model_dir, policies["pass"])
+
+
+def test_release_end_to_end_promotes_the_variant_after_the_canary(first_release):
+    from gates import registry
+    from gates.evaluate import read_evaluation
+    from gates.tracking import get_client, get_run, release_children
+
+    s = first_release
+    assert [r["name"] for r in s["rows"]] == ["baseline", "nf4"]
+    nf4 = s["rows"][1]
+    assert nf4["gates_passed"] is True and nf4["gates_failed"] == []
+    assert s["chosen"] == "nf4"
+    # no champion existed: the baseline was registered and became the initial champion, then nf4 won
+    assert s["canary"]["champion_version"] == s["rows"][0]["version"]
+    assert s["canary"]["passed"] is True
+    assert registry.aliases(s["model"]) == {"champion": nf4["version"]}
+    history = [(m.alias, m.version, m.kind) for m in registry.alias_history(s["model"])]
+    assert history[0] == ("champion", s["rows"][0]["version"], "initial")
+    assert ("challenger", nf4["version"], "challenger") in history
+    assert history[-2:] == [("champion", nf4["version"], "promote"), ("challenger", None, "clear")]
+    # everything readable back from MLflow: runs, metrics, verdicts, approval, canary
+    client = get_client()
+    release = get_run(s["release_run_id"], client)
+    assert release.info.status == "FINISHED"
+    assert {r.data.tags["quantgate.variant"] for r in release_children(s["release_run_id"], client)} == {"baseline", "nf4"}
+    run = get_run(nf4["run_id"], client)
+    assert run.data.metrics["task/facts_mc/n"] == 4
+    assert "serve/tpot_p99_s" in run.data.metrics and "weights/bytes" in run.data.metrics
+    assert run.data.metrics["canary/error_rate"] == 0.0 and run.data.metrics["canary/requests"] >= 1
+    assert read_evaluation(nf4["run_id"], "release").passed
+    assert read_evaluation(nf4["run_id"], "canary").passed
+    approval = registry.read_approval(s["model"], nf4["version"])
+    assert (approval.decision, approval.by) == ("approved", "quantgate-auto")
+    # the quantize task ran as a Prefect task, and its result was persisted for reruns
+    states = {t.name.split("-")[0]: t.state.name for t in _task_runs(s["flow_run_id"])}
+    assert states["quantize"] in ("Completed", "Cached")
+
+
+def test_a_failing_gate_promotes_nothing(first_release, tiny_model_dir, policies):
+    from gates import registry
+    from gates.evaluate import read_evaluation
+
+    before = registry.aliases(first_release["model"])
+    s = _release(tiny_model_dir, policies["fail"])
+    nf4 = s["rows"][1]
+    assert nf4["gates_passed"] is False
+    assert "serve/max_tpot_p99_s" in nf4["gates_failed"]
+    assert s["chosen"] is None and s["canary"] == {}
+    assert "nothing promoted" in s["outcome"]
+    assert registry.aliases(s["model"]) == before
+    assert registry.read_approval(s["model"], nf4["version"]) is None
+    failed = read_evaluation(nf4["run_id"], "release").failed
+    assert [r.name for r in failed] == ["serve/max_tpot_p99_s"]
+    # measurements were cached from the first release: nothing measured twice
+    states = {t.name.split("-")[0]: t.state.name for t in _task_runs(s["flow_run_id"])}
+    assert states["measure"] == "Cached" and states["quantize"] == "Cached"
+
+
+def _paused_release(model: Path, policy: str, answer: dict) -> tuple[dict, str]:
+    """Run a manual release in a thread, wait until it pauses, answer like `quantgate approve` does."""
+    import threading
+
+    from flows.approval import paused_runs, submit_decision
+
+    box: dict = {}
+
+    def target() -> None:
+        try:
+            box["summary"] = _release(model, policy, approve="manual", approval_timeout_s=300)
+        except BaseException as exc:  # noqa: BLE001 - surfaced by the test below
+            box["error"] = exc
+
+    thread = threading.Thread(target=target)
+    thread.start()
+    deadline = time.monotonic() + 240
+    run = None
+    while run is None and time.monotonic() < deadline and thread.is_alive():
+        runs = [r for r in paused_runs() if r.parameters.get("model") == str(model)]
+        run = runs[0] if runs else None
+        time.sleep(0.5)
+    assert run is not None, f"the release never paused for approval: {box.get('error')!r}"
+    state = submit_decision(str(run.id), **answer, wait_s=0)
+    thread.join(timeout=300)
+    assert not thread.is_alive()
+    if "error" in box:
+        raise box["error"]
+    return box["summary"], state
+
+
+def test_manual_approval_pauses_and_resumes_with_approve(first_release, tiny_model_dir, policies):
+    from gates import registry
+
+    s, _ = _paused_release(tiny_model_dir, policies["pass"],
+                           {"approve": True, "comment": "numbers look fine", "by": "ana"})
+    nf4 = s["rows"][1]
+    assert nf4["decision"].startswith("approved by ana")
+    approval = registry.read_approval(s["model"], nf4["version"])
+    assert (approval.decision, approval.by, approval.comment) == ("approved", "ana", "numbers look fine")
+    assert registry.aliases(s["model"])["champion"] == nf4["version"]
+    # the canary ran against the previous champion (the first release's nf4), not the baseline
+    assert s["canary"]["champion_version"] == first_release["rows"][1]["version"]
+
+
+def test_manual_approval_pauses_and_resumes_with_reject(first_release, tiny_model_dir, policies):
+    from gates import registry
+
+    before = registry.aliases(first_release["model"])
+    s, _ = _paused_release(tiny_model_dir, policies["pass"],
+                           {"approve": False, "comment": "not this week", "by": "bo"})
+    nf4 = s["rows"][1]
+    assert nf4["decision"].startswith("rejected by bo")
+    assert s["chosen"] is None and "nothing promoted" in s["outcome"]
+    approval = registry.read_approval(s["model"], nf4["version"])
+    assert (approval.decision, approval.by, approval.comment) == ("rejected", "bo", "not this week")
+    assert registry.aliases(s["model"]) == before
