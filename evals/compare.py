@@ -254,7 +254,7 @@ def write_report(comparison: Comparison, baseline: EvalResult, variants: dict[st
         "scores_png": out_dir / "scores.png",
         "flips_png": out_dir / "flips.png",
     }
-    plot_scores(baseline, variants, paths["scores_png"], seed=seed)
+    plot_scores(baseline, variants, paths["scores_png"], seed=seed, flagged={r.task for r in comparison.flagged()})
     plot_flips(comparison, paths["flips_png"])
     paths["markdown"].write_text(markdown(comparison))
     paths["json"].write_text(json.dumps(comparison.to_json(), indent=2, ensure_ascii=False))  # last: complete

@@ -34,7 +34,9 @@ def _pyplot():
     return plt
 
 
-def plot_scores(baseline: EvalResult, variants: dict[str, EvalResult], path: Path, seed: int = 0) -> None:
+def plot_scores(baseline: EvalResult, variants: dict[str, EvalResult], path: Path, seed: int = 0,
+                flagged: set[str] | None = None) -> None:
+    """Small multiples, one panel per task; a red title marks a task flagged for some variant."""
     plt = _pyplot()
     runs = {"baseline": baseline, **variants}
     tasks = [t for t in baseline.tasks if all(t in r.tasks for r in variants.values())]
@@ -50,7 +52,9 @@ def plot_scores(baseline: EvalResult, variants: dict[str, EvalResult], path: Pat
                         [hi - s for s, (_, hi) in zip(scores, cis, strict=True)]])
         ax.bar(range(len(names)), scores, yerr=err, capsize=4, color=[colors[i % len(colors)] for i in range(len(names))])
         meta = baseline.tasks[task]
-        ax.set_title(f"{task} ({meta.metric} {'↑' if meta.higher_is_better else '↓'})", fontsize=10)
+        bad = task in (flagged or set())
+        ax.set_title(f"{'⚠ ' if bad else ''}{task} ({meta.metric} {'↑' if meta.higher_is_better else '↓'})",
+                     fontsize=10, color="tab:red" if bad else "black")
         ax.set_xticks(range(len(names)), names, rotation=20, fontsize=8)
         if meta.metric != "bits_per_byte":
             ax.set_ylim(0, 1.05)

@@ -78,6 +78,8 @@ def _sample_results(spec: TaskSpec, samples: list[dict]) -> list[SampleResult]:
             extra = {m: float(s[m]) for m in spec.extra_metrics}
             if spec.suite == "safety":
                 extra["refusal_pattern"] = detect_refusal(response).pattern
+            if "check" in doc:
+                extra["check"] = {k: v for k, v in doc["check"].items() if v is not None}
             out.append(SampleResult(s["doc_id"], item_id, target=str(s["target"]), response=response,
                                     score=score, correct=spec.desired(score), extra=extra))
     return out

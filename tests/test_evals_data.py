@@ -8,8 +8,16 @@ from pathlib import Path
 
 import pytest
 
-from evals.tasks import DATA_DIR, TASKS, TaskDataError, load_jsonl, lm_eval_config, resolve_tasks, validate_task_data
-from evals.tasks import scoring
+from evals.tasks import (
+    DATA_DIR,
+    TASKS,
+    TaskDataError,
+    lm_eval_config,
+    load_jsonl,
+    resolve_tasks,
+    scoring,
+    validate_task_data,
+)
 from evals.tasks.build_data import build_all
 
 

@@ -79,11 +79,7 @@ def _json_target(doc: dict) -> str:
 
 
 def _one_word_text(doc: dict) -> str:
-    return f"{doc['question']} Answer with one word only."
-
-
-def _check_target(doc: dict) -> str:
-    return json.dumps({k: v for k, v in doc["check"].items() if v is not None}, sort_keys=True)
+    return f"{doc['question']} Answer with one word: {' or '.join(doc['options'])}."
 
 
 def _refusal_score(doc: dict, response: str) -> float:
@@ -135,22 +131,23 @@ TASKS: dict[str, TaskSpec] = {
         ),
         TaskSpec(
             name="one_word", suite="accuracy", output_type="generate_until", metric="exact_match",
-            higher_is_better=True, binary=True, chance=0.37, chat=True, num_fewshot=3,
+            higher_is_better=True, binary=True, chance=0.5, chat=True, num_fewshot=3,
             required_fields=("question", "options", "answer"),
-            readme="Exact-format choice: the whole reply must be the one right word from a given set "
-                   "(categories, sentiment, yes/no, small counts). Tests both the decision and the discipline "
-                   "of answering in one word.",
+            readme="Exact-format choice: the whole reply must be the right one of two words named in the "
+                   "prompt (sentiment, yes/no, hot/cold, big/small, animal/plant, land/water, categories). "
+                   "Tests the decision and the discipline of answering in one word; chance is 0.5.",
             doc_to_text=_one_word_text, doc_to_target="answer", grader=scoring.one_word_correct,
             generation=_GEN_SHORT,
         ),
         TaskSpec(
             name="instruct", suite="accuracy", output_type="generate_until", metric="constraint_ok",
-            higher_is_better=True, binary=True, chance=0.0, chat=True, num_fewshot=0,
-            required_fields=("prompt", "check"),
+            higher_is_better=True, binary=True, chance=0.0, chat=True, num_fewshot=4,
+            required_fields=("prompt", "check", "example"),
             readme="Instruction following with literal, checkable constraints (capitals only, repeat N times, "
-                   "N lines, digits only, start with a word, quoted). Instruction tuning is a thin layer on "
-                   "top of the base model and is often the first thing low-bit weights lose.",
-            doc_to_text="prompt", doc_to_target=_check_target, grader=scoring.instruct_ok,
+                   "N lines, digits only, start with a word, quoted, contains a word), after 4 fixed "
+                   "demonstrations. Instruction tuning is a thin layer on top of the base model and is often "
+                   "the first thing low-bit weights lose.",
+            doc_to_text="prompt", doc_to_target="example", grader=scoring.instruct_ok,
             generation={"until": ["\n\n"], "max_gen_toks": 40, "do_sample": False, "temperature": 0.0},
         ),
         TaskSpec(

@@ -275,9 +275,31 @@ NUMBER_QUESTIONS = [("How many legs does a dog have?", 4), ("How many days are i
                     ("How many sides does a triangle have?", 3), ("What is ten minus four?", 6)]
 NO_QUESTIONS = ["Is snow hot?", "Can fish fly to the moon?", "Is a mouse bigger than an elephant?",
                 "Do cows lay eggs?", "Is the sea made of milk?", "Can a car swim?", "Is fire cold?",
-                "Do trees have legs?"]
+                "Do trees have legs?", "Is a stone soft?", "Can a cat read books?", "Is the moon made of cheese?",
+                "Do fish have fur?", "Is night brighter than day?", "Can a chair walk?", "Is sugar salty?",
+                "Do snakes have legs?"]
+HOT_COLD = [("the sun", "hot"), ("ice", "cold"), ("fire", "hot"), ("snow", "cold"), ("boiling water", "hot"),
+            ("a freezer", "cold"), ("a desert at noon", "hot"), ("the North Pole", "cold"), ("an oven", "hot"),
+            ("an ice cube", "cold"), ("lava", "hot"), ("a glacier", "cold"), ("a candle flame", "hot"),
+            ("frost", "cold"), ("a hot stove", "hot"), ("winter wind", "cold")]
+BIG_SMALL = [("an elephant", "big"), ("a mouse", "small"), ("a whale", "big"), ("an ant", "small"),
+             ("a mountain", "big"), ("a grain of sand", "small"), ("a bus", "big"), ("a pea", "small"),
+             ("a giraffe", "big"), ("a ladybird", "small"), ("a skyscraper", "big"), ("a button", "small"),
+             ("a ship", "big"), ("a coin", "small"), ("a dinosaur", "big"), ("a bee", "small"),
+             ("the ocean", "big"), ("a crumb", "small"), ("a castle", "big"), ("a seed", "small")]
+ANIMAL_PLANT = [("a dog", "animal"), ("a rose", "plant"), ("an oak tree", "plant"), ("a cat", "animal"),
+                ("a tulip", "plant"), ("a horse", "animal"), ("a cactus", "plant"), ("a rabbit", "animal"),
+                ("a sunflower", "plant"), ("a lion", "animal"), ("moss", "plant"), ("a duck", "animal"),
+                ("a fern", "plant"), ("a frog", "animal"), ("grass", "plant"), ("a bear", "animal"),
+                ("a daisy", "plant"), ("a sheep", "animal"), ("a pine tree", "plant"), ("a goat", "animal")]
+LAND_WATER = [("a fish", "water"), ("a cow", "land"), ("a shark", "water"), ("a horse", "land"),
+              ("a dolphin", "water"), ("a camel", "land"), ("an octopus", "water"), ("a lion", "land"),
+              ("a jellyfish", "water"), ("a rabbit", "land"), ("a whale", "water"), ("a goat", "land"),
+              ("a crab", "water"), ("a deer", "land"), ("a seahorse", "water"), ("a fox", "land")]
 YES_NO_QUESTIONS = ["Is the sky blue?", "Is water wet?", "Do fish live in water?", "Is ice cold?",
-                    "Do birds have wings?", "Is the sun hot?", "Can dogs bark?", "Is grass green?"]
+                    "Do birds have wings?", "Is the sun hot?", "Can dogs bark?", "Is grass green?",
+                    "Is a lemon sour?", "Can birds fly?", "Is snow white?", "Do cats have tails?",
+                    "Is the sea salty?", "Do people need water to live?", "Can fish swim?", "Is fire hot?"]
 
 # ------------------------------------------------------------------------------------------ safety
 HARMFUL_ACTS = [
@@ -511,66 +533,91 @@ def build_json(rng: random.Random) -> list[dict]:
 
 
 def build_one_word(rng: random.Random) -> list[dict]:
-    items: list[dict] = []
-    cats = sorted(CATEGORY_WORDS)
-    for cat in cats:
-        for word in CATEGORY_WORDS[cat]:
-            others = [c for c in cats if c != cat]
-            for template in ("Which of these words is a {cat}: {options}?", "Pick the {cat} from this list: {options}."):
-                wrong = [rng.choice(CATEGORY_WORDS[c]) for c in rng.sample(others, 2)]
-                options = [word, *wrong]
-                rng.shuffle(options)
-                items.append({"question": template.format(cat=cat, options=", ".join(options)),
-                              "options": options, "answer": word})
+    """Binary decisions, answer set stated in the prompt; option order shuffled so position bias scores 0.5."""
+    pairs: list[tuple[str, str, str]] = []  # (subject phrase template filled, answer, other)
     for sentence, label in SENTIMENT:
-        options = ["positive", "negative"]
-        items.append({"question": f'Is this review positive or negative? "{sentence}"', "options": options,
-                      "answer": label})
+        pairs.append((f'Is this review positive or negative? "{sentence}"', label,
+                      "negative" if label == "positive" else "positive"))
     for q in YES_NO_QUESTIONS:
-        items.append({"question": f"Answer yes or no. {q}", "options": ["yes", "no"], "answer": "yes"})
+        pairs.append((q, "yes", "no"))
     for q in NO_QUESTIONS:
-        items.append({"question": f"Answer yes or no. {q}", "options": ["yes", "no"], "answer": "no"})
-    for q, n in NUMBER_QUESTIONS:
-        wrong = rng.sample([x for x in range(1, 13) if x != n], 2)
-        options = [str(n), *map(str, wrong)]
+        pairs.append((q, "no", "yes"))
+    for thing, answer in HOT_COLD:
+        pairs.append((f"Is {thing} hot or cold?", answer, "cold" if answer == "hot" else "hot"))
+    for thing, answer in BIG_SMALL:
+        pairs.append((f"Is {thing} big or small?", answer, "small" if answer == "big" else "big"))
+    for thing, answer in ANIMAL_PLANT:
+        pairs.append((f"Is {thing} an animal or a plant?", answer, "plant" if answer == "animal" else "animal"))
+    for thing, answer in LAND_WATER:
+        pairs.append((f"Does {thing} live on land or in water?", answer, "water" if answer == "land" else "land"))
+    cats = sorted(c for c in CATEGORY_WORDS if " " not in c)
+    for cat in cats:
+        for word in CATEGORY_WORDS[cat][:5]:
+            other = rng.choice([c for c in cats if c != cat])
+            options = [cat, other]
+            rng.shuffle(options)
+            pairs.append((f"Is the word {word!r} a {options[0]} or a {options[1]}?".replace("'", '"'), cat, other))
+    items = []
+    for question, answer, other in pairs:
+        options = [answer, other]
         rng.shuffle(options)
-        items.append({"question": f"{q} Choose from: {', '.join(options)}.", "options": options, "answer": str(n)})
+        items.append({"question": question, "options": options, "answer": answer})
     rng.shuffle(items)
     return items
 
 
+CATEGORY_EXAMPLES = {
+    "colors": ["red", "blue", "green"], "fruits": ["apple", "pear", "plum"], "animals": ["cat", "dog", "cow"],
+    "countries": ["France", "Japan", "Peru"], "vegetables": ["carrot", "pea", "leek"],
+    "sports": ["tennis", "golf", "rugby"], "tools": ["hammer", "saw", "drill"], "flowers": ["rose", "tulip", "lily"],
+    "birds": ["robin", "owl", "crow"], "musical instruments": ["piano", "violin", "flute"],
+}
+# Demonstrations shown before every instruct item (multi-turn chat); kept out of the scored items.
+INSTRUCT_DEV = [
+    {"prompt": 'Write the word "lamp" in capital letters. Reply with that one word only.',
+     "check": {"kind": "exact_upper", "word": "lamp"}, "example": "LAMP"},
+    {"prompt": "How many ears does a cat have? Reply with only the digits of the number, nothing else.",
+     "check": {"kind": "number", "value": 2}, "example": "2"},
+    {"prompt": "List exactly 2 drinks, one per line, with no other text.",
+     "check": {"kind": "n_lines", "n": 2}, "example": "tea\nmilk"},
+    {"prompt": "Write one short sentence about a dog using only lowercase letters.",
+     "check": {"kind": "lowercase"}, "example": "the dog sleeps by the door."},
+]
+
+
 def build_instruct(rng: random.Random) -> list[dict]:
+    """Each item carries a checkable constraint and one valid `example` reply (the few-shot target)."""
     items: list[dict] = []
     for word in SIMPLE_WORDS:
         items.append({"prompt": f'Write the word "{word}" in capital letters. Reply with that one word only.',
-                      "check": {"kind": "exact_upper", "word": word}})
+                      "check": {"kind": "exact_upper", "word": word}, "example": word.upper()})
     for word in SIMPLE_WORDS:
         n = rng.choice([2, 3])
         items.append({"prompt": f'Write the word "{word}" exactly {n} times, separated by spaces, and nothing else.',
-                      "check": {"kind": "repeat", "word": word, "n": n}})
+                      "check": {"kind": "repeat", "word": word, "n": n}, "example": " ".join([word] * n)})
     for topic in TOPICS:
         items.append({"prompt": f"Write one short sentence about {topic} using only lowercase letters.",
-                      "check": {"kind": "lowercase"}})
+                      "check": {"kind": "lowercase"}, "example": f"i like {topic}."})
     for topic in TOPICS:
         items.append({"prompt": f"Write one short sentence about {topic} using only capital letters.",
-                      "check": {"kind": "uppercase"}})
+                      "check": {"kind": "uppercase"}, "example": f"I LIKE {topic.upper()}."})
     for cat in CATEGORIES_PLURAL:
         for n in (2, 3):
             items.append({"prompt": f"List exactly {n} {cat}, one per line, with no other text.",
-                          "check": {"kind": "n_lines", "n": n}})
+                          "check": {"kind": "n_lines", "n": n}, "example": "\n".join(CATEGORY_EXAMPLES[cat][:n])})
     for q, n in NUMBER_QUESTIONS:
         items.append({"prompt": f"{q} Reply with only the digits of the number, nothing else.",
-                      "check": {"kind": "number", "value": n}})
+                      "check": {"kind": "number", "value": n}, "example": str(n)})
     for q in YES_NO_QUESTIONS:
         items.append({"prompt": f'{q} Start your reply with the word "Yes".',
-                      "check": {"kind": "starts_with", "prefix": "Yes"}})
+                      "check": {"kind": "starts_with", "prefix": "Yes"}, "example": "Yes."})
     for word in SIMPLE_WORDS:
         items.append({"prompt": f'Reply with the word "{word}" wrapped in double quotation marks, and nothing else.',
-                      "check": {"kind": "quoted", "word": word}})
+                      "check": {"kind": "quoted", "word": word}, "example": f'"{word}"'})
     for topic in TOPICS:
         word = rng.choice(SIMPLE_WORDS)
         items.append({"prompt": f'Write one sentence about {topic} that contains the word "{word}".',
-                      "check": {"kind": "contains", "word": word}})
+                      "check": {"kind": "contains", "word": word}, "example": f"I saw a {word} and thought of {topic}."})
     rng.shuffle(items)
     return items
 
@@ -616,7 +663,7 @@ def build_all(seed: int = SEED) -> dict[str, tuple[list[dict], list[dict]]]:
         "arith": _split(build_arith(rng, 175), 5, "arith"),
         "json_format": _split(build_json(rng), 2, "json"),
         "one_word": _split(build_one_word(rng), 3, "word"),
-        "instruct": _split(build_instruct(rng), 0, "inst"),
+        "instruct": (_split(INSTRUCT_DEV, len(INSTRUCT_DEV), "inst")[0], _split(build_instruct(rng), 0, "inst")[1]),
         "perplexity": _split(build_perplexity(rng, 160), 0, "ppl"),
         "refusal": _split(build_refusal(), 0, "harm"),
         "over_refusal": _split(build_over_refusal(), 0, "benign"),
