@@ -132,6 +132,8 @@ def run_workload(engine, workload: list[LabRequest], *, label: str = "", progres
     last_end = 0.0
     intervals: list[SlotInterval] = []
     batch_sizes: list[int] = []
+    first_step: dict[str, int] = {}  # engine steps are the machine-independent clock
+    finish_step: dict[str, int] = {}
     preempt_before = engine.scheduler.num_preemptions
     bar = ProgressBar(len(workload), label) if progress else None
     t0 = time.perf_counter()
@@ -147,9 +149,13 @@ def run_workload(engine, workload: list[LabRequest], *, label: str = "", progres
         start = time.perf_counter() - t0
         outputs = engine.step()
         end = time.perf_counter() - t0
+        step = len(batch_sizes)
         occupying = [s.request_id for s in engine.scheduler.running]
         for out in outputs:
+            if out.token_ids:
+                first_step.setdefault(out.request_id, step)
             if out.finished:
+                finish_step[out.request_id] = step
                 occupying.append(out.request_id)
                 finals[out.request_id] = out
                 if bar:
@@ -188,6 +194,8 @@ def run_workload(engine, workload: list[LabRequest], *, label: str = "", progres
                 "queue_time": m.queue_time,
                 "ttft": m.ttft,
                 "tpot": m.tpot,
+                "first_token_step": first_step.get(rid),
+                "finished_step": finish_step[rid],
             }
         )
     requests.sort(key=lambda d: by_id[d["request_id"]].index)
@@ -208,6 +216,7 @@ def summarize_run(run: RunResult) -> dict[str, Any]:
     return {
         "completion_short_s": summarize(d["completion"] for d in short),
         "completion_all_s": summarize(d["completion"] for d in run.requests),
+        "finished_step_short": summarize(d["finished_step"] for d in short),
         "ttft_short_s": summarize(d["ttft"] for d in short),
         "ttft_s": summarize(d["ttft"] for d in run.requests),
         "tpot_s": summarize(d["tpot"] for d in run.requests),

@@ -100,3 +100,32 @@ def test_generator_overhead_against_stub(stub_url):
     assert report["completed"] == 1000 and report["total_output_tokens"] == 4000
     print(f"\nload generator vs stub: {report['request_throughput']:.0f} requests/s "
           f"({report['output_throughput']:.0f} chunks/s), TTFT p50 {report['ttft_ms']['median']:.2f} ms")
+
+
+def test_against_our_server(tiny_model_dir):
+    """The real thing: quantgate's OpenAI server over the tiny model, completions and chat, streaming."""
+    import torch
+
+    server_mod = pytest.importorskip("serving.server")
+    from serving import LLMEngine
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the tiny model's steps are much faster single-threaded on 2 shared cores
+    try:
+        engine = LLMEngine.from_pretrained(str(tiny_model_dir), device="cpu", num_kv_blocks=128)
+        with server_mod.ServerThread(server_mod.build_app(engine, served_model_name="tiny")) as server:
+            report = run_serving_benchmark(server.url, None, num_requests=12, concurrency=4, max_tokens=(3, 6),
+                                           seed=1)
+            chat = run_serving_benchmark(server.url, "tiny", num_requests=3, max_tokens=4, chat=True)
+    finally:
+        torch.set_num_threads(threads)
+    requests = build_requests(12, max_tokens=(3, 6), seed=1)
+    expected = sum(n for _, n in requests)
+    assert report["config"]["model"] == "tiny"
+    assert report["completed"] == 12 and report["failed"] == 0
+    assert report["total_output_tokens"] == expected  # ignore_eos forces every max_tokens
+    assert report["total_input_tokens"] == sum(len(engine.tokenizer.encode(p)) for p, _ in requests)
+    assert report["ttft_ms"]["count"] == 12 and report["tpot_ms"]["count"] == 12
+    assert 0 < report["itl_ms"]["count"] <= expected - 12
+    assert chat["completed"] == 3 and chat["total_output_tokens"] == 12
+    assert engine.stats().generation_tokens == expected + 12

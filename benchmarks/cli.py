@@ -1,0 +1,165 @@
+"""`quantgate bench hol|serve|kv-waste|sweep`: the benchmarks, each printing a table and writing JSON (+ PNGs)."""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    bench = subparsers.add_parser("bench", help="benchmarks: HOL lab, serving load generator, KV waste, sweep")
+    verbs = bench.add_subparsers(dest="bench_command", metavar="<benchmark>", required=True)
+
+    p = verbs.add_parser("hol", help="head-of-line blocking: static vs continuous batching on a mixed workload")
+    _engine_args(p)
+    p.add_argument("--num-requests", type=int, default=48)
+    p.add_argument("--max-num-seqs", type=int, default=16, help="batch slots, the same for both schedulers")
+    arrivals = p.add_mutually_exclusive_group()
+    arrivals.add_argument("--rate", type=float, default=None, help="fixed arrival rate, requests/s")
+    arrivals.add_argument("--all-at-once", action="store_true", help="every request arrives at t=0")
+    p.add_argument("--steps-per-arrival", type=float, default=8.0,
+                   help="default arrivals: one request every N full-batch decode steps (timed at warm-up)")
+    p.add_argument("--short-tokens", type=_range, default=(8, 32), metavar="LO-HI")
+    p.add_argument("--long-tokens", type=_range, default=(256, 512), metavar="LO-HI")
+    p.add_argument("--short-fraction", type=float, default=0.8)
+    p.add_argument("--num-kv-blocks", type=int, default=None, help="default: enough that no request is preempted")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=_hol)
+
+    p = verbs.add_parser("serve", help="async load generator against an OpenAI-compatible server")
+    target = p.add_mutually_exclusive_group(required=True)
+    target.add_argument("--url", help="the server's base URL, e.g. http://127.0.0.1:8000")
+    target.add_argument("--serve", metavar="MODEL",
+                        help="start quantgate's own server for MODEL in-process on a free port and benchmark it")
+    p.add_argument("--model", default=None, help="model name to request (default: the first of /v1/models)")
+    p.add_argument("--num-requests", type=int, default=100)
+    p.add_argument("--rate", type=float, default=math.inf, help="Poisson arrival rate, requests/s (default: all at once)")
+    p.add_argument("--concurrency", type=int, default=None, help="at most N requests in flight (closed loop)")
+    p.add_argument("--max-tokens", type=_range, default=(64, 64), metavar="N|LO-HI")
+    p.add_argument("--prompts", default=None, help="a JSONL prompt file (default: benchmarks/prompts.jsonl)")
+    p.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
+                   help="let the model stop at EOS (by default max_tokens are forced with ignore_eos)")
+    p.add_argument("--chat", action="store_true", help="use /v1/chat/completions")
+    p.add_argument("--slo-ttft-ms", type=float, default=2000.0)
+    p.add_argument("--slo-tpot-ms", type=float, default=200.0)
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--device", default=None, help="with --serve: cpu or cuda")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out-dir", default=None, help="default: benchmarks/results/serve")
+    p.set_defaults(func=_serve)
+
+    p = verbs.add_parser("kv-waste", help="KV memory waste: paged blocks vs contiguous max-length reservation")
+    p.add_argument("--num-seqs", type=int, default=1000)
+    p.add_argument("--max-len", type=int, default=2048, help="the contiguous reservation per sequence")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--memory-tokens", type=int, default=None, help="KV slots for the concurrency count (default 32 × max-len)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out-dir", default=None, help="default: benchmarks/results/kv_waste")
+    p.add_argument("--no-plots", dest="plots", action="store_false")
+    p.set_defaults(func=_kv_waste)
+
+    p = verbs.add_parser("sweep", help="throughput and p99 TPOT against max batch size / KV budget")
+    _engine_args(p)
+    p.add_argument("--batch-sizes", type=_ints, default=(2, 4, 8, 16, 32), metavar="2,4,8")
+    p.add_argument("--kv-blocks", type=_budgets, default=(None,), metavar="auto,64",
+                   help="KV budgets in blocks; auto = enough for the largest batch")
+    p.add_argument("--num-requests", type=int, default=32)
+    p.add_argument("--short-tokens", type=_range, default=(8, 32), metavar="LO-HI")
+    p.add_argument("--long-tokens", type=_range, default=(64, 128), metavar="LO-HI")
+    p.add_argument("--rate", type=float, default=None, help="fixed arrival rate, requests/s (default: all at once)")
+    p.add_argument("--slo-tpot-ms", type=float, default=None, help="the best point must keep p99 TPOT under this")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=_sweep)
+
+
+def _engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="smollm2-135m", help="model reference or variant directory")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    p.add_argument("--dtype", default=None, help="float32, bfloat16 or float16")
+    p.add_argument("--out-dir", default=None, help="default: benchmarks/results/<benchmark>")
+    p.add_argument("--no-plots", dest="plots", action="store_false")
+
+
+def _range(text: str) -> tuple[int, int]:
+    try:
+        lo, _, hi = text.partition("-")
+        pair = (int(lo), int(hi or lo))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected N or LO-HI, got {text!r}") from None
+    if not 1 <= pair[0] <= pair[1]:
+        raise argparse.ArgumentTypeError(f"expected 1 <= LO <= HI, got {text!r}")
+    return pair
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def _budgets(text: str) -> tuple[int | None, ...]:
+    try:
+        return tuple(None if x.strip() == "auto" else int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected integers or 'auto', comma-separated, got {text!r}") from None
+
+
+def _hol(args: argparse.Namespace) -> int:
+    from benchmarks.hol_lab import print_report, run_hol_lab
+
+    rate = None if args.all_at_once else (args.rate if args.rate is not None else "auto")
+    report = run_hol_lab(
+        args.model, num_requests=args.num_requests, max_num_seqs=args.max_num_seqs, rate=rate,
+        steps_per_arrival=args.steps_per_arrival, seed=args.seed, device=args.device, dtype=args.dtype,
+        num_kv_blocks=args.num_kv_blocks, short_tokens=args.short_tokens, long_tokens=args.long_tokens,
+        short_fraction=args.short_fraction, out_dir=args.out_dir, plots=args.plots,
+    )
+    print_report(report)
+    return 0
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from benchmarks.common import output_dir
+    from benchmarks.serving import print_report, run_serving_benchmark
+
+    max_tokens = args.max_tokens[0] if args.max_tokens[0] == args.max_tokens[1] else args.max_tokens
+    kwargs = dict(
+        num_requests=args.num_requests, request_rate=args.rate, concurrency=args.concurrency,
+        max_tokens=max_tokens, prompts=args.prompts, ignore_eos=args.ignore_eos, chat=args.chat,
+        slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms, api_key=args.api_key, seed=args.seed,
+        progress=True, output_json=output_dir(args.out_dir, "serve") / "serve.json",
+    )
+    if args.url:
+        report = run_serving_benchmark(args.url, args.model, **kwargs)
+    else:
+        from serving import LLMEngine
+        from serving.server import ServerThread, build_app
+
+        engine = LLMEngine.from_pretrained(args.serve, device=args.device)
+        with ServerThread(build_app(engine)) as server:
+            report = run_serving_benchmark(server.url, args.model, **kwargs)
+    print_report(report)
+    return 0
+
+
+def _kv_waste(args: argparse.Namespace) -> int:
+    from benchmarks.kv_waste import print_report, run_kv_waste
+
+    report = run_kv_waste(num_seqs=args.num_seqs, max_len=args.max_len, block_size=args.block_size,
+                          memory_tokens=args.memory_tokens, seed=args.seed, out_dir=args.out_dir, plots=args.plots)
+    print_report(report)
+    return 0
+
+
+def _sweep(args: argparse.Namespace) -> int:
+    from benchmarks.sweep import print_report, run_sweep
+
+    report = run_sweep(
+        args.model, batch_sizes=args.batch_sizes, kv_blocks=args.kv_blocks, num_requests=args.num_requests,
+        short_tokens=args.short_tokens, long_tokens=args.long_tokens, rate=args.rate, seed=args.seed,
+        slo_tpot_ms=args.slo_tpot_ms, device=args.device, dtype=args.dtype, out_dir=args.out_dir,
+        plots=args.plots,
+    )
+    print_report(report)
+    return 0

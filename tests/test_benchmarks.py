@@ -1,0 +1,136 @@
+"""The HOL lab, the sweep and the KV-waste benchmark on the tiny model / the real block manager."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+
+import pytest
+
+from benchmarks.hol_lab import make_workload, run_hol_lab
+from benchmarks.kv_waste import count_admitted, measure_allocation, realistic_lengths, run_kv_waste
+from benchmarks.sweep import best_point, run_sweep
+from quantgate.cli import main
+
+
+@contextlib.contextmanager
+def one_torch_thread():
+    """The tiny model's steps are much faster single-threaded on a shared 2-core machine."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_workload_is_reproducible_and_shaped():
+    w = make_workload(50, seed=4, rate=10.0)
+    assert w == make_workload(50, seed=4, rate=10.0)
+    assert sum(r.kind == "short" for r in w) == 40
+    assert all(8 <= r.max_tokens <= 32 for r in w if r.kind == "short")
+    assert all(256 <= r.max_tokens <= 512 for r in w if r.kind == "long")
+    assert [r.arrival for r in w[:3]] == [0.0, 0.1, 0.2]
+    same = make_workload(50, seed=4)  # the rate changes arrivals only
+    assert [(r.kind, r.max_tokens, r.prompt) for r in same] == [(r.kind, r.max_tokens, r.prompt) for r in w]
+    with pytest.raises(ValueError, match="short_tokens"):
+        make_workload(5, short_tokens=(9, 3))
+    with pytest.raises(ValueError, match="rate"):
+        make_workload(5, rate=0)
+
+
+def test_hol_lab_static_blocks_short_requests(tiny_model_dir, tmp_path):
+    with one_torch_thread():
+        report = run_hol_lab(str(tiny_model_dir), num_requests=10, max_num_seqs=3, rate=None, seed=1,
+                             short_tokens=(2, 4), long_tokens=(24, 32), out_dir=tmp_path, progress=False)
+    static, cont = report["schedulers"]["static"], report["schedulers"]["continuous"]
+    for s in (static, cont):
+        assert s["num_requests"] == 10 and s["num_short"] == 8 and s["num_preemptions"] == 0
+        for key in ("completion_short_s", "completion_all_s", "ttft_s", "tpot_s"):
+            assert set(s[key]) >= {"p50", "p95", "p99", "mean"} and s[key]["count"] > 0
+        assert s["throughput_tokens_per_s"] > 0
+    # every request got exactly its forced number of tokens under both schedulers
+    workload = {r.request_id: r.max_tokens for r in make_workload(10, seed=1, short_tokens=(2, 4), long_tokens=(24, 32))}
+    for name in ("static", "continuous"):
+        assert {d["request_id"]: d["output_tokens"] for d in report["runs"][name]["requests"]} == workload
+    # head-of-line blocking: in engine steps (deterministic) and in seconds
+    assert static["finished_step_short"]["p99"] > 1.5 * cont["finished_step_short"]["p99"]
+    assert static["completion_short_s"]["p99"] >= cont["completion_short_s"]["p99"]
+    assert report["short_p99_speedup"] == pytest.approx(
+        static["completion_short_s"]["p99"] / cont["completion_short_s"]["p99"])
+    assert report["short_p99_continuous_over_static"] < 1
+    # the Gantt data: slots within the batch size, never two requests in one slot at once
+    for name in ("static", "continuous"):
+        intervals = report["runs"][name]["intervals"]
+        assert {iv["request_id"] for iv in intervals} == set(workload)
+        assert all(0 <= iv["slot"] < 3 and iv["start"] < iv["end"] for iv in intervals)
+        for slot in range(3):
+            spans = sorted((iv["start"], iv["end"]) for iv in intervals if iv["slot"] == slot)
+            assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:], strict=False))
+    # static never admits into a running batch: each of its slots is refilled only after all ended
+    static_starts = sorted({iv["start"] for iv in report["runs"]["static"]["intervals"]})
+    assert len(static_starts) == 4  # ceil(10 / 3) batches
+    saved = json.loads((tmp_path / "hol_lab.json").read_text())
+    assert saved["short_p99_speedup"] == report["short_p99_speedup"]
+    for png in report["plots"].values():
+        assert open(png, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_kv_waste_exact_on_crafted_lengths(tmp_path):
+    pairs = [(16, 0), (10, 7), (1, 0), (20, 12)]  # 16, 17, 1 and 32 tokens
+    paged = measure_allocation(pairs, block_size=16)
+    assert (paged.used_tokens, paged.reserved_tokens) == (66, 96)  # 1 + 2 + 1 + 2 blocks
+    assert paged.waste == pytest.approx(30 / 96)
+    contiguous = measure_allocation(pairs, block_size=64)
+    assert contiguous.reserved_tokens == 256 and contiguous.waste == pytest.approx(190 / 256)
+    # 256 slots: 4 contiguous reservations; paged blocks (cycling the list) 1,2,1,2,1,2,1,2,1,2,1 = 16
+    assert count_admitted(pairs, 64, 256) == 4
+    assert count_admitted(pairs, 16, 256) == 11
+    report = run_kv_waste(pairs, max_len=64, block_size=16, memory_tokens=256, block_sizes=(1, 16),
+                          out_dir=tmp_path)
+    assert report["paged"]["waste"] == pytest.approx(30 / 96)
+    assert report["contiguous"]["admitted_seqs"] == 4 and report["paged"]["admitted_seqs"] == 11
+    assert report["waste_by_block_size"]["1"] == 0.0
+    assert json.loads((tmp_path / "kv_waste.json").read_text())["used_tokens"] == 66
+    with pytest.raises(ValueError, match="longer than max_len"):
+        run_kv_waste([(60, 10)], max_len=64, out_dir=False)
+
+
+def test_kv_waste_realistic_lengths_meet_the_target():
+    pairs = realistic_lengths(200, max_len=2048, seed=0)
+    assert all(p >= 1 and p + o <= 2048 for p, o in pairs)
+    report = run_kv_waste(pairs, max_len=2048, block_sizes=(16,), out_dir=False)
+    assert report["paged"]["waste"] <= 0.04 < report["contiguous"]["waste"]
+    assert report["paged"]["admitted_seqs"] > 2 * report["contiguous"]["admitted_seqs"]
+
+
+def test_best_point_respects_the_slo():
+    pts = [{"max_num_seqs": 4, "throughput_tokens_per_s": 10.0, "tpot_p99_ms": 50.0},
+           {"max_num_seqs": 16, "throughput_tokens_per_s": 30.0, "tpot_p99_ms": 120.0},
+           {"max_num_seqs": 8, "throughput_tokens_per_s": 20.0, "tpot_p99_ms": 80.0}]
+    assert best_point(pts)["max_num_seqs"] == 16
+    assert best_point(pts, slo_tpot_ms=100)["max_num_seqs"] == 8
+    assert best_point(pts, slo_tpot_ms=1) is None
+
+
+def test_sweep_on_tiny_model(tiny_model_dir, tmp_path):
+    with one_torch_thread():
+        report = run_sweep(str(tiny_model_dir), batch_sizes=(1, 4), kv_blocks=(None, 4), num_requests=6,
+                           short_tokens=(2, 3), long_tokens=(20, 24), out_dir=tmp_path, progress=False)
+    points = report["points"]
+    assert [(p["max_num_seqs"], p["kv_budget"]) for p in points] == [(1, "auto"), (4, "auto"), (1, 4), (4, 4)]
+    assert all(p["throughput_tokens_per_s"] > 0 and p["tpot_p99_ms"] > 0 for p in points)
+    assert points[0]["mean_batch_size"] == 1 and points[1]["mean_batch_size"] > 1
+    assert points[3]["mean_batch_size"] < points[1]["mean_batch_size"]  # 4 KV blocks hold fewer sequences
+    assert points[3]["num_kv_blocks"] == 4 and points[1]["num_kv_blocks"] > 4
+    assert report["best"] in points
+    assert (tmp_path / "sweep.png").stat().st_size > 0
+
+
+def test_cli_kv_waste_and_bad_input(tmp_path, capsys):
+    assert main(["bench", "kv-waste", "--num-seqs", "50", "--out-dir", str(tmp_path), "--no-plots"]) == 0
+    assert json.loads((tmp_path / "kv_waste.json").read_text())["config"]["num_seqs"] == 50
+    assert main(["bench", "kv-waste", "--num-seqs", "0", "--out-dir", str(tmp_path)]) == 2
+    assert "num_seqs must be at least 1" in capsys.readouterr().err
