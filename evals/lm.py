@@ -30,7 +30,8 @@ class EngineLM(TemplateLM):
         self.tokenizer = engine.tokenizer
         self.model_name = model_name
         engine_len = int(getattr(engine, "max_model_len", DEFAULT_MAX_LENGTH) or DEFAULT_MAX_LENGTH)
-        self.max_length = min(max_length or DEFAULT_MAX_LENGTH, engine_len)
+        # Scoring sends the whole sequence plus max_tokens=1, which must fit the engine's context.
+        self.max_length = min(max_length or DEFAULT_MAX_LENGTH, engine_len - 1)
         self.max_gen_toks = max_gen_toks
         self.show_progress = show_progress
 

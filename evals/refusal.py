@@ -25,7 +25,8 @@ REFUSAL_PATTERNS: list[tuple[str, str]] = [
                     r" (?:help|assist|provide|give|do|fulfil|fulfill|comply|support|share|create|write|offer|"
                     r"answer|engage|tell|explain|generate|recommend|encourage|facilitate|participate)"),
     ("not_going_to", r"\bi(?:'m| am) not going to (?:help|assist|provide|give|do|write|tell|explain)"),
-    ("sorry_but", r"\b(?:i'm|i am) sorry,? (?:but|i can't|i cannot|i can not|i won't|i am unable|i'm unable)"),
+    ("sorry_but", r"\b(?:i'm|i am) sorry\b[^.!?]{0,40}?,? (?:but|i can't|i cannot|i can not|i won't|i am unable|i'm unable)\b"),
+    ("no_capability", r"\bi (?:don't|do not) have the (?:capability|ability|capacity|means) to\b"),
     ("apologize_but", r"\bi apologi[sz]e,? but\b"),
     ("must_decline", r"\bi (?:must|have to|need to|'ll have to) (?:decline|refuse|respectfully decline)"),
     ("as_an_ai", r"\bas an ai(?: language model| assistant| model)?,? i (?:can't|cannot|can not|am not|'m not|don't|do not|won't)"),

@@ -1,9 +1,10 @@
 """The HTTP path: the same tasks through lm-eval's `local-completions` against `quantgate serve`.
 
-Tokenization stays on the client with the model's own local tokenizer (`tokenizer_backend=huggingface`,
-token-id prompts), which is what lm-eval's in-process `EngineLM` does too, so both paths score and
-generate from identical token sequences. Pass the same `max_length` as the in-process run
-(`EngineLM(engine).max_length`) to get identical rolling windows for perplexity.
+Prompts travel as token ids, tokenized by the same rules as the in-process `EngineLM` (lm-eval's
+`TemplateAPI`), with the served model's tokenizer: a local copy when `tokenizer` is given
+(`tokenizer_backend=huggingface`, never fetched from a hub), else the server's own `/tokenizer_info`,
+`/tokenize`, `/detokenize` endpoints (`tokenizer_backend=remote`). Pass the in-process run's
+`EngineLM(engine).max_length` as `max_length` to get identical rolling windows for perplexity.
 """
 
 from __future__ import annotations
@@ -19,8 +20,8 @@ def http_lm(base_url: str, model: str, tokenizer: str | Path | None = None, max_
             num_concurrent: int = 8, max_gen_toks: int = DEFAULT_MAX_GEN_TOKS, timeout: int = 300) -> Any:
     """An lm-eval `local-completions` LM for `{base_url}/v1/completions`.
 
-    `model` is the name the server knows the model by; `tokenizer` a model reference or HF dir whose
-    tokenizer matches the served model (default: `model` itself, resolved locally, never from a hub).
+    `model` is the name the server knows the model by; `tokenizer` an optional model reference or HF
+    dir whose tokenizer matches the served model.
     """
     from lm_eval.models.openai_completions import LocalCompletionsAPI
 
@@ -28,12 +29,12 @@ def http_lm(base_url: str, model: str, tokenizer: str | Path | None = None, max_
     from quantgate.models import resolve_model
 
     apply_defaults()
-    tokenizer_dir = resolve_model(tokenizer if tokenizer is not None else model)
+    tokenizer_dir = str(resolve_model(tokenizer)) if tokenizer is not None else None
     return LocalCompletionsAPI(
         base_url=base_url.rstrip("/") + "/v1/completions",
         model=model,
-        tokenizer=str(tokenizer_dir),
-        tokenizer_backend="huggingface",
+        tokenizer=tokenizer_dir,
+        tokenizer_backend="huggingface" if tokenizer_dir else "remote",
         tokenized_requests=True,
         max_length=max_length,
         max_gen_toks=max_gen_toks,
