@@ -24,9 +24,10 @@ def assign(user: str, share: float) -> str:
 
 def traffic(n: int, seed: int = 0) -> list[dict]:
     """The replayed sample: prompts from the shipped prompt set, one user id per request."""
-    from flows.serving_harness import prompts
+    from benchmarks.common import load_prompts
 
-    return [{"user": f"user-{seed}-{i}", "prompt": p, "max_tokens": 16} for i, p in enumerate(prompts(n))]
+    prompts = load_prompts()
+    return [{"user": f"user-{seed}-{i}", "prompt": prompts[i % len(prompts)], "max_tokens": 16} for i in range(n)]
 
 
 def version_stats(records: list[dict]) -> dict:

@@ -110,7 +110,7 @@ def measure(variant: Variant, config: MeasureConfig, out: Path, advance: Callabl
     metrics: dict[str, float] = {WEIGHTS_BYTES: float(weight_bytes(engine.model)), "load_s": time.perf_counter() - start}
     advance(1)
     bench_json = out / "serving.json"
-    metrics.update(serving_benchmark(engine, config, bench_json))
+    metrics.update(serving_benchmark(engine, config, variant.name, bench_json))
     metrics.update(capacity(engine, variant))
     advance(1)
     eval_dir = out / "evals"
@@ -123,14 +123,13 @@ def measure(variant: Variant, config: MeasureConfig, out: Path, advance: Callabl
                     artifacts=artifacts)
 
 
-def serving_benchmark(engine, config: MeasureConfig, out_json: Path) -> dict[str, float]:
+def serving_benchmark(engine, config: MeasureConfig, name: str, out_json: Path) -> dict[str, float]:
     """TTFT/TPOT percentiles and tokens/s at fixed concurrency, through the OpenAI-compatible server."""
     from flows import serving_harness
 
-    result = serving_harness.benchmark(engine, config)
     out_json.parent.mkdir(parents=True, exist_ok=True)
-    out_json.write_text(json.dumps(result, indent=2, default=str))
-    return serving_harness.to_metrics(result)
+    report = serving_harness.benchmark(engine, config, name, out_json)
+    return serving_harness.to_metrics(report)
 
 
 def capacity(engine, variant: Variant) -> dict[str, float]:

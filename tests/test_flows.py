@@ -7,6 +7,7 @@ One Prefect test harness for the whole module (starting it takes 15-30 s on 2 co
 from __future__ import annotations
 
 import json
+import shutil
 import time
 import uuid
 from pathlib import Path
@@ -307,3 +308,89 @@ def test_manual_approval_pauses_and_resumes_with_reject(first_release, tiny_mode
     approval = registry.read_approval(s["model"], nf4["version"])
     assert (approval.decision, approval.by, approval.comment) == ("rejected", "bo", "not this week")
     assert registry.aliases(s["model"]) == before
+
+
+def test_a_task_that_fails_once_is_retried(prefect_api, tiny_model_dir, tmp_path):
+    """The source's weights are half-written when quantization starts (a copy still in progress): the
+    first attempt fails, the file is complete by the time Prefect decides to retry, the retry succeeds."""
+    from prefect import get_client
+
+    from flows.release import TASK_RETRIES, Source, quantize_method, transient
+    from quantgate.models import content_hash
+
+    source_dir = tmp_path / "copy-in-progress"
+    shutil.copytree(tiny_model_dir, source_dir)
+    weights = source_dir / "model.safetensors"
+    complete = weights.read_bytes()
+    weights.write_bytes(complete[: len(complete) // 3])
+    failures: list[BaseException] = []
+
+    def copy_finishes_then_decide(task, task_run, state) -> bool:
+        failures.append(state.data)
+        weights.write_bytes(complete)
+        return transient(task, task_run, state)
+
+    source = Source(ref=str(source_dir), name="tiny", path=str(source_dir), content_hash=content_hash(tiny_model_dir))
+    attempt = quantize_method.with_options(retry_condition_fn=copy_finishes_then_decide, retry_delay_seconds=0,
+                                           refresh_cache=True)
+    state = attempt(source, "int8wo", return_state=True)
+    assert state.is_completed(), state.message
+    assert len(failures) == 1 and not isinstance(failures[0], ValueError), failures
+    variant = state.result()
+    assert variant.method == "int8wo" and Path(variant.path, "quantgate.json").is_file()
+    with get_client(sync_client=True) as client:
+        run = client.read_task_run(state.state_details.task_run_id)
+    assert run.run_count == 2 and TASK_RETRIES >= 1
+
+
+def test_a_release_killed_after_quantization_resumes_without_quantizing_again(prefect_api, tiny_model_dir,
+                                                                              policies, tmp_path):
+    """A release process is SIGKILLed once its quantization finished; the rerun takes the persisted
+    quantization result (task state Cached) and the variant on disk is not rebuilt."""
+    import os
+    import subprocess
+    import sys
+
+    from prefect import get_client
+    from prefect.client.schemas.filters import (
+        TaskRunFilter,
+        TaskRunFilterName,
+        TaskRunFilterState,
+        TaskRunFilterStateType,
+    )
+    from prefect.client.schemas.objects import StateType
+    from prefect.settings import PREFECT_API_URL
+
+    options = dict(methods=["fp4"], limit=4, suites=FAST_SUITES, canary_requests=8, approve="auto")
+    code = ("from flows.release import release_flow\n"
+            f"release_flow(model={str(tiny_model_dir)!r}, policy={policies['pass']!r}, **{options!r})\n")
+    log = tmp_path / "killed-release.log"
+    started = time.time()
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-c", code], stdout=out, stderr=subprocess.STDOUT,
+                                env={**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value()})
+    done = None
+    with get_client(sync_client=True) as client:
+        deadline = time.monotonic() + 240
+        while done is None and time.monotonic() < deadline and proc.poll() is None:
+            runs = client.read_task_runs(task_run_filter=TaskRunFilter(
+                name=TaskRunFilterName(like_="quantize"),
+                state=TaskRunFilterState(type=TaskRunFilterStateType(any_=[StateType.COMPLETED]))))
+            done = next((r for r in runs if r.start_time and r.start_time.timestamp() >= started - 1), None)
+            time.sleep(0.2)
+    proc.kill()
+    proc.wait(timeout=30)
+    assert done is not None, f"the quantization never finished in the first run:\n{log.read_text()[-3000:]}"
+    assert done.state.name == "Completed"  # it really quantized the first time
+
+    from flows.release import release_flow
+
+    variants = list((Path(os.environ["QUANTGATE_HOME"]) / "variants").glob("*-fp4"))
+    assert len(variants) == 1
+    manifest = variants[0] / "quantgate.json"
+    stamp = (manifest.stat().st_mtime_ns, manifest.read_text())
+    s = release_flow(model=str(tiny_model_dir), policy=policies["pass"], **options)
+    states = {t.name.split("-")[0]: t.state.name for t in _task_runs(s["flow_run_id"])}
+    assert states["quantize"] == "Cached"
+    assert (manifest.stat().st_mtime_ns, manifest.read_text()) == stamp
+    assert s["rows"][1]["name"] == "fp4" and s["rows"][1]["gates_passed"] is True
