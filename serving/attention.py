@@ -36,6 +36,7 @@ class AttentionContext:
     decode_rows: torch.Tensor | None = None  # [B] rows of the single-token (decode) sequences
     decode_block_tables: torch.Tensor | None = None  # [B, max_blocks], padded with 0
     decode_mask: torch.Tensor | None = None  # [B, 1, 1, max_blocks * block_size], True where attended
+    decode_only: bool = False  # every row is a decode token, in order: no gather/scatter of rows needed
 
 
 _context: AttentionContext | None = None
@@ -71,7 +72,7 @@ def paged_attention(
     k_cache.index_copy_(0, ctx.slot_mapping, k.to(k_cache.dtype))
     v_cache.index_copy_(0, ctx.slot_mapping, v.to(v_cache.dtype))
 
-    out = torch.empty_like(q)
+    out = None if ctx.decode_only else torch.empty_like(q)
     gqa = q.shape[1] != k.shape[1]
     for chunk in ctx.prefills:
         rows = slice(chunk.start, chunk.start + chunk.length)
@@ -96,10 +97,12 @@ def paged_attention(
         paged_v = v_cache.view(-1, ctx.block_size, kv_heads, head_dim)[ctx.decode_block_tables]
         ks = paged_k.view(num_seqs, max_blocks * ctx.block_size, kv_heads, head_dim).transpose(1, 2)
         vs = paged_v.view(num_seqs, max_blocks * ctx.block_size, kv_heads, head_dim).transpose(1, 2)
-        qd = q[ctx.decode_rows].unsqueeze(2)  # [B, heads, 1, dim]
+        qd = (q if ctx.decode_only else q[ctx.decode_rows]).unsqueeze(2)  # [B, heads, 1, dim]
         o = F.scaled_dot_product_attention(
             qd, ks.to(q.dtype), vs.to(q.dtype), attn_mask=ctx.decode_mask, scale=scaling, enable_gqa=gqa
         )
+        if ctx.decode_only:
+            return o.transpose(1, 2), None  # [B, 1, heads, dim] viewed by the caller as [1, B, heads * dim]
         out[ctx.decode_rows] = o.squeeze(2)
     return out.unsqueeze(0), None
 

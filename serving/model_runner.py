@@ -122,6 +122,7 @@ class ModelRunner:
             ctx.decode_block_tables = tables.to(self.device)
             mask = torch.arange(max_blocks * bs)[None, :] < lengths[:, None]
             ctx.decode_mask = mask[:, None, None, :].to(self.device)
+            ctx.decode_only = not prefills
 
         keep_rows = sample_rows + [r for rows in prompt_rows.values() for r in rows]
         attention.set_context(ctx)

@@ -3,23 +3,28 @@
 from __future__ import annotations
 
 import functools
+import os
 from pathlib import Path
 
 import torch
 
+# scripts/gpu_check.sh runs the equivalence tests on CUDA by setting these.
+DEVICE = os.environ.get("QUANTGATE_TEST_DEVICE", "cpu")
+DTYPE = {"float32": torch.float32, "bfloat16": torch.bfloat16}[os.environ.get("QUANTGATE_TEST_DTYPE", "float32")]
+
 
 @functools.lru_cache(maxsize=4)
-def hf_model(model_dir: Path, dtype: torch.dtype = torch.float32):
+def hf_model(model_dir: Path, dtype: torch.dtype = DTYPE):
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(DEVICE).eval()
 
 
 @torch.inference_mode()
-def hf_greedy(model_dir: Path, token_ids: list[int], max_new_tokens: int, dtype=torch.float32) -> list[int]:
+def hf_greedy(model_dir: Path, token_ids: list[int], max_new_tokens: int) -> list[int]:
     """HF `generate`, batch of one, greedy, EOS ignored so lengths are comparable."""
-    model = hf_model(model_dir, dtype)
-    ids = torch.tensor([token_ids])
+    model = hf_model(model_dir)
+    ids = torch.tensor([token_ids], device=DEVICE)
     out = model.generate(
         ids,
         attention_mask=torch.ones_like(ids),
@@ -34,5 +39,5 @@ def hf_greedy(model_dir: Path, token_ids: list[int], max_new_tokens: int, dtype=
 @torch.inference_mode()
 def hf_logprobs(model_dir: Path, token_ids: list[int]) -> torch.Tensor:
     """[len, vocab] log-softmax of the model's next-token distribution at each position."""
-    logits = hf_model(model_dir)(torch.tensor([token_ids])).logits[0].float()
-    return torch.log_softmax(logits, dim=-1)
+    logits = hf_model(model_dir)(torch.tensor([token_ids], device=DEVICE)).logits[0].float()
+    return torch.log_softmax(logits, dim=-1).cpu()

@@ -6,7 +6,7 @@ import random
 
 import pytest
 import torch
-from engine_helpers import hf_greedy, hf_logprobs
+from engine_helpers import DEVICE, DTYPE, hf_greedy, hf_logprobs
 
 from serving import LLMEngine, SamplingParams
 
@@ -25,7 +25,8 @@ def random_prompts(n: int, vocab: int, seed: int = 0, lo: int = 3, hi: int = 90)
 
 
 def engine_for(model_dir, **kwargs) -> LLMEngine:
-    kwargs.setdefault("device", "cpu")
+    kwargs.setdefault("device", DEVICE)
+    kwargs.setdefault("dtype", DTYPE)
     return LLMEngine.from_pretrained(str(model_dir), **kwargs)
 
 
