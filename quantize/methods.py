@@ -1,0 +1,187 @@
+"""The method table: one entry per quantization method; another backend is one more entry.
+
+A method builds a quantized model from a plain HF directory, saves it into a directory, and (when
+plain `AutoModelForCausalLM.from_pretrained` cannot) loads it back.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import PreTrainedModel
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class Method:
+    name: str
+    bits: int
+    backend: str
+    description: str
+    # Quantization granularity recorded in the manifest: block size (4-bit), or None = one scale per row.
+    group_size: int | None
+    build: Callable[[Path, dict[str, Any]], PreTrainedModel]
+    save: Callable[[PreTrainedModel, Path], None]
+    # None: the saved directory loads with plain `AutoModelForCausalLM.from_pretrained`.
+    load: Callable[[Path, str, torch.dtype | None], PreTrainedModel] | None = None
+    defaults: dict[str, Any] = field(default_factory=dict)
+    # Names of the saved weight files, so verification knows what must be there.
+    weight_files: tuple[str, ...] = ("model.safetensors",)
+
+    def options(self, opts: dict[str, Any]) -> dict[str, Any]:
+        """Defaults overlaid with `opts`; an option this method does not have is an error."""
+        unknown = sorted(set(opts) - set(self.defaults))
+        if unknown:
+            raise ValueError(
+                f"method {self.name!r} has no option {', '.join(map(repr, unknown))}; "
+                f"its options are {sorted(self.defaults) or 'none'}"
+            )
+        merged = {**self.defaults, **opts}
+        if "compute_dtype" in merged and merged["compute_dtype"] not in DTYPES:
+            raise ValueError(f"compute_dtype must be one of {DTYPES}, got {merged['compute_dtype']!r}")
+        return merged
+
+
+def quiet_bitsandbytes() -> None:
+    """bitsandbytes logs a line per 8-bit matmul on CPU and one about an optional package at import."""
+
+    class _Drop(logging.Filter):
+        def filter(self, record: logging.LogRecord) -> bool:
+            message = record.getMessage()
+            return "inputs will be cast" not in message and "kernels" not in message
+
+    for name in ("bitsandbytes.autograd._functions", "bitsandbytes.backends.cpu.ops"):
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _Drop) for f in logger.filters):
+            logger.addFilter(_Drop())
+
+
+def _torch_dtype(name: str) -> torch.dtype:
+    import torch
+
+    return getattr(torch, name)
+
+
+def _bnb_config(method: str, opts: dict[str, Any]):
+    from transformers import BitsAndBytesConfig
+
+    if method == "int8":
+        return BitsAndBytesConfig(load_in_8bit=True, llm_int8_threshold=float(opts["threshold"]))
+    return BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type=method,
+        bnb_4bit_use_double_quant=bool(opts["double_quant"]),
+        bnb_4bit_compute_dtype=_torch_dtype(opts["compute_dtype"]),
+    )
+
+
+def _bnb_builder(method: str) -> Callable[[Path, dict[str, Any]], PreTrainedModel]:
+    def build(source: Path, opts: dict[str, Any]) -> PreTrainedModel:
+        quiet_bitsandbytes()
+        from transformers import AutoModelForCausalLM
+
+        # Linear4bit packs its weights when placed on a device; device_map places them during load.
+        return AutoModelForCausalLM.from_pretrained(
+            source,
+            quantization_config=_bnb_config(method, opts),
+            dtype=_torch_dtype(opts["dtype"]),
+            device_map={"": opts["device"]},
+        ).eval()
+
+    return build
+
+
+def _save_pretrained(model: PreTrainedModel, out: Path) -> None:
+    model.save_pretrained(out, safe_serialization=True)
+
+
+def _build_int8wo(source: Path, opts: dict[str, Any]) -> PreTrainedModel:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from quantize.weight_only import quantize_model
+
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=_torch_dtype(opts["dtype"])).eval()
+    with torch.no_grad():
+        swapped = quantize_model(model, opts["quantize_lm_head"], opts["quantize_embeddings"])
+    if not swapped:
+        raise ValueError(f"{type(model).__name__} has no nn.Linear layers for weight-only int8 to quantize")
+    return model
+
+
+def _save_int8wo(model: PreTrainedModel, out: Path) -> None:
+    from quantize.weight_only_io import save_weight_only
+
+    save_weight_only(model, out)
+
+
+def _load_int8wo(directory: Path, device: str, dtype: torch.dtype | None) -> PreTrainedModel:
+    from quantize.weight_only_io import load_weight_only
+
+    return load_weight_only(directory, device, dtype)
+
+
+_BNB_4BIT_DEFAULTS = {"double_quant": True, "compute_dtype": "float32", "dtype": "float32", "device": "cpu"}
+
+METHODS: dict[str, Method] = {
+    "int8": Method(
+        name="int8",
+        bits=8,
+        backend="bitsandbytes",
+        description="bitsandbytes LLM.int8(): int8 rows with fp16 outlier columns (threshold 6.0)",
+        group_size=None,
+        build=_bnb_builder("int8"),
+        save=_save_pretrained,
+        defaults={"threshold": 6.0, "dtype": "float32", "device": "cpu"},
+    ),
+    "nf4": Method(
+        name="nf4",
+        bits=4,
+        backend="bitsandbytes",
+        description="bitsandbytes 4-bit NormalFloat, blocks of 64, double quantization",
+        group_size=64,
+        build=_bnb_builder("nf4"),
+        save=_save_pretrained,
+        defaults=dict(_BNB_4BIT_DEFAULTS),
+    ),
+    "fp4": Method(
+        name="fp4",
+        bits=4,
+        backend="bitsandbytes",
+        description="bitsandbytes 4-bit float, blocks of 64, double quantization",
+        group_size=64,
+        build=_bnb_builder("fp4"),
+        save=_save_pretrained,
+        defaults=dict(_BNB_4BIT_DEFAULTS),
+    ),
+    "int8wo": Method(
+        name="int8wo",
+        bits=8,
+        backend="quantgate",
+        description="weight-only int8, one scale per output channel (gpt-fast style); fast CPU decode",
+        group_size=None,
+        build=_build_int8wo,
+        save=_save_int8wo,
+        load=_load_int8wo,
+        defaults={"quantize_lm_head": True, "quantize_embeddings": True, "dtype": "float32"},
+        weight_files=("int8wo.safetensors",),
+    ),
+}
+
+INT4_DEFAULT = "nf4"
+
+
+def get_method(name: str) -> Method:
+    key = str(name).strip().lower()
+    if key == "int4":
+        key = INT4_DEFAULT
+    if key not in METHODS:
+        raise ValueError(f"unknown quantization method {name!r}; choose one of {', '.join(METHODS)} (int4 = nf4)")
+    return METHODS[key]

@@ -1,0 +1,287 @@
+"""Making variants (content-addressed, atomic) and loading any model directory for serving."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import time
+from datetime import UTC, datetime
+from importlib import metadata
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from quantgate.env import apply_defaults, home
+from quantgate.models import content_hash, resolve_model
+from quantize.integrity import (
+    FORMAT_VERSION,
+    KIND,
+    MANIFEST,
+    CorruptVariantError,
+    file_table,
+    is_variant,
+    read_manifest,
+    verify_variant,
+    weight_bytes,
+)
+from quantize.methods import Method, get_method, quiet_bitsandbytes
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import PreTrainedModel
+
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".safetensors.index.json", ".bin.index.json")
+_NOT_COPIED = {"config.json", MANIFEST, "quantgate-converted.json"}
+
+
+def variants_root() -> Path:
+    return home() / "variants"
+
+
+def variant_key(source_hash: str, method: Method, opts: dict[str, Any]) -> str:
+    """`<source_hash[:16]>-<method>`, plus a hash of the options when they are not the defaults."""
+    key = f"{source_hash[:16]}-{method.name}"
+    if opts != method.defaults:
+        key += "-" + hashlib.sha256(json.dumps(opts, sort_keys=True).encode()).hexdigest()[:8]
+    return key
+
+
+def quantize(
+    model_ref: str | Path,
+    method: str = "nf4",
+    out_dir: str | Path | None = None,
+    *,
+    force: bool = False,
+    **opts: Any,
+) -> Path:
+    """Quantize `model_ref` with `method` and return the variant directory.
+
+    Without `out_dir` the variant lives in the cache under QUANTGATE_HOME/variants and a second call
+    with the same source content, method and options returns it at once. A directory that fails
+    verification is rebuilt; one that holds anything else is never touched.
+    """
+    apply_defaults()
+    spec = get_method(method)
+    opts = spec.options(opts)
+    source = resolve_model(model_ref)
+    check_quantizable(source)
+    source_hash = cached_content_hash(source)
+    target = Path(out_dir).expanduser().resolve() if out_dir else variants_root() / variant_key(source_hash, spec, opts)
+    identity = {"source_hash": source_hash, "method": spec.name, "options": opts}
+
+    if not force and _reusable(target, identity, in_cache=out_dir is None):
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    try:
+        _build(spec, source, str(model_ref), source_hash, opts, tmp)
+        _move_into_place(tmp, target, identity)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def check_quantizable(source: Path) -> None:
+    """Refuse sources that are already quantized or are not causal language models, before any work."""
+    if is_variant(source):
+        raise ValueError(f"{source} is already a quantgate variant; quantize its source model instead")
+    config = json.loads((source / "config.json").read_text())
+    if config.get("quantization_config"):
+        method = config["quantization_config"].get("quant_method", "?")
+        raise ValueError(f"{source} is already quantized ({method}); quantize an unquantized model")
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    model_type = config.get("model_type")
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise ValueError(f"{source}: model type {model_type!r} has no causal-LM architecture to quantize")
+    causal = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type]
+    causal = {causal} if isinstance(causal, str) else set(causal)
+    architectures = config.get("architectures") or []
+    if architectures and not causal & set(architectures):
+        raise ValueError(
+            f"{source} holds {', '.join(architectures)}, not a causal language model "
+            f"({' or '.join(sorted(causal))}); quantgate quantizes causal LMs only"
+        )
+
+
+def _reusable(target: Path, identity: dict[str, Any], in_cache: bool) -> bool:
+    """True when `target` already holds this exact variant intact; raises if it holds something else."""
+    if not target.exists():
+        return False
+    if not target.is_dir():
+        raise ValueError(f"output {target} exists and is not a directory; nothing overwritten")
+    if not any(target.iterdir()):
+        return False
+    if (target / MANIFEST).is_file():
+        try:
+            manifest = read_manifest(target)
+        except CorruptVariantError:
+            return False  # our own file name, unreadable: a broken variant, rebuilt
+        if _identity(manifest) != identity and not in_cache:
+            raise ValueError(
+                f"output {target} holds a variant of {manifest['source']['ref']} ({manifest['method']}), "
+                "not the one asked for; nothing overwritten (choose another --out or remove it)"
+            )
+        try:
+            verify_variant(target, full=True)
+        except CorruptVariantError:
+            return False
+        return _identity(manifest) == identity
+    if in_cache:
+        return False  # a partial build under our own cache key
+    raise ValueError(f"output {target} exists and holds other content (no {MANIFEST}); nothing overwritten")
+
+
+def _identity(manifest: dict[str, Any]) -> dict[str, Any]:
+    return {"source_hash": manifest["source"]["content_hash"], "method": manifest["method"],
+            "options": manifest.get("options")}
+
+
+def _build(spec: Method, source: Path, ref: str, source_hash: str, opts: dict[str, Any], out: Path) -> None:
+    start = time.perf_counter()
+    model = spec.build(source, opts)
+    spec.save(model, out)
+    del model
+    for file in sorted(source.iterdir()):
+        if file.is_file() and file.name not in _NOT_COPIED and not file.name.endswith(_WEIGHT_SUFFIXES):
+            if not (out / file.name).exists():
+                shutil.copy2(file, out / file.name)
+    seconds = time.perf_counter() - start
+    missing = [name for name in spec.weight_files if not (out / name).is_file()]
+    if missing:
+        raise RuntimeError(f"{spec.name} did not write {missing}")
+    total, by_dtype = weight_bytes(out)
+    source_total = weight_bytes(source)[0] if any(source.glob("*.safetensors")) else None
+    manifest = {
+        "kind": KIND,
+        "format_version": FORMAT_VERSION,
+        "source": {"ref": ref, "path": str(source), "content_hash": source_hash, "weight_bytes": source_total},
+        "method": spec.name,
+        "bits": spec.bits,
+        "backend": spec.backend,
+        "description": spec.description,
+        "group_size": spec.group_size,
+        "options": opts,
+        "weight_bytes": total,
+        "weight_bytes_by_dtype": by_dtype,
+        "quantize_seconds": round(seconds, 3),
+        "created": datetime.now(UTC).isoformat(timespec="seconds"),
+        "versions": library_versions(spec.backend),
+        "files": file_table(out),
+    }
+    (out / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+
+
+def _move_into_place(tmp: Path, target: Path, identity: dict[str, Any]) -> None:
+    """Rename the finished build onto `target`; an old broken or empty `target` is moved aside first."""
+    old = None
+    if target.exists():
+        old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
+        os.rename(target, old / "v")
+    try:
+        os.rename(tmp, target)
+    except OSError:
+        # Someone else finished the same variant first: keep theirs if it is intact.
+        try:
+            if _identity(verify_variant(target, full=True)) == identity:
+                return
+        except CorruptVariantError:
+            pass
+        raise
+    finally:
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def library_versions(backend: str) -> dict[str, str]:
+    names = ["quantgate", "torch", "transformers", "safetensors", "accelerate"]
+    if backend == "bitsandbytes":
+        names.append("bitsandbytes")
+    versions = {}
+    for name in names:
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            versions[name] = "not installed"
+    return versions
+
+
+def cached_content_hash(model_dir: Path) -> str:
+    """`content_hash`, remembered per directory until a file's size or mtime changes (hashing 0.5 GB takes s)."""
+    model_dir = Path(model_dir).resolve()
+    stamp = hashlib.sha256()
+    for file in sorted(p for p in model_dir.rglob("*") if p.is_file() and not p.name.startswith(".")):
+        st = file.stat()
+        stamp.update(f"{file.relative_to(model_dir)}:{st.st_size}:{st.st_mtime_ns}\n".encode())
+    memo_path = variants_root() / ".source-hashes.json"
+    try:
+        memo = json.loads(memo_path.read_text())
+    except (OSError, ValueError):
+        memo = {}
+    entry = memo.get(str(model_dir))
+    if entry and entry.get("stamp") == stamp.hexdigest():
+        return entry["hash"]
+    digest = content_hash(model_dir)
+    memo[str(model_dir)] = {"stamp": stamp.hexdigest(), "hash": digest}
+    memo_path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = memo_path.with_name(f".source-hashes.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(memo, indent=1))
+    os.replace(tmp, memo_path)
+    return digest
+
+
+def load_variant(directory: str | Path, device: str = "cpu", dtype: torch.dtype | None = None) -> PreTrainedModel:
+    """Load a verified variant directory as a ready causal LM on `device`."""
+    directory = Path(directory)
+    manifest = verify_variant(directory)
+    spec = get_method(manifest["method"])
+    if spec.load is not None:
+        return spec.load(directory, device, dtype).eval()
+    quiet_bitsandbytes()
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(
+        directory, dtype=dtype or "auto", device_map={"": device}
+    ).eval()
+
+
+def load_model(model_dir: str | Path, device: str = "cpu", dtype: torch.dtype | None = None) -> PreTrainedModel:
+    """Any model the engine may serve: a plain HF directory, a variant (verified first), or a reference.
+
+    `dtype=None` keeps the dtype the directory was saved in.
+    """
+    apply_defaults()
+    path = resolve_model(model_dir)
+    if (path / MANIFEST).exists():
+        return load_variant(path, device, dtype)
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype or "auto", device_map={"": device}).eval()
+
+
+_SAFETENSORS_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
+
+
+def measured_weight_bytes(model_ref: str | Path, dtype: str) -> dict[str, int]:
+    """Measured weight bytes of a model ("baseline", when stored in `dtype`) and of its intact cached
+    variants built with default options whose unquantized parts are `dtype`."""
+    from quantize.methods import METHODS
+
+    source = resolve_model(model_ref)
+    measured: dict[str, int] = {}
+    if any(source.glob("*.safetensors")):
+        total, by_dtype = weight_bytes(source)
+        if set(by_dtype) == {_SAFETENSORS_DTYPES.get(dtype)}:
+            measured["baseline"] = total
+    source_hash = cached_content_hash(source)
+    for spec in METHODS.values():
+        directory = variants_root() / variant_key(source_hash, spec, spec.defaults)
+        try:
+            manifest = verify_variant(directory, full=False)
+        except (CorruptVariantError, OSError):
+            continue
+        if manifest["options"].get("dtype") == dtype:
+            measured[spec.name] = manifest["weight_bytes"]
+    return measured
