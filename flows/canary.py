@@ -1,25 +1,45 @@
-"""The canary stage: a replayed traffic sample split between the champion and the challenger.
+"""The canary stage: the champion and the challenger behind our router, a replayed traffic sample.
 
-Each request carries a user id; the split is sticky per user (hash of the id against the challenger's
-share), like the router's. Per version: requests, errors (a request the server refused or that ended
-abnormally), error rate, TPOT p50/p99, TTFT p99. The flow logs these and judges the challenger's with
-the policy's canary gates.
+Both versions are served by `serving.server` on loopback ports, the router (`serving.router`) in front
+sends each request to a version by weight, sticky per `user`. The replay streams every request through
+the router; the router names the version that answered (`X-Quantgate-Version`). Per version: requests,
+errors (non-200, or an error inside the stream), error rate, TTFT and TPOT quantiles. The flow logs the
+numbers, judges the challenger's with the policy's canary gates, then tells the router to promote or to
+roll back (recorded in the router's decision history, which is kept as an artifact).
 """
 
 from __future__ import annotations
 
-import hashlib
+import asyncio
 import json
+import secrets
+import threading
+import time
 from collections.abc import Callable
+from contextlib import ExitStack
 from pathlib import Path
 
 CHAMPION, CHALLENGER = "champion", "challenger"
+CANARY_KV_GB = 0.25
+REPLAY_CONCURRENCY = 4
+MAX_TOKENS = 16
 
 
-def assign(user: str, share: float) -> str:
-    """Sticky split: the same user always lands on the same version for a given share."""
-    bucket = int.from_bytes(hashlib.sha256(user.encode()).digest()[:8], "big") / 2**64
-    return CHALLENGER if bucket < share else CHAMPION
+# serving.attention keeps the step's attention context in a module global, so two engines of one process
+# must not step at the same time (on 2 cores each forward pass uses both anyway). Drop once it is
+# thread-local.
+_STEP_LOCK = threading.Lock()
+
+
+def _one_step_at_a_time(engine):
+    step = engine.step
+
+    def locked_step():
+        with _STEP_LOCK:
+            return step()
+
+    engine.step = locked_step
+    return engine
 
 
 def traffic(n: int, seed: int = 0) -> list[dict]:
@@ -27,7 +47,7 @@ def traffic(n: int, seed: int = 0) -> list[dict]:
     from benchmarks.common import load_prompts
 
     prompts = load_prompts()
-    return [{"user": f"user-{seed}-{i}", "prompt": prompts[i % len(prompts)], "max_tokens": 16} for i in range(n)]
+    return [{"user": f"user-{seed}-{i}", "prompt": prompts[i % len(prompts)]} for i in range(n)]
 
 
 def version_stats(records: list[dict]) -> dict:
@@ -46,22 +66,134 @@ def version_stats(records: list[dict]) -> dict:
     }
 
 
+class Canary:
+    """Champion and challenger servers plus the router, up for the duration of a `with` block."""
+
+    def __init__(self, champion_dir: Path, challenger_dir: Path, share: float, decisions_log: Path):
+        if not 0.0 < share < 1.0:
+            raise ValueError(f"canary share must be between 0 and 1 (exclusive), got {share}")
+        self.dirs = {CHAMPION: Path(champion_dir), CHALLENGER: Path(challenger_dir)}
+        self.share = share
+        self.decisions_log = decisions_log
+        self.admin_key = secrets.token_hex(16)
+        self._stack = ExitStack()
+        self.url = ""
+
+    def __enter__(self) -> Canary:
+        from serving import LLMEngine
+        from serving.router import build_router_app, parse_router_config
+        from serving.server import ServerThread, build_app
+
+        try:
+            backends = {}
+            for version, path in self.dirs.items():
+                engine = _one_step_at_a_time(
+                    LLMEngine.from_pretrained(str(path), device="cpu", kv_cache_memory_gb=CANARY_KV_GB))
+                server = self._stack.enter_context(ServerThread(build_app(engine, served_model_name=version,
+                                                                          version=version)))
+                backends[version] = server.url
+            config = parse_router_config({
+                "versions": {CHAMPION: {"weight": 1.0 - self.share, "backends": [backends[CHAMPION]]},
+                             CHALLENGER: {"weight": self.share, "backends": [backends[CHALLENGER]]}},
+                "canary": CHALLENGER,
+                "admin_key": self.admin_key,
+                "decisions_log": str(self.decisions_log),
+            }, source="canary router")
+            self.url = self._stack.enter_context(ServerThread(build_router_app(config))).url
+        except BaseException:
+            self._stack.close()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stack.close()
+
+    def replay(self, sample: list[dict], advance: Callable[[int], None]) -> list[dict]:
+        return asyncio.run(_replay(self.url, sample, advance))
+
+    def decide(self, promote: bool, reason: str) -> dict:
+        import httpx
+
+        action = "promote" if promote else "rollback"
+        resp = httpx.post(f"{self.url}/admin/{action}", json={"reason": reason},
+                          headers={"Authorization": f"Bearer {self.admin_key}"}, timeout=10.0)
+        resp.raise_for_status()
+        return resp.json()
+
+
+async def _replay(url: str, sample: list[dict], advance: Callable[[int], None]) -> list[dict]:
+    import httpx
+
+    gate = asyncio.Semaphore(REPLAY_CONCURRENCY)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(300.0, connect=5.0)) as client:
+
+        async def one(i: int, item: dict) -> dict:
+            async with gate:
+                record = await _stream_one(client, url, i, item)
+            advance(1)
+            return record
+
+        return list(await asyncio.gather(*(one(i, item) for i, item in enumerate(sample))))
+
+
+async def _stream_one(client, url: str, i: int, item: dict) -> dict:
+    import httpx
+
+    body = {"prompt": item["prompt"], "max_tokens": MAX_TOKENS, "temperature": 0.0, "stream": True,
+            "stream_options": {"include_usage": True}, "user": item["user"], "ignore_eos": True}
+    record: dict = {"id": i, "user": item["user"], "version": None, "status": None, "error": None,
+                    "ttft_s": None, "tpot_s": None, "tokens": 0}
+    start = time.perf_counter()
+    try:
+        async with client.stream("POST", f"{url}/v1/completions", json=body) as resp:
+            record["status"] = resp.status_code
+            record["version"] = resp.headers.get("x-quantgate-version")
+            if resp.status_code != 200:
+                record["error"] = f"HTTP {resp.status_code}: {(await resp.aread())[:200].decode(errors='replace')}"
+                return record
+            async for line in resp.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[len("data: "):])
+                if "error" in chunk:
+                    record["error"] = f"in stream: {chunk['error'].get('message', chunk['error'])}"
+                    continue
+                if chunk.get("choices") and record["ttft_s"] is None:
+                    record["ttft_s"] = time.perf_counter() - start
+                if chunk.get("usage"):
+                    record["tokens"] = chunk["usage"].get("completion_tokens", 0)
+    except httpx.HTTPError as exc:
+        record["error"] = f"{type(exc).__name__}: {exc}"
+        return record
+    e2e = time.perf_counter() - start
+    if record["ttft_s"] is not None and record["tokens"] > 1:
+        record["tpot_s"] = (e2e - record["ttft_s"]) / (record["tokens"] - 1)
+    elif record["error"] is None:
+        record["error"] = f"no tokens streamed (usage {record['tokens']})"
+    return record
+
+
 def run_canary(champion_dir: Path, challenger_dir: Path, n: int, share: float, out: Path,
-               advance: Callable[[int], None]) -> dict:
-    if not 0.0 < share < 1.0:
-        raise ValueError(f"canary share must be between 0 and 1 (exclusive), got {share}")
+               advance: Callable[[int], None], judge: Callable[[dict], tuple[bool, str]]) -> dict:
+    """Serve both, replay `n` requests through the router, judge, tell the router; returns the numbers."""
     if n < 2:
         raise ValueError(f"a canary needs at least 2 requests, got {n}")
-    records = _replay_engines(champion_dir, challenger_dir, traffic(n), share, advance)
-    by_version = {v: [r for r in records if r["version"] == v] for v in (CHAMPION, CHALLENGER)}
-    if not by_version[CHALLENGER]:
-        raise RuntimeError(f"no request of the {n}-request sample went to the challenger at share {share}")
-    result = {v: version_stats(rs) for v, rs in by_version.items()}
+    out.mkdir(parents=True, exist_ok=True)
+    decisions = out / "router_decisions.jsonl"
+    with Canary(champion_dir, challenger_dir, share, decisions) as canary:
+        records = canary.replay(traffic(n), advance)
+        unrouted = [r for r in records if r["version"] not in (CHAMPION, CHALLENGER)]
+        result: dict = {v: version_stats([r for r in records if r["version"] == v]) for v in (CHAMPION, CHALLENGER)}
+        if unrouted:
+            result["unrouted"] = len(unrouted)
+        if result[CHALLENGER]["requests"] == 0:
+            raise RuntimeError(f"no request of the {n}-request sample reached the challenger at share {share}")
+        passed, reason = judge(result)
+        result["router"] = canary.decide(passed, reason)
     trace = out / "canary_trace.jsonl"
-    trace.parent.mkdir(parents=True, exist_ok=True)
     trace.write_text("".join(json.dumps(r) + "\n" for r in records))
     (out / "canary.json").write_text(json.dumps(result, indent=2))
-    result["artifacts"] = [str(trace), str(out / "canary.json")]
+    result["artifacts"] = [str(trace), str(out / "canary.json")] + ([str(decisions)] if decisions.exists() else [])
     result["summary"] = {
         "requests": len(records),
         "challenger_requests": result[CHALLENGER]["requests"],
@@ -70,40 +202,3 @@ def run_canary(champion_dir: Path, challenger_dir: Path, n: int, share: float, o
         "champion_tpot_p99_s": result[CHAMPION]["tpot_p99_s"],
     }
     return result
-
-
-def _replay_engines(champion_dir: Path, challenger_dir: Path, sample: list[dict], share: float,
-                    advance: Callable[[int], None]) -> list[dict]:
-    """Engine-level replay: both versions loaded side by side, each request sent to its version."""
-    from serving import LLMEngine, SamplingParams
-
-    engines = {
-        CHAMPION: LLMEngine.from_pretrained(str(champion_dir), device="cpu", kv_cache_memory_gb=0.25),
-        CHALLENGER: LLMEngine.from_pretrained(str(challenger_dir), device="cpu", kv_cache_memory_gb=0.25),
-    }
-    records: dict[str, dict] = {}
-    for i, item in enumerate(sample):
-        version = assign(item["user"], share)
-        rid = f"canary-{i}"
-        record = {"id": rid, "user": item["user"], "version": version, "error": None}
-        try:
-            engines[version].add_request(item["prompt"], SamplingParams(max_tokens=item["max_tokens"], temperature=0.0),
-                                         request_id=rid)
-        except ValueError as exc:
-            record["error"] = f"refused: {exc}"
-            advance(1)
-        records[rid] = record
-    while any(e.has_unfinished() for e in engines.values()):
-        for engine in engines.values():
-            if not engine.has_unfinished():
-                continue
-            for out in engine.step():
-                if not out.finished:
-                    continue
-                r = records[out.request_id]
-                r.update(tokens=len(out.token_ids), finish_reason=out.finish_reason,
-                         ttft_s=out.metrics.ttft, tpot_s=out.metrics.tpot)
-                if out.finish_reason not in ("stop", "length"):
-                    r["error"] = f"finished with {out.finish_reason}"
-                advance(1)
-    return list(records.values())

@@ -117,10 +117,10 @@ def clear_challenger(model: str, version: str, reason: str) -> None:
     clear(model, reason=reason, version=version)
 
 
-def record_canary(release_run_id: str, challenger_run_id: str, result: dict[str, Any]) -> None:
-    """Challenger's canary metrics on its run (what the canary gates judge); champion's on the release."""
+def record_canary_metrics(release_run_id: str, challenger_run_id: str, result: dict[str, Any]) -> None:
+    """Challenger's canary numbers on its run (what the canary gates judge); champion's on the release."""
     from gates import metrics as M
-    from gates.tracking import log_evidence, log_metrics
+    from gates.tracking import log_metrics
 
     ch = result["challenger"]
     metrics = {M.CANARY_REQUESTS: ch["requests"], M.CANARY_ERROR_RATE: ch["error_rate"]}
@@ -128,10 +128,16 @@ def record_canary(release_run_id: str, challenger_run_id: str, result: dict[str,
         metrics[M.CANARY_TPOT_P99_S] = ch["tpot_p99_s"]
     log_metrics(challenger_run_id, metrics)
     champ = result["champion"]
-    release_metrics = {"canary/champion_requests": champ["requests"], "canary/champion_error_rate": champ["error_rate"]}
+    release_metrics = {"canary/champion_requests": champ["requests"], "canary/champion_error_rate": champ["error_rate"],
+                       "canary/challenger_requests": ch["requests"]}
     if champ.get("tpot_p99_s") is not None:
         release_metrics["canary/champion_tpot_p99_s"] = champ["tpot_p99_s"]
     log_metrics(release_run_id, release_metrics)
+
+
+def log_canary_artifacts(challenger_run_id: str, result: dict[str, Any]) -> None:
+    from gates.tracking import log_evidence
+
     files = [Path(p) for p in result.get("artifacts", []) if Path(p).exists()]
     if files:
         log_evidence(challenger_run_id, files, subdir="canary")

@@ -245,9 +245,25 @@ def evaluate_gates(run_id: str, policy: str | None, stage_name: str = "release")
 
 
 @task(name="canary", cache_policy=NO_CACHE)
-def canary(champion_dir: str, challenger_dir: str, requests: int, share: float, out: str) -> dict:
+def canary(champion_dir: str, challenger_dir: str, requests: int, share: float, out: str, release_run_id: str,
+           challenger_run_id: str, policy: str | None) -> dict:
+    """Replay traffic through the router; the challenger's numbers go to MLflow and are judged there
+    (canary gates) before the router is told to promote or roll back."""
+    from gates.evaluate import evaluate_run
+
+    def judge(result: dict) -> tuple[bool, str]:
+        records.record_canary_metrics(release_run_id, challenger_run_id, result)
+        ev = evaluate_run(challenger_run_id, records.load_policy(policy), stage="canary")
+        result["gates"] = {"passed": ev.passed, "failed": [r.name for r in ev.failed]}
+        if ev.passed:
+            return True, f"canary gates passed ({len(ev.results)} gates), MLflow run {challenger_run_id}"
+        return False, "canary gates failed: " + "; ".join(f"{r.name}: {r.reason}" for r in ev.failed)
+
     with stage(f"canary: {requests} replayed requests, {share:.0%} to the challenger", total=requests) as advance:
-        return canary_stage.run_canary(Path(champion_dir), Path(challenger_dir), requests, share, Path(out), advance)
+        result = canary_stage.run_canary(Path(champion_dir), Path(challenger_dir), requests, share, Path(out),
+                                         advance, judge)
+    records.log_canary_artifacts(challenger_run_id, result)
+    return result
 
 
 # ---- the flow ---------------------------------------------------------------------------------------
@@ -389,19 +405,17 @@ def _canary_stage(summary: ReleaseSummary, source: Source, chosen: VariantResult
     champion_version, champion_dir = champion
     challenger_dir = records.version_source(source.name, chosen.version)
     out = work_dir("canary", summary.release_run_id)
-    result = canary(str(champion_dir), str(challenger_dir), requests, share, str(out))
-    records.record_canary(summary.release_run_id, chosen.run_id, result)
-    ev = evaluate_gates(chosen.run_id, policy, "canary")
-    summary.canary = {"champion_version": champion_version, **result.get("summary", {}), "passed": ev.passed,
-                      "failed": [r.name for r in ev.failed]}
-    if ev.passed:
+    result = canary(str(champion_dir), str(challenger_dir), requests, share, str(out), summary.release_run_id,
+                    chosen.run_id, policy)
+    passed, failed = result["gates"]["passed"], result["gates"]["failed"]
+    summary.canary = {"champion_version": champion_version, **result["summary"], "passed": passed, "failed": failed}
+    if passed:
         registry.promote(source.name, chosen.version,
                          reason=f"release {summary.release_run_id}: canary passed against v{champion_version}")
         summary.outcome = f"{chosen.name} (v{chosen.version}) promoted to champion"
         chosen.decision += "; canary passed -> champion"
     else:
-        records.clear_challenger(source.name, chosen.version,
-                                f"canary failed: {', '.join(r.reason for r in ev.failed)}")
+        records.clear_challenger(source.name, chosen.version, f"canary failed: {', '.join(failed)}")
         summary.outcome = f"{chosen.name} (v{chosen.version}) rolled back after the canary; champion stays v{champion_version}"
         chosen.decision += "; canary failed -> rolled back"
 

@@ -162,16 +162,17 @@ tasks: {max_drop: 1.0}
 safety: {refusal_rate_max_fall: null, over_refusal_rate_max_rise: null}
 weights: {min_reduction: null}
 serving: {min_decode_speedup: null, max_tpot_p99_s: %s}
-canary: {max_error_rate: 0.0, max_tpot_p99_s: 60.0}
+canary: {max_error_rate: 0.0, max_tpot_p99_s: %s}
 """
 
 
 @pytest.fixture(scope="module")
 def policies(tmp_path_factory) -> dict[str, str]:
     d = tmp_path_factory.mktemp("policies")
-    (d / "pass.yaml").write_text(POLICY % "60.0")
-    (d / "fail.yaml").write_text(POLICY % "1.0e-6")  # no engine decodes a token in a microsecond
-    return {"pass": str(d / "pass.yaml"), "fail": str(d / "fail.yaml")}
+    (d / "pass.yaml").write_text(POLICY % ("60.0", "60.0"))
+    (d / "fail.yaml").write_text(POLICY % ("1.0e-6", "60.0"))  # no engine decodes a token in a microsecond
+    (d / "canary_fail.yaml").write_text(POLICY % ("60.0", "1.0e-6"))
+    return {name: str(d / f"{name}.yaml") for name in ("pass", "fail", "canary_fail")}
 
 
 def _release(model: Path, policy: str, **kw) -> dict:
@@ -249,6 +250,24 @@ def test_a_failing_gate_promotes_nothing(first_release, tiny_model_dir, policies
     # measurements were cached from the first release: nothing measured twice
     states = {t.name.split("-")[0]: t.state.name for t in _task_runs(s["flow_run_id"])}
     assert states["measure"] == "Cached" and states["quantize"] == "Cached"
+
+
+def test_a_failing_canary_rolls_back(first_release, tiny_model_dir, policies):
+    from gates import registry
+    from gates.tracking import get_client, get_run
+
+    before = registry.aliases(first_release["model"])
+    s = _release(tiny_model_dir, policies["canary_fail"])
+    nf4 = s["rows"][1]
+    assert nf4["gates_passed"] is True and s["chosen"] == "nf4"
+    assert s["canary"]["passed"] is False and s["canary"]["failed"] == ["canary/max_tpot_p99_s"]
+    assert "rolled back" in s["outcome"] and nf4["decision"].endswith("canary failed -> rolled back")
+    assert registry.aliases(s["model"]) == before  # champion unchanged, challenger withdrawn
+    moves = [(m.alias, m.version, m.kind) for m in registry.alias_history(s["model"])][-2:]
+    assert moves == [("challenger", nf4["version"], "challenger"), ("challenger", None, "clear")]
+    run = get_run(nf4["run_id"], get_client())
+    assert run.data.tags["gates/canary/verdict"] == "fail"
+    assert run.data.metrics["canary/tpot_p99_s"] > 1e-6
 
 
 def _paused_release(model: Path, policy: str, answer: dict) -> tuple[dict, str]:
