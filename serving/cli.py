@@ -18,6 +18,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--scheduler", choices=["continuous", "static"], default="continuous")
     p.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
     p.set_defaults(func=_generate)
+    _register_serve(subparsers)
+    _register_route(subparsers)
 
 
 DEMO_PROMPTS = [
@@ -77,4 +79,74 @@ def _generate(args: argparse.Namespace) -> int:
         f"[bold]{total / elapsed:.1f} tokens/s[/bold] ({engine.device}, {engine.scheduler_name} batching, "
         f"{stats.num_blocks} KV blocks of {stats.block_size} tokens, {stats.num_preemptions} preemptions)"
     )
+    return 0
+
+
+# ---- serve / route -----------------------------------------------------------------------------
+def _register_serve(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
+    p.add_argument("--model", default="smollm2-135m", help="model reference or variant directory")
+    p.add_argument("--host", default="127.0.0.1", help="interface to listen on (default: loopback only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-keys", default=None, metavar="FILE",
+                   help="YAML of API key -> tenant and per-tenant limits; without it no key is needed")
+    p.add_argument("--served-model-name", default=None, help="the `model` clients ask for (default: from --model)")
+    p.add_argument("--model-version", default=None, help="the `version` label of every metric (default: the name)")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    p.add_argument("--dtype", default=None, help="float32, bfloat16 or float16")
+    p.add_argument("--scheduler", choices=["continuous", "static"], default="continuous")
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=512)
+    p.add_argument("--num-kv-blocks", type=int, default=None)
+    p.add_argument("--kv-cache-memory-gb", type=float, default=None)
+    p.add_argument("--max-waiting", type=int, default=256, help="queued requests before 429s (whole server)")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--log-level", default="info")
+    p.set_defaults(func=_serve)
+
+
+def _register_route(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("route", help="canary router in front of several `quantgate serve` backends")
+    p.add_argument("--config", required=True, metavar="FILE", help="router YAML (versions, weights, backends)")
+    p.add_argument("--host", default=None, help="interface (default: the config's, else 127.0.0.1)")
+    p.add_argument("--port", type=int, default=None, help="port (default: the config's, else 9000)")
+    p.add_argument("--log-level", default="info")
+    p.set_defaults(func=_route)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from serving.tenants import load_tenants
+
+    if args.max_waiting < 1:
+        raise ValueError("--max-waiting must be at least 1")
+    tenants = load_tenants(args.api_keys) if args.api_keys else None  # a bad file fails before the model loads
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    from serving import LLMEngine
+    from serving.server import build_app
+
+    engine = LLMEngine.from_pretrained(
+        args.model, device=args.device, dtype=args.dtype, scheduler=args.scheduler, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, num_kv_blocks=args.num_kv_blocks,
+        kv_cache_memory_gb=args.kv_cache_memory_gb,
+    )
+    app = build_app(engine, served_model_name=args.served_model_name, version=args.model_version,
+                    tenants=tenants, max_waiting=args.max_waiting)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+    return 0
+
+
+def _route(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from serving.router import build_router_app, load_router_config
+
+    config = load_router_config(args.config)
+    app = build_router_app(config)
+    uvicorn.run(app, host=args.host or config.host, port=args.port or config.port, log_level=args.log_level,
+                timeout_graceful_shutdown=5)
     return 0
