@@ -151,7 +151,7 @@ class EngineLM(TemplateLM):
         for context, gen_kwargs in (req.args for req in requests):
             kwargs = dict(gen_kwargs)
             until = kwargs.pop("until", None) or []
-            until = [until] if isinstance(until, str) else list(until)
+            until = [u for u in ([until] if isinstance(until, str) else until) if u]
             eos = self.tokenizer.eos_token
             if eos and eos not in until:
                 until.append(eos)
