@@ -175,3 +175,9 @@ def test_every_instruct_item_has_a_known_check() -> None:
         scoring.instruct_ok({"check": {"kind": kind, "word": "x", "n": 1, "value": 1, "prefix": "x"}}, "x")
     with pytest.raises(ValueError, match="unknown instruct check kind"):
         scoring.instruct_ok({"check": {"kind": "telepathy"}}, "x")
+
+
+def test_every_task_has_its_readme_line() -> None:
+    readme = (DATA_DIR.parent / "README.md").read_text()
+    for spec in TASKS.values():
+        assert f"- **{spec.name}** (" in readme and spec.readme in readme, spec.name
