@@ -199,9 +199,11 @@ ERROR_TYPES = {
 class APIError(Exception):
     """An error the client should see as an OpenAI-shaped JSON body with this status."""
 
-    def __init__(self, status: int, message: str, code: str | None = None, headers: dict | None = None):
+    def __init__(self, status: int, message: str, code: str | None = None, headers: dict | None = None,
+                 param: str | None = None):
         super().__init__(message)
         self.status, self.message, self.code, self.headers = status, message, code, headers or {}
+        self.param = param
 
 
 def error_body(status: int, message: str, code: str | None = None, param: str | None = None) -> dict[str, Any]:

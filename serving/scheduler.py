@@ -15,8 +15,9 @@ With several tenants (the server's API keys) two rules keep one tenant from star
 admission takes the head of each tenant's FIFO in turn (round-robin), skipping a tenant whose
 KV-block quota (`tenant_max_kv_blocks`, reserved for prompt + max_tokens) is full; and while more
 than one tenant has work, each gets an equal share of the step's token budget for prefill chunks
-(decode tokens always run), so a burst of long prompts cannot hold back another tenant's decodes
-or admission. A share left unused tops up the prefills that were cut short. With one tenant the
+(decode tokens always run), so a burst of long prompts can neither hold back another tenant's
+decodes or admission nor make its steps slow. A share left unused stays unused: isolation is
+bought with some throughput, and only while several tenants are active. With one tenant the
 schedule is exactly the plain FIFO one.
 
 The static scheduler differs in one rule: it admits a new batch only when every sequence of the
@@ -122,17 +123,6 @@ class Scheduler:
             if n > 0:
                 out.scheduled.append(ScheduledSeq(seq, n))
                 budget -= n
-
-        # 3. Tenant shares left unused top up the prefill chunks that were cut short.
-        if shares is not None and not out.preempted:
-            for item in out.scheduled:
-                if budget <= 0:
-                    break
-                extra = min(item.seq.num_uncomputed_tokens - item.num_new_tokens, budget)
-                if extra > 0 and self.block_manager.can_append(item.seq, item.num_new_tokens + extra):
-                    item.num_new_tokens += extra
-                    self.block_manager.append_slots(item.seq, item.num_new_tokens)
-                    budget -= extra
         return out
 
     def finish(self, seq: Sequence) -> None:

@@ -45,6 +45,8 @@ log = logging.getLogger("quantgate.server")
 MAX_BODY_BYTES = 32 * 2**20
 RETRY_AFTER_S = 1
 DISCONNECT_POLL_S = 0.5
+MIN_TEMPERATURE = 1e-5
+MIN_TOP_P = 1e-6
 
 
 # ---- the engine thread -------------------------------------------------------------------------
@@ -91,13 +93,16 @@ class EngineLoop:
                queue: asyncio.Queue) -> list[str]:
         """Queue one engine request per prompt, all or none. 429 when a waiting queue is full."""
         loop = asyncio.get_running_loop()
+        if len(prompts) > self.max_waiting:  # it could never fit the queue: no retry would help
+            raise APIError(400, f"{len(prompts)} prompts in one request; this server queues at most "
+                           f"{self.max_waiting} prompts (its max_waiting)", "too_many_prompts")
         with self._lock:
-            if len(self._queued) >= self.max_waiting:
+            if len(self._queued) + len(prompts) > self.max_waiting:  # every prompt is a queued request
                 self.metrics.reject(tenant, "server_queue_full")
                 raise APIError(429, f"the server's waiting queue is full ({self.max_waiting} requests); retry later",
                                "queue_full", {"Retry-After": str(RETRY_AFTER_S)})
             limit = self.tenant_limits.get(tenant)
-            if limit is not None and sum(1 for t in self._queued.values() if t == tenant) >= limit:
+            if limit is not None and sum(1 for t in self._queued.values() if t == tenant) + len(prompts) > limit:
                 self.metrics.reject(tenant, "tenant_queue_full")
                 raise APIError(429, f"tenant {tenant!r} already has {limit} requests waiting (its max_waiting); "
                                "retry later", "tenant_queue_full", {"Retry-After": str(RETRY_AFTER_S)})
@@ -201,21 +206,55 @@ def _sse(obj: dict) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
+async def _read_body(request: Request) -> bytes:
+    """The body, refused with 413 from its Content-Length or as soon as it grows past the limit."""
+    too_big = APIError(413, f"request body over {MAX_BODY_BYTES} bytes")
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and (len(declared) > 15 or int(declared) > MAX_BODY_BYTES):
+        raise too_big
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            raise too_big
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _has_lone_surrogate(data: object) -> bool:
+    """JSON may escape half a UTF-16 pair (`"\\ud800"`); such a string is no text the tokenizer can take."""
+    stack = [data]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError:
+                return True
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return False
+
+
 async def _parse(request: Request, model: type[BaseModel]) -> BaseModel:
-    body = await request.body()
-    if len(body) > MAX_BODY_BYTES:
-        raise APIError(413, f"request body over {MAX_BODY_BYTES} bytes")
+    body = await _read_body(request)
     try:
         data = json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+    except (ValueError, RecursionError) as exc:  # also: invalid UTF-8, nesting too deep, a 5000-digit number
         raise APIError(400, f"the body is not valid JSON: {exc}", "invalid_json") from exc
     if not isinstance(data, dict):
         raise APIError(400, f"the body must be a JSON object, got {type(data).__name__}")
+    if _has_lone_surrogate(data):
+        raise APIError(400, "the body holds a string with a lone UTF-16 surrogate escape; it is not valid UTF-8 text",
+                       "invalid_json")
     try:
         return model.model_validate(data)
     except ValidationError as exc:
         message, param = describe_validation_errors(exc.errors())
-        raise APIError(400, message, param) from exc
+        raise APIError(400, message, param=param) from exc
 
 
 def _holdback(text: str, stops: list[str], finished: bool) -> str:
@@ -308,7 +347,8 @@ def build_app(
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError):
-        return JSONResponse(error_body(exc.status, exc.message, exc.code), exc.status, headers=exc.headers)
+        return JSONResponse(error_body(exc.status, exc.message, exc.code, exc.param), exc.status,
+                            headers=exc.headers)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):
@@ -341,6 +381,9 @@ def build_app(
     def encode(prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:
         if isinstance(prompt, str):
             return tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+        bad = [t for t in prompt if t >= engine.vocab_size]  # before anything decodes them (an id > 2**63: 500)
+        if bad:
+            raise APIError(400, f"token id {bad[0]} is not in the vocabulary (0..{engine.vocab_size - 1})")
         return list(prompt)
 
     async def collect(request: Request, queue: asyncio.Queue, rids: list[str]) -> list[RequestOutput]:
@@ -365,8 +408,12 @@ def build_app(
 
     def sampling(body: CompletionRequest | ChatCompletionRequest, max_tokens: int, logprobs: int | None,
                  prompt_logprobs: int | None) -> SamplingParams:
+        # The sampler works in float32, where a temperature or top_p under ~1e-38 is 0: NaN probabilities
+        # failed the whole engine step. A temperature that small is greedy (vLLM: < 1e-5); a top_p that small
+        # keeps only the best token, as MIN_TOP_P does.
+        temperature = 0.0 if body.temperature < MIN_TEMPERATURE else body.temperature
         return SamplingParams(
-            max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
+            max_tokens=max_tokens, temperature=temperature, top_p=max(body.top_p, MIN_TOP_P), top_k=body.top_k,
             seed=body.seed, stop=body.stop or [], stop_token_ids=body.stop_token_ids or [],
             ignore_eos=body.ignore_eos, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
         )

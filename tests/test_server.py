@@ -260,3 +260,39 @@ def test_sse_wire_format(server):
     payloads = [json.loads(e.removeprefix("data: ")) for e in events[:-1]]
     assert all(p["object"] == "text_completion" and p["id"] == payloads[0]["id"] for p in payloads)
     assert payloads[-1]["choices"][0]["finish_reason"] == "length"
+
+
+def test_no_client_input_gets_a_5xx(server):
+    """Random JSON bodies (right field names, any values) are answered 200 or 4xx, never 5xx."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    scalars = st.one_of(st.none(), st.booleans(), st.integers(-3, 3), st.integers(), st.floats(allow_nan=True),
+                        st.text(max_size=5))
+    values = st.one_of(scalars, st.lists(scalars, max_size=3), st.lists(st.lists(st.integers(0, 50000), max_size=3),
+                                                                        max_size=2))
+    fields = ["prompt", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "n", "logprobs", "echo",
+              "stream", "ignore_eos", "stop_token_ids", "model", "user", "best_of"]
+    bodies = st.dictionaries(st.sampled_from(fields), values, max_size=6).map(
+        lambda d: {"prompt": "hi", "max_tokens": 2, **d})
+
+    @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+    @given(bodies)
+    def check(body):
+        try:
+            payload = json.dumps(body, allow_nan=True)
+        except (TypeError, ValueError):
+            return
+        r = httpx.post(f"{server.url}/v1/completions", content=payload, timeout=60,
+                       headers={"content-type": "application/json"})
+        assert r.status_code < 500, (body, r.text)
+        if r.status_code >= 400 and not body.get("stream"):
+            assert r.json()["error"]["message"]
+
+    check()
+
+
+def test_validation_errors_name_the_param(server):
+    r = httpx.post(f"{server.url}/v1/completions", json={"prompt": "x", "max_tokens": -1}, timeout=30)
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] == "max_tokens" and "max_tokens" in err["message"]
