@@ -62,9 +62,14 @@ def _parse_opts(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _quantize(args: argparse.Namespace) -> int:
-    from quantize import quantize, read_manifest
+    from rich.console import Console
 
-    out = quantize(args.model, args.method, args.out, force=args.force, **_parse_opts(args))
+    from quantize import get_method, quantize, read_manifest
+
+    opts = _parse_opts(args)
+    method = get_method(args.method).name  # an unknown method fails here, before the spinner
+    with Console(stderr=True).status(f"quantizing {args.model} with {method} (instant if cached)"):
+        out = quantize(args.model, method, args.out, force=args.force, **opts)
     m = read_manifest(out)
     source = m["source"].get("weight_bytes")
     ratio = f" ({m['weight_bytes'] / source:.2f}x of the source's {source / 2**20:.1f} MiB)" if source else ""

@@ -1,0 +1,214 @@
+"""What each variant buys, through our engine: baseline vs int8 / nf4 / int8wo on one model, one run.
+
+Per variant: weight bytes (from the saved tensors), engine load time, prefill tokens/s, decode
+tokens/s at batch 1 and 32, top-1 agreement of next-token predictions with the baseline on a fixed
+text (the engine's prompt logprobs), and max concurrent sequences of --seq-len tokens at a fixed
+--memory-gb budget. Prints ratios to the baseline side by side, writes JSON and a PNG bar chart.
+
+    python benchmarks/variants.py [--model smollm2-135m] [--variants baseline,int8,nf4,int8wo]
+        [--memory-gb 2] [--decode-tokens 32] [--batches 1,32] [--repeats 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: import the repo's packages
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+
+from benchmarks.common import fmt, machine, output_dir, pyplot, save_figure, write_json  # noqa: E402
+from quantgate.env import apply_defaults  # noqa: E402
+
+FIXED_TEXT = (
+    "The water cycle describes how water moves between the oceans, the atmosphere and the land. "
+    "Heat from the sun evaporates water from the surface of seas and lakes; the vapour rises, cools "
+    "and condenses into clouds. When the droplets grow heavy enough they fall as rain or snow. Some of "
+    "that water runs off into rivers and flows back to the sea, some soaks into the ground and "
+    "refills aquifers, and some is taken up by plants, which release it again through their leaves. "
+    "Over a year the same molecule may travel thousands of kilometres before it returns to the ocean."
+)
+
+
+@dataclass
+class VariantResult:
+    variant: str
+    directory: str
+    weight_bytes: int
+    load_s: float
+    prefill_tokens_per_s: float
+    decode_tokens_per_s: dict[int, float]
+    top1_agreement: float | None
+    kv_blocks: int
+    max_seqs: int
+
+
+def variant_dir(model: str, name: str) -> Path:
+    from quantgate.models import resolve_model
+
+    if name == "baseline":
+        return resolve_model(model)
+    import quantize
+
+    return quantize.quantize(model, name)
+
+
+def weight_bytes_of(directory: Path) -> int:
+    import quantize
+    from quantize.integrity import weight_bytes
+
+    if quantize.is_variant(directory):
+        return quantize.read_manifest(directory)["weight_bytes"]
+    return weight_bytes(directory)[0]
+
+
+def time_prefill(engine, vocab: int, prompt_len: int, n: int, repeats: int, seed: int) -> float:
+    from serving import SamplingParams
+
+    rng = random.Random(seed)
+    params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    best = float("inf")
+    for _ in range(repeats):  # fresh prompts each time: no prefix-cache hits
+        prompts = [[rng.randrange(1000, vocab) for _ in range(prompt_len)] for _ in range(n)]
+        start = time.perf_counter()
+        engine.generate(prompts, params)
+        best = min(best, time.perf_counter() - start)
+    return n * prompt_len / best
+
+
+def time_decode(engine, vocab: int, batch: int, tokens: int, repeats: int, seed: int) -> float:
+    """Output tokens/s once every sequence of the batch is past its prefill."""
+    from serving import SamplingParams
+
+    rng = random.Random(seed)
+    params = SamplingParams(max_tokens=tokens + 1, temperature=0, ignore_eos=True)
+    best = 0.0
+    for _ in range(repeats):
+        prompts = [[rng.randrange(1000, vocab) for _ in range(16)] for _ in range(batch)]
+        outs = engine.generate(prompts, params)
+        start = max(o.metrics.token_times[0] for o in outs)
+        end = max(o.metrics.token_times[-1] for o in outs)
+        produced = sum(sum(1 for t in o.metrics.token_times if t > start) for o in outs)
+        best = max(best, produced / (end - start))
+    return best
+
+
+def top1_predictions(engine, token_ids: list[int]) -> list[int]:
+    from serving import SamplingParams
+
+    out = engine.generate([token_ids], SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=1))[0]
+    return [lp.top[0][0] for lp in out.prompt_logprobs[1:]]
+
+
+def run_variant(name: str, args, baseline_top1: list[int] | None, text_ids: list[int]) -> tuple[VariantResult, list[int]]:
+    import torch
+
+    from quantize.capacity import ModelShape, capacity_row
+    from serving import LLMEngine
+
+    directory = variant_dir(args.model, name)
+    weights = weight_bytes_of(directory)
+    start = time.perf_counter()
+    engine = LLMEngine.from_pretrained(str(directory), device=args.device, enable_prefix_caching=False,
+                                       max_num_seqs=max(args.batches), max_num_batched_tokens=512)
+    load_s = time.perf_counter() - start
+    vocab = engine.vocab_size
+    prefill = time_prefill(engine, vocab, args.prompt_len, 4, args.repeats, args.seed)
+    decode = {b: time_decode(engine, vocab, b, args.decode_tokens, args.repeats, args.seed) for b in args.batches}
+    top1 = top1_predictions(engine, text_ids)
+    agreement = None
+    if baseline_top1 is not None:
+        agreement = sum(a == b for a, b in zip(top1, baseline_top1, strict=True)) / len(top1)
+    kv_dtype = engine.runner.k_cache[0].dtype
+    shape = ModelShape.from_config(engine.model.config.to_dict())
+    row = capacity_row(name, shape, weights, int(args.memory_gb * 2**30), seq_len=args.seq_len,
+                       block_size=engine.block_size, kv_dtype_bytes=torch.empty(0, dtype=kv_dtype).element_size())
+    del engine
+    gc.collect()
+    result = VariantResult(name, str(directory), weights, load_s, prefill, decode, agreement, row.num_blocks, row.max_seqs)
+    return result, top1
+
+
+def plot(results: list[VariantResult], batches: list[int], path: Path) -> Path:
+    plt = pyplot()
+    metrics = [("weights (MiB)", [r.weight_bytes / 2**20 for r in results]),
+               ("load (s)", [r.load_s for r in results]),
+               ("prefill tokens/s", [r.prefill_tokens_per_s for r in results])]
+    metrics += [(f"decode tokens/s, batch {b}", [r.decode_tokens_per_s[b] for r in results]) for b in batches]
+    metrics += [("top-1 agreement", [r.top1_agreement or 1.0 for r in results]),
+                ("max concurrent seqs", [r.max_seqs for r in results])]
+    fig, axes = plt.subplots(1, len(metrics), figsize=(3.0 * len(metrics), 3.4))
+    names = [r.variant for r in results]
+    for ax, (title, values) in zip(axes, metrics, strict=True):
+        ax.bar(names, values, color=["#777777"] + ["#3b75af", "#e1812c", "#3a923a", "#c03d3e"][: len(names) - 1])
+        ax.set_title(title, fontsize=9)
+        ax.tick_params(axis="x", labelsize=8, rotation=30)
+    return save_figure(fig, path)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    apply_defaults()
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--variants", default="baseline,int8,nf4,int8wo")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--decode-tokens", type=int, default=32)
+    parser.add_argument("--batches", default="1,32")
+    parser.add_argument("--repeats", type=int, default=2, help="best of N for each timing")
+    parser.add_argument("--memory-gb", type=float, default=2.0, help="fixed budget for the capacity column")
+    parser.add_argument("--seq-len", type=int, default=1024)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out-dir", default=None, help="default: benchmarks/results/variants")
+    args = parser.parse_args(argv)
+    args.batches = [int(b) for b in args.batches.split(",")]
+    names = [v.strip() for v in args.variants.split(",") if v.strip()]
+    if names[0] != "baseline":
+        names.insert(0, "baseline")
+
+    from transformers import AutoTokenizer
+
+    from quantgate.models import resolve_model
+
+    text_ids = AutoTokenizer.from_pretrained(resolve_model(args.model))(FIXED_TEXT).input_ids
+    results: list[VariantResult] = []
+    baseline_top1 = None
+    for name in names:
+        print(f"[{name}] quantize (cached), load, measure ...", flush=True)
+        result, top1 = run_variant(name, args, baseline_top1, text_ids)
+        if name == "baseline":
+            baseline_top1 = top1
+        results.append(result)
+
+    base = results[0]
+    header = f"{'variant':<10}{'MiB':>8}{'load s':>8}{'prefill t/s':>13}" + "".join(
+        f"{f'decode b{b} t/s':>16}" for b in args.batches) + f"{'top-1':>8}{'max seqs':>10}"
+    print(f"\n{args.model} on {args.device}: {len(text_ids)}-token fixed text, budget {args.memory_gb} GiB, "
+          f"sequences of {args.seq_len} tokens\n{header}")
+    for r in results:
+        cells = [f"{r.weight_bytes / 2**20:>8.1f}", f"{r.load_s:>8.1f}",
+                 f"{r.prefill_tokens_per_s:>7.0f} {r.prefill_tokens_per_s / base.prefill_tokens_per_s:>4.2f}x"]
+        cells += [f"{r.decode_tokens_per_s[b]:>9.1f} {r.decode_tokens_per_s[b] / base.decode_tokens_per_s[b]:>4.2f}x"
+                  for b in args.batches]
+        cells += [f"{fmt(r.top1_agreement):>8}", f"{r.max_seqs:>5} {r.max_seqs / max(base.max_seqs, 1):>3.1f}x"]
+        print(f"{r.variant:<10}" + "".join(cells))
+
+    out = output_dir(args.out_dir, "variants")
+    report = {"model": args.model, "device": args.device, "machine": machine(), "args": vars(args),
+              "fixed_text_tokens": len(text_ids), "results": [asdict(r) for r in results],
+              "ratios_to_baseline": {r.variant: {
+                  "weight_bytes": r.weight_bytes / base.weight_bytes,
+                  "prefill": r.prefill_tokens_per_s / base.prefill_tokens_per_s,
+                  **{f"decode_b{b}": r.decode_tokens_per_s[b] / base.decode_tokens_per_s[b] for b in args.batches},
+                  "max_seqs": r.max_seqs / max(base.max_seqs, 1)} for r in results}}
+    print(f"\nwrote {write_json(out / 'variants.json', report)} and {plot(results, args.batches, out / 'variants.png')}")
+    return report
+
+
+if __name__ == "__main__":
+    main()
