@@ -12,6 +12,7 @@ import contextlib
 import functools
 import json
 import logging
+import signal
 import socket
 import threading
 import time
@@ -46,6 +47,7 @@ MAX_BODY_BYTES = 32 * 2**20
 RETRY_AFTER_S = 1
 DISCONNECT_POLL_S = 0.5
 MIN_TEMPERATURE = 1e-5
+DRAIN_TIMEOUT_S = 3.0  # after SIGTERM, in-flight requests get this long; `quantgate serve` gives uvicorn 5 s
 MIN_TOP_P = 1e-6
 
 
@@ -73,6 +75,8 @@ class EngineLoop:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.steps = 0
+        self.draining = False
+        self._drain_deadline: float | None = None
 
     def start(self) -> None:
         self._stop.clear()
@@ -89,10 +93,21 @@ class EngineLoop:
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
+    def drain(self, timeout: float) -> None:
+        """Admit nothing new (503); what is still in flight after `timeout` s is aborted with a clear error."""
+        if not self.draining:
+            self.draining = True
+            self._drain_deadline = time.monotonic() + timeout
+            log.warning("draining: no new requests; in-flight ones get %.1f s to finish", timeout)
+        self._wake.set()
+
     def submit(self, prompts: list[list[int]], params: SamplingParams, tenant: str,
                queue: asyncio.Queue) -> list[str]:
         """Queue one engine request per prompt, all or none. 429 when a waiting queue is full."""
         loop = asyncio.get_running_loop()
+        if self.draining:
+            raise APIError(503, "the server is shutting down; retry on another replica", "server_shutting_down",
+                           {"Retry-After": str(RETRY_AFTER_S)})
         if len(prompts) > self.max_waiting:  # it could never fit the queue: no retry would help
             raise APIError(400, f"{len(prompts)} prompts in one request; this server queues at most "
                            f"{self.max_waiting} prompts (its max_waiting)", "too_many_prompts")
@@ -132,6 +147,10 @@ class EngineLoop:
     # ---- the thread ----------------------------------------------------------------------------
     def _run(self) -> None:
         while not self._stop.is_set():
+            if self._drain_deadline is not None and time.monotonic() >= self._drain_deadline and self._streams:
+                self._fail_all(APIError(503, "the server shut down before this request finished; it was aborted, "
+                                        "retry on another replica", "server_shutting_down",
+                                        {"Retry-After": str(RETRY_AFTER_S)}))
             if not self.engine.has_unfinished():
                 self._snapshot()
                 self._wake.wait(0.1)
@@ -141,7 +160,7 @@ class EngineLoop:
                 outputs = self.engine.step()
             except Exception as exc:  # an engine bug must fail its requests, not the server
                 log.exception("engine step failed")
-                self._fail_all(f"the engine failed: {exc}")
+                self._fail_all(APIError(500, f"the engine failed: {exc}", "engine_error"))
                 time.sleep(0.05)
                 continue
             self.steps += 1
@@ -176,14 +195,14 @@ class EngineLoop:
             blocks[seq.tenant] += len(seq.block_table)
         self.metrics.on_stats(stats, dict(waiting), dict(blocks))
 
-    def _fail_all(self, message: str) -> None:
+    def _fail_all(self, error: APIError) -> None:
         with self._lock:
             streams, self._streams = self._streams, {}
             self._queued.clear()
         for rid, stream in streams.items():
             self.engine.abort(rid)
             with contextlib.suppress(RuntimeError):
-                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, (stream.index, RuntimeError(message)))
+                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, (stream.index, error))
 
 
 # ---- helpers -----------------------------------------------------------------------------------
@@ -319,6 +338,7 @@ def build_app(
     version: str | None = None,
     tenants: TenantTable | None = None,
     max_waiting: int = 256,
+    drain_timeout_s: float = DRAIN_TIMEOUT_S,
 ) -> FastAPI:
     """The ASGI app over `engine`. With `tenants`, every request needs an API key of a tenant."""
     model_name = served_model_name or engine.model_name.rstrip("/").rsplit("/", 1)[-1]
@@ -337,9 +357,11 @@ def build_app(
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         loop.start()
+        restore = _drain_on_signals(loop, drain_timeout_s)
         try:
             yield
         finally:
+            restore()
             loop.stop()
 
     app = FastAPI(title="quantgate", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
@@ -397,8 +419,8 @@ def build_app(
                     if await request.is_disconnected():
                         raise APIError(499, "client disconnected") from None
                     continue
-                if isinstance(item, Exception):
-                    raise APIError(500, str(item), "engine_error")
+                if isinstance(item, APIError):
+                    raise item
                 if item.finished:
                     finals[index] = item
         finally:
@@ -470,8 +492,8 @@ def build_app(
 
         while done < len(rids):
             index, out = await queue.get()
-            if isinstance(out, Exception):
-                yield _sse(error_body(500, str(out), "engine_error"))
+            if isinstance(out, APIError):
+                yield _sse(error_body(out.status, out.message, out.code))
                 break
             pieces, lp_ids, lp_vals = "", [], []
             if body.echo and not echoed[index] and (out.prompt_logprobs is None or out.finished
@@ -556,8 +578,8 @@ def build_app(
         sent_text, sent_tokens = "", 0
         while True:
             _, out = await queue.get()
-            if isinstance(out, Exception):
-                yield _sse(error_body(500, str(out), "engine_error"))
+            if isinstance(out, APIError):
+                yield _sse(error_body(out.status, out.message, out.code))
                 break
             safe = _holdback(out.text, body.stop or [], out.finished)
             piece = safe[len(sent_text):] if len(safe) > len(sent_text) else ""
@@ -617,6 +639,8 @@ def build_app(
     async def health():
         if not loop.alive:
             raise APIError(503, "the engine loop is not running", "engine_down")
+        if loop.draining:
+            raise APIError(503, "the server is shutting down", "server_shutting_down")
         return {"status": "ok", "model": model_name, "version": version}
 
     @app.get("/metrics")
@@ -627,6 +651,33 @@ def build_app(
 
 
 # ---- running it --------------------------------------------------------------------------------
+def _drain_on_signals(loop: EngineLoop, timeout: float) -> Callable[[], None]:
+    """Put a drain in front of the SIGTERM/SIGINT handlers the ASGI server installed (uvicorn's start its
+    graceful shutdown: close the socket, wait for open responses). Only the main thread can handle signals;
+    elsewhere (tests' ServerThread) nothing changes. Returns the undo."""
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+    installed: dict[int, tuple[Callable, Callable]] = {}
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        previous = signal.getsignal(sig)
+        if not callable(previous):
+            continue
+
+        def handler(signum, frame, previous=previous):
+            loop.drain(timeout)
+            previous(signum, frame)
+
+        signal.signal(sig, handler)
+        installed[sig] = (handler, previous)
+
+    def restore() -> None:
+        for sig, (handler, previous) in installed.items():
+            if signal.getsignal(sig) is handler:
+                signal.signal(sig, previous)
+
+    return restore
+
+
 class ServerThread:
     """Run an ASGI app with uvicorn on a free loopback port in a background thread (tests, benchmarks)."""
 
