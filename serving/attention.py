@@ -10,6 +10,7 @@ sequence reads (block tables). Because the model's own projections run, quantize
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 
 import torch
@@ -39,18 +40,18 @@ class AttentionContext:
     decode_only: bool = False  # every row is a decode token, in order: no gather/scatter of rows needed
 
 
-_context: AttentionContext | None = None
+_local = threading.local()  # per thread: engines stepping on different threads each see their own step
 
 
 def set_context(context: AttentionContext | None) -> None:
-    global _context
-    _context = context
+    _local.context = context
 
 
 def get_context() -> AttentionContext:
-    if _context is None:
+    context = getattr(_local, "context", None)
+    if context is None:
         raise RuntimeError("paged attention called outside an engine step (no AttentionContext set)")
-    return _context
+    return context
 
 
 def paged_attention(
