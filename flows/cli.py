@@ -5,8 +5,10 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 
 DEMO_LIMIT = 20  # items per task in `make demo`: the whole release fits in 15 minutes on 2 cores
+DEMO_POLICY = Path(__file__).with_name("demo_policy.yaml")  # the default gates, sized for 20 items a task
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -17,6 +19,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("demo", help="the whole release on the embedded default model, auto-approved")
     p.add_argument("--limit", type=int, default=DEMO_LIMIT, help=f"items per eval task (default {DEMO_LIMIT})")
     p.add_argument("--methods", default="int8,nf4", help="comma-separated quantization methods")
+    p.add_argument("--policy", default=str(DEMO_POLICY), help="gate policy (default flows/demo_policy.yaml)")
     p.add_argument("--verbose", action="store_true", help="show Prefect's run logs in the terminal too")
     p.set_defaults(func=_demo)
 
@@ -78,8 +81,6 @@ def _methods(text: str) -> list[str]:
 def _policy(path: str | None) -> str | None:
     if path is None:
         return None
-    from pathlib import Path
-
     p = Path(path).expanduser()
     if not p.is_file():
         raise ValueError(f"policy file not found: {p}")
@@ -99,16 +100,23 @@ def run_release(args: argparse.Namespace, model: str, methods: list[str]) -> int
 
     prepare()
     import json
+    import time
 
     from flows.progress import terminal_progress
     from flows.release import check_options, release_flow
+    from flows.runtime import work_dir
     from flows.summary import print_summary
+    from quantgate.models import resolve_model
 
     policy = _policy(getattr(args, "policy", None))
     approve = getattr(args, "approve", "auto")
     suites = _methods(getattr(args, "suites", "accuracy,safety"))
     check_options(methods, approve, args.limit, policy, suites)
-    with terminal_progress():
+    resolve_model(model)  # an unknown reference fails here, before a flow run exists
+    log_file = None if args.verbose else work_dir("logs") / f"release-{time.strftime('%Y%m%d-%H%M%S')}.log"
+    if log_file is not None:
+        print(f"progress below; library output and warnings go to {log_file}", file=sys.stderr)
+    with terminal_progress(log_file):
         summary = release_flow(
             model=model,
             methods=methods,
@@ -137,7 +145,7 @@ def _demo(args: argparse.Namespace) -> int:
 
     Console(stderr=True).print(
         f"[bold]quantgate demo[/bold]: release of the embedded SmolLM2-135M-Instruct ({args.methods}), "
-        f"{args.limit} items per eval task, auto-approval, canary, promotion"
+        f"{args.limit} items per eval task, auto-approval, canary, promotion; gates from {args.policy}"
     )
     return run_release(args, "smollm2-135m", _methods(args.methods))
 

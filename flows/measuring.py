@@ -107,11 +107,12 @@ def measure(variant: Variant, config: MeasureConfig, out: Path, advance: Callabl
 
     start = time.perf_counter()
     engine = load_engine(variant, config)
-    metrics: dict[str, float] = {WEIGHTS_BYTES: float(weight_bytes(engine.model)), "load_s": time.perf_counter() - start}
+    weights = weight_bytes(engine.model)
+    metrics: dict[str, float] = {WEIGHTS_BYTES: float(weights), "load_s": time.perf_counter() - start}
     advance(1)
     bench_json = out / "serving.json"
     metrics.update(serving_benchmark(engine, config, variant.name, bench_json))
-    metrics.update(capacity(engine, variant))
+    metrics.update(capacity(variant, weights, config))
     advance(1)
     eval_dir = out / "evals"
     for suite in config.suites:
@@ -132,9 +133,16 @@ def serving_benchmark(engine, config: MeasureConfig, name: str, out_json: Path) 
     return serving_harness.to_metrics(report)
 
 
-def capacity(engine, variant: Variant) -> dict[str, float]:
-    stats = engine.stats()
-    return {M.CAPACITY_KV_BLOCKS: float(stats.num_blocks), M.CAPACITY_KV_TOKENS: float(stats.num_blocks * stats.block_size)}
+def capacity(variant: Variant, weights: int, config: MeasureConfig) -> dict[str, float]:
+    """KV blocks and concurrent sequences of `capacity_seq_len` tokens that fit beside the weights in a
+    fixed `capacity_budget_gb` (quantize.capacity, with the weight bytes measured here)."""
+    from quantize.capacity import ModelShape, capacity_row
+
+    shape = ModelShape.from_config(json.loads((Path(variant.path) / "config.json").read_text()))
+    row = capacity_row(variant.name, shape, weights, int(config.capacity_budget_gb * 2**30),
+                       seq_len=config.capacity_seq_len, kv_dtype_bytes=4, weights_source="measured")
+    return {M.CAPACITY_KV_BLOCKS: float(row.num_blocks), M.CAPACITY_KV_TOKENS: float(row.num_blocks * 16),
+            M.CAPACITY_MAX_SEQS: float(row.max_seqs)}
 
 
 def run_evals(engine, suite: str, limit: int | None, out_dir: Path) -> None:

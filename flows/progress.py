@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import logging
+import os
+import sys
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+from typing import TextIO
 
 _progress = None  # rich.progress.Progress while `terminal_progress()` is active
 
@@ -21,8 +25,12 @@ def _logger() -> logging.Logger:
 
 
 @contextmanager
-def terminal_progress() -> Iterator[None]:
-    """Show every stage of the flows run in this process as a line with a bar and elapsed time."""
+def terminal_progress(log_file: Path | None = None) -> Iterator[None]:
+    """Show every stage of the flows run in this process as a line with a bar and elapsed time.
+
+    With `log_file`, everything else written to stderr (library progress bars, warnings) goes to that
+    file instead of the terminal, so the stage bars stay readable.
+    """
     global _progress
     from rich.console import Console
     from rich.progress import (
@@ -34,13 +42,36 @@ def terminal_progress() -> Iterator[None]:
         TimeElapsedColumn,
     )
 
-    columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-    with Progress(*columns, console=Console(stderr=True)) as progress:
+    with ExitStack() as stack:
+        terminal = sys.stderr
+        if log_file is not None:
+            terminal = stack.enter_context(_stderr_to(log_file))
+        columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                   TimeElapsedColumn())
+        progress = stack.enter_context(Progress(*columns, console=Console(file=terminal), redirect_stderr=False))
         _progress = progress
         try:
             yield
         finally:
             _progress = None
+
+
+@contextmanager
+def _stderr_to(log_file: Path) -> Iterator[TextIO]:
+    """Point file descriptor 2 at `log_file`; yield a stream on the real terminal."""
+    sys.stderr.flush()
+    log_file.parent.mkdir(parents=True, exist_ok=True)
+    saved = os.dup(2)
+    terminal = os.fdopen(os.dup(saved), "w", buffering=1)
+    with open(log_file, "a") as log:
+        os.dup2(log.fileno(), 2)
+        try:
+            yield terminal
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            terminal.close()
 
 
 @contextmanager

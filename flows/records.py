@@ -88,6 +88,7 @@ def champion_or_baseline(summary: ReleaseSummary, source: Source) -> tuple[str, 
     weights = snapshot(Path(source.path), source.content_hash)
     version = register_variant(baseline_row.run_id, source=weights, tags={"initial_champion": "true"})
     baseline_row.version = version
+    baseline_row.decision = "reference; became the initial champion"
     set_initial_champion(source.name, version, reason=INITIAL_CHAMPION_REASON)
     return version, weights
 

@@ -67,6 +67,8 @@ class MeasureConfig:
     bench_concurrency: int = 4
     bench_max_tokens: int = 32
     kv_cache_memory_gb: float = 0.5
+    capacity_budget_gb: float = 2.0  # weights + KV cache: how many sequences fit beside each variant
+    capacity_seq_len: int = 1024
     seed: int = 0
 
     def key(self) -> str:
@@ -321,6 +323,7 @@ def release_flow(
                 gates_passed=ev.passed, gates_total=len(ev.results), gates_failed=[r.name for r in ev.failed],
             ))
         records.log_comparison(release_id)
+        champion = records.champion_or_baseline(summary, source)  # the first release makes the baseline champion
 
         candidates = [r.name for r in summary.rows if r.gates_passed]
         decision = _approval(summary, candidates, approve, approval_timeout_s)
@@ -330,7 +333,6 @@ def release_flow(
         else:
             summary.chosen = chosen.name
             summary.challenger_version = chosen.version
-            champion = records.champion_or_baseline(summary, source)
             moved_challenger = chosen.version
             registry.set_challenger(source.name, chosen.version,
                                     reason=f"release {release_id}: smallest approved variant ({chosen.name})")

@@ -15,10 +15,7 @@ def _gates(row: dict[str, Any]) -> str:
     if row["gates_passed"] is None:
         return "—"
     passed = row["gates_total"] - len(row["gates_failed"])
-    text = f"{passed}/{row['gates_total']} passed"
-    if row["gates_failed"]:
-        text += ": failed " + ", ".join(row["gates_failed"])
-    return text
+    return f"{passed}/{row['gates_total']} passed"
 
 
 def _mb(value: float | None) -> str:
@@ -41,17 +38,27 @@ def render_table(summary: dict[str, Any]):
 def print_summary(summary: dict[str, Any], console=None) -> None:
     from rich.console import Console
 
-    console = console or Console()
+    if console is None:
+        console = Console()
+        if not console.is_terminal:
+            console = Console(width=140)  # a log or a pipe: no reason to wrap run ids at 80 columns
     console.print(render_table(summary))
+    for row in summary["rows"]:
+        if row["gates_failed"]:
+            console.print(f"[red]{row['name']}[/red] failed: {', '.join(row['gates_failed'])}")
     console.print(f"[bold]outcome:[/bold] {summary['outcome']}")
     if summary.get("canary"):
         c = summary["canary"]
-        console.print("canary: " + ", ".join(f"{k}={v}" for k, v in c.items()))
+        console.print("canary: " + ", ".join(f"{k}={_short(v)}" for k, v in c.items()))
     if summary.get("aliases"):
         console.print(f"aliases of {summary['registered_model']}: "
                       + ", ".join(f"{k} -> v{v}" for k, v in sorted(summary["aliases"].items())))
     console.print(f"release run {summary['release_run_id']} (Prefect flow run {summary['flow_run_id']})")
     console.print(f"see it: {ui_command(summary['tracking_uri'])}")
+
+
+def _short(value: Any) -> str:
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
 
 
 def render_markdown(summary) -> str:
@@ -67,9 +74,10 @@ def render_markdown(summary) -> str:
     ]
     for row in data["rows"]:
         version = f"v{row['version']}" if row["version"] else "—"
-        lines.append(f"| {row['name']} | {version} | {_mb(row['weight_bytes'])} | {_gates(row)} | {row['decision']} "
+        gates = _gates(row) + (f" (failed: {', '.join(row['gates_failed'])})" if row["gates_failed"] else "")
+        lines.append(f"| {row['name']} | {version} | {_mb(row['weight_bytes'])} | {gates} | {row['decision']} "
                      f"| `{row['run_id']}` |")
     if data.get("canary"):
-        lines += ["", "Canary: " + ", ".join(f"{k}={v}" for k, v in data["canary"].items())]
+        lines += ["", "Canary: " + ", ".join(f"{k}={_short(v)}" for k, v in data["canary"].items())]
     lines += ["", f"Inspect: `{ui_command(data['tracking_uri'])}`"]
     return "\n".join(lines) + "\n"

@@ -395,7 +395,8 @@ def test_a_release_killed_after_quantization_resumes_without_quantizing_again(pr
             runs = client.read_task_runs(task_run_filter=TaskRunFilter(
                 name=TaskRunFilterName(like_="quantize"),
                 state=TaskRunFilterState(type=TaskRunFilterStateType(any_=[StateType.COMPLETED]))))
-            done = next((r for r in runs if r.start_time and r.start_time.timestamp() >= started - 1), None)
+            done = next((r for r in runs if r.flow_run_id is not None and r.start_time
+                         and r.start_time.timestamp() >= started), None)
             time.sleep(0.2)
     proc.kill()
     proc.wait(timeout=30)
@@ -413,3 +414,19 @@ def test_a_release_killed_after_quantization_resumes_without_quantizing_again(pr
     assert states["quantize"] == "Cached"
     assert (manifest.stat().st_mtime_ns, manifest.read_text()) == stamp
     assert s["rows"][1]["name"] == "fp4" and s["rows"][1]["gates_passed"] is True
+
+
+def test_release_cli_rejects_bad_input_before_any_run(prefect_api, capsys, tmp_path):
+    from quantgate.cli import main
+
+    cases = [
+        (["release", "--limit", "0"], "limit must be >= 1"),
+        (["release", "--methods", "int8,int3"], "int3"),
+        (["release", "--model", str(tmp_path / "nowhere")], "unknown model reference"),
+        (["release", "--policy", str(tmp_path / "missing.yaml")], "policy file not found"),
+        (["release", "--suites", "accuracy,vibes"], "unknown task or suite 'vibes'"),
+        (["approve", "not-a-run", "--comment", "ok"], "not a Prefect flow run id"),
+    ]
+    for argv, message in cases:
+        assert main(argv) == 2, argv
+        assert message in capsys.readouterr().err, argv
