@@ -25,6 +25,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from serving.engine import LLMEngine, RequestOutput
 from serving.metrics import CONTENT_TYPE, ServerMetrics
@@ -232,11 +233,14 @@ async def _read_body(request: Request) -> bytes:
     if declared.isdigit() and (len(declared) > 15 or int(declared) > MAX_BODY_BYTES):
         raise too_big
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > MAX_BODY_BYTES:
-            raise too_big
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > MAX_BODY_BYTES:
+                raise too_big
+            chunks.append(chunk)
+    except ClientDisconnect:  # hung up halfway through the body: nobody to answer, nothing to log as a 500
+        raise APIError(499, "client disconnected before sending the whole body") from None
     return b"".join(chunks)
 
 
@@ -411,13 +415,19 @@ def build_app(
     async def collect(request: Request, queue: asyncio.Queue, rids: list[str]) -> list[RequestOutput]:
         """Wait for every request's final output; a client that hangs up aborts them."""
         finals: dict[int, RequestOutput] = {}
+        next_check = time.monotonic() + DISCONNECT_POLL_S
         try:
             while len(finals) < len(rids):
                 try:
                     index, item = await asyncio.wait_for(queue.get(), DISCONNECT_POLL_S)
                 except TimeoutError:
+                    item = None
+                # on the clock, not on silence: a generating request gets an output every step
+                if time.monotonic() >= next_check:
+                    next_check = time.monotonic() + DISCONNECT_POLL_S
                     if await request.is_disconnected():
                         raise APIError(499, "client disconnected") from None
+                if item is None:
                     continue
                 if isinstance(item, APIError):
                     raise item
