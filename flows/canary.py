@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import json
 import secrets
-import threading
 import time
 from collections.abc import Callable
 from contextlib import ExitStack
@@ -23,23 +22,6 @@ CHAMPION, CHALLENGER = "champion", "challenger"
 CANARY_KV_GB = 0.25
 REPLAY_CONCURRENCY = 4
 MAX_TOKENS = 16
-
-
-# serving.attention keeps the step's attention context in a module global, so two engines of one process
-# must not step at the same time (on 2 cores each forward pass uses both anyway). Drop once it is
-# thread-local.
-_STEP_LOCK = threading.Lock()
-
-
-def _one_step_at_a_time(engine):
-    step = engine.step
-
-    def locked_step():
-        with _STEP_LOCK:
-            return step()
-
-    engine.step = locked_step
-    return engine
 
 
 def traffic(n: int, seed: int = 0) -> list[dict]:
@@ -87,8 +69,7 @@ class Canary:
         try:
             backends = {}
             for version, path in self.dirs.items():
-                engine = _one_step_at_a_time(
-                    LLMEngine.from_pretrained(str(path), device="cpu", kv_cache_memory_gb=CANARY_KV_GB))
+                engine = LLMEngine.from_pretrained(str(path), device="cpu", kv_cache_memory_gb=CANARY_KV_GB)
                 server = self._stack.enter_context(ServerThread(build_app(engine, served_model_name=version,
                                                                           version=version)))
                 backends[version] = server.url
