@@ -54,7 +54,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def _release_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m", help="model reference (default: the embedded SmolLM2-135M)")
     _event_args(p)
-    p.add_argument("--suites", default="accuracy,safety", help="eval suites and/or task names (default accuracy,safety)")
     p.add_argument("--canary-requests", type=int, default=24, help="replayed requests in the canary stage")
     p.add_argument("--canary-share", type=float, default=0.5, help="share of canary traffic sent to the challenger")
     p.add_argument("--approval-timeout", type=int, default=24 * 3600, help="seconds to wait for a manual decision")
@@ -69,6 +68,7 @@ def _event_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--approve", choices=["auto", "manual"], default="auto",
                    help="auto: approve every variant whose gates pass; manual: pause for a release manager")
     p.add_argument("--limit", type=int, default=None, help="items per eval task (default: all)")
+    p.add_argument("--suites", default="accuracy,safety", help="eval suites and/or task names (default accuracy,safety)")
 
 
 def _methods(text: str) -> list[str]:
@@ -188,7 +188,8 @@ def _deploy(args: argparse.Namespace) -> int:
 def _payload(args: argparse.Namespace, **extra) -> dict:
     from flows.deploy import event_payload
 
-    return event_payload(_methods(args.methods), _policy(args.policy), args.approve, args.limit, **extra)
+    return event_payload(_methods(args.methods), _policy(args.policy), args.approve, args.limit,
+                         suites=_methods(args.suites), **extra)
 
 
 def _notify(args: argparse.Namespace) -> int:

@@ -25,7 +25,7 @@ EVENT_NAME = "quantgate.model.changed"
 DEPLOYMENT_NAME = "on-model-change"
 FLOW_NAME = "quantgate-release"
 # Flow parameters an event may set (from its payload); `model` comes from the resource id.
-EVENT_PARAMETERS = ("methods", "policy", "approve", "limit")
+EVENT_PARAMETERS = ("methods", "policy", "approve", "limit", "suites")
 
 
 def release_trigger() -> DeploymentEventTrigger:
@@ -57,7 +57,8 @@ def serve_deployment(name: str = DEPLOYMENT_NAME) -> None:
     serve(build_deployment(name), print_starting_message=True)
 
 
-def event_payload(methods: list[str], policy: str | None, approve: str, limit: int | None, **extra: Any) -> dict:
+def event_payload(methods: list[str], policy: str | None, approve: str, limit: int | None,
+                  suites: list[str] | None = None, **extra: Any) -> dict:
     """The full payload: every templated parameter is present, so the trigger never renders a hole."""
     from flows.approval import APPROVE_MODES
 
@@ -67,7 +68,10 @@ def event_payload(methods: list[str], policy: str | None, approve: str, limit: i
         raise ValueError(f"--limit must be >= 1, got {limit}")
     if not methods:
         raise ValueError("at least one quantization method is needed")
-    return {"methods": list(methods), "policy": policy, "approve": approve, "limit": limit, **extra}
+    if suites is not None and not suites:
+        raise ValueError("--suites is empty")
+    return {"methods": list(methods), "policy": policy, "approve": approve, "limit": limit,
+            "suites": list(suites) if suites else None, **extra}
 
 
 @dataclass

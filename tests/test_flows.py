@@ -134,14 +134,14 @@ def test_model_change_event_triggers_the_deployment_with_its_parameters(prefect_
     (model / "model.safetensors").write_bytes(b"\x07" * 64)
     assert watcher.poll() == []
     (change,) = watcher.poll()
-    payload = event_payload(["nf4"], None, "manual", 3, content_hash=change.new_digest)
+    payload = event_payload(["nf4"], None, "manual", 3, suites=["facts_mc"], content_hash=change.new_digest)
     result = notify(str(change.path), payload, wait_s=60, deployment="test-on-change")
     assert result.deployment == "quantgate-release/test-on-change"
     assert result.flow_run_id is not None, "the event trigger created no flow run within 60 s"
     with get_client(sync_client=True) as client:
         run = client.read_flow_run(uuid.UUID(result.flow_run_id))
     assert run.parameters == {"model": str(model.resolve()), "methods": ["nf4"], "policy": None,
-                              "approve": "manual", "limit": 3}
+                              "approve": "manual", "limit": 3, "suites": ["facts_mc"]}
 
 
 def test_event_payload_rejects_bad_options():
