@@ -307,10 +307,8 @@ def release_flow(
     try:
         variants = _quantize_all(source, methods, fresh)
         baseline_variant = Variant(BASELINE, None, source.path, source.content_hash, None)
-        opts = {"refresh_cache": True} if fresh else {}
-        measure_task = measure.with_options(**opts)
-        base = measure_task(baseline_variant, config)
-        measured = [measure_task(v, config) for v in variants]
+        base = _measure(baseline_variant, config, fresh)
+        measured = [_measure(v, config, fresh) for v in variants]
 
         base_run, _ = record(release_id, base, None)
         summary.rows.append(VariantResult(BASELINE, None, base_run, weight_bytes=base.metrics.get(measuring.WEIGHTS_BYTES),
@@ -362,6 +360,15 @@ def _quantize_all(source: Source, methods: list[str], fresh: bool) -> list[Varia
             note(f"cached variant {v.name} at {v.path} is gone or damaged: quantizing again")
             variants[i] = quantize_method.with_options(refresh_cache=True)(source, v.method)
     return variants
+
+
+def _measure(variant: Variant, config: MeasureConfig, fresh: bool) -> Measured:
+    """Measure (or take the persisted measurement); a cached one whose files were removed is redone."""
+    result = measure.with_options(refresh_cache=fresh)(variant, config)
+    if not (Path(result.eval_dir).is_dir() and Path(result.bench_json).is_file()):
+        note(f"the cached measurement of {variant.name} lost its files ({result.eval_dir}): measuring again")
+        result = measure.with_options(refresh_cache=True)(variant, config)
+    return result
 
 
 def _approval(summary: ReleaseSummary, candidates: list[str], mode: str, timeout_s: int) -> Decision:
