@@ -1,7 +1,25 @@
-"""quantgate's serving engine: paged KV cache, continuous batching, streaming. No MLflow, no Prefect."""
+"""quantgate's serving engine: paged KV cache, continuous batching, streaming. No MLflow, no Prefect.
 
-from serving.engine import EngineStats, LLMEngine, RequestOutput
-from serving.sampling_params import SamplingParams
-from serving.sequence import RequestMetrics, TokenLogprob
+Names are imported on first use, so `quantgate --help` does not pay for importing torch.
+"""
 
-__all__ = ["EngineStats", "LLMEngine", "RequestMetrics", "RequestOutput", "SamplingParams", "TokenLogprob"]
+from __future__ import annotations
+
+import importlib
+
+_EXPORTS = {
+    "EngineStats": "serving.engine",
+    "LLMEngine": "serving.engine",
+    "RequestOutput": "serving.engine",
+    "SamplingParams": "serving.sampling_params",
+    "RequestMetrics": "serving.sequence",
+    "TokenLogprob": "serving.sequence",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'serving' has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)
