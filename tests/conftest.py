@@ -17,6 +17,9 @@ os.environ["QUANTGATE_HOME"] = str(_SESSION_HOME)
 os.environ["PREFECT_HOME"] = str(_SESSION_HOME / "prefect")
 os.environ["MLFLOW_TRACKING_URI"] = f"sqlite:///{_SESSION_HOME / 'mlflow.db'}"
 os.environ["HF_HOME"] = str(_SESSION_HOME / "hf")
+# Tests start servers in subprocesses beside the test process: OpenMP threads that spin while waiting
+# turn that oversubscription of 2 cores into 10-100x slowdowns; passive waiting keeps them fair.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from quantgate.env import apply_defaults  # noqa: E402
 

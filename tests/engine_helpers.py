@@ -20,9 +20,14 @@ def hf_model(model_dir: Path, dtype: torch.dtype = DTYPE):
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(DEVICE).eval()
 
 
-@torch.inference_mode()
 def hf_greedy(model_dir: Path, token_ids: list[int], max_new_tokens: int) -> list[int]:
     """HF `generate`, batch of one, greedy, EOS ignored so lengths are comparable."""
+    return list(_hf_greedy(model_dir, tuple(token_ids), max_new_tokens))
+
+
+@functools.lru_cache(maxsize=256)  # the same reference serves every scheduler configuration
+@torch.inference_mode()
+def _hf_greedy(model_dir: Path, token_ids: tuple[int, ...], max_new_tokens: int) -> tuple[int, ...]:
     model = hf_model(model_dir)
     ids = torch.tensor([token_ids], device=DEVICE)
     out = model.generate(
@@ -33,7 +38,7 @@ def hf_greedy(model_dir: Path, token_ids: list[int], max_new_tokens: int) -> lis
         do_sample=False,
         pad_token_id=0,
     )
-    return out[0, len(token_ids) :].tolist()
+    return tuple(out[0, len(token_ids) :].tolist())
 
 
 @torch.inference_mode()
