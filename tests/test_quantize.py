@@ -234,15 +234,31 @@ def test_load_model_serves_plain_directories_too(tiny_model_dir):
 
 
 @pytest.mark.slow
-def test_default_model_int8wo_through_the_engine(default_model_dir):
-    """The real model, one method: greedy through the engine equals HF generate on the variant."""
+def test_default_model_nf4_through_the_engine(default_model_dir):
+    """The real model, one method: greedy through the engine follows HF generate on the same variant.
+
+    Exact up to the first step where HF's own top two tokens are within reduced-precision noise:
+    bitsandbytes' CPU 4-bit kernel (like int8wo's bf16 kernel) turns the engine's and HF's tiny attention
+    differences into ~0.1-nat logprob noise, enough to flip a near-tie. (With fp32 compute in the
+    quantized layers both follow HF exactly; on the tiny model every method matches exactly.)
+    """
     LLMEngine, SamplingParams = _serving()
-    directory = quantize.quantize("smollm2-135m", "int8wo")
+    directory = quantize.quantize("smollm2-135m", "nf4")
     manifest = quantize.read_manifest(directory)
-    assert manifest["weight_bytes"] < 0.3 * manifest["source"]["weight_bytes"]
+    assert manifest["weight_bytes"] < 0.35 * manifest["source"]["weight_bytes"]
     engine = LLMEngine.from_pretrained(directory, device="cpu")
     reference = quantize.load_model(directory, "cpu", None)
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     for text in ("The capital of France is", "def fibonacci(n):"):
         prompt = engine.tokenizer(text).input_ids
-        assert engine.generate([prompt], params)[0].token_ids == _hf_greedy(reference, prompt, 16)
+        ours = engine.generate([prompt], params)[0].token_ids
+        ids = torch.tensor([prompt])
+        with torch.inference_mode():
+            hf = reference.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, min_new_tokens=16,
+                                    do_sample=False, pad_token_id=0, output_scores=True, return_dict_in_generate=True)
+        theirs = hf.sequences[0, len(prompt):].tolist()
+        first = next((i for i, (a, b) in enumerate(zip(ours, theirs, strict=True)) if a != b), None)
+        if first is not None:
+            logprobs = torch.log_softmax(hf.scores[first][0].float(), dim=-1)
+            margin = float(logprobs[theirs[first]] - logprobs[ours[first]])
+            assert margin < 0.2, f"{text!r}: token {first} differs with HF's margin {margin:.3f} (not a near-tie)"
