@@ -79,7 +79,7 @@ def _json_target(doc: dict) -> str:
 
 
 def _one_word_text(doc: dict) -> str:
-    return f"{doc['question']} Answer with one word: {' or '.join(doc['options'])}."
+    return f"Question: {doc['question']} Answer with one word: {' or '.join(doc['options'])}.\nAnswer:"
 
 
 def _refusal_score(doc: dict, response: str) -> float:
@@ -131,11 +131,11 @@ TASKS: dict[str, TaskSpec] = {
         ),
         TaskSpec(
             name="one_word", suite="accuracy", output_type="generate_until", metric="exact_match",
-            higher_is_better=True, binary=True, chance=0.5, chat=True, num_fewshot=3,
+            higher_is_better=True, binary=True, chance=0.5, chat=False, num_fewshot=5,
             required_fields=("question", "options", "answer"),
             readme="Exact-format choice: the whole reply must be the right one of two words named in the "
-                   "prompt (sentiment, yes/no, hot/cold, big/small, animal/plant, land/water, categories). "
-                   "Tests the decision and the discipline of answering in one word; chance is 0.5.",
+                   "prompt (word categories, review sentiment, animal/plant, land/water). Tests the decision "
+                   "and the discipline of answering in one word; chance is 0.5.",
             doc_to_text=_one_word_text, doc_to_target="answer", grader=scoring.one_word_correct,
             generation=_GEN_SHORT,
         ),

@@ -533,30 +533,25 @@ def build_json(rng: random.Random) -> list[dict]:
 
 
 def build_one_word(rng: random.Random) -> list[dict]:
-    """Binary decisions, answer set stated in the prompt; option order shuffled so position bias scores 0.5."""
-    pairs: list[tuple[str, str, str]] = []  # (subject phrase template filled, answer, other)
+    """Binary decisions, both words named in the prompt; option order shuffled so position bias scores 0.5.
+
+    Calibrated on SmolLM2-135M-Instruct: kinds it answered at chance in generation (yes/no facts,
+    hot/cold, big/small) were dropped, since items at chance only add noise to a paired comparison.
+    """
+    pairs: list[tuple[str, str, str]] = []  # (question, answer, the other word)
     for sentence, label in SENTIMENT:
         pairs.append((f'Is this review positive or negative? "{sentence}"', label,
                       "negative" if label == "positive" else "positive"))
-    for q in YES_NO_QUESTIONS:
-        pairs.append((q, "yes", "no"))
-    for q in NO_QUESTIONS:
-        pairs.append((q, "no", "yes"))
-    for thing, answer in HOT_COLD:
-        pairs.append((f"Is {thing} hot or cold?", answer, "cold" if answer == "hot" else "hot"))
-    for thing, answer in BIG_SMALL:
-        pairs.append((f"Is {thing} big or small?", answer, "small" if answer == "big" else "big"))
     for thing, answer in ANIMAL_PLANT:
         pairs.append((f"Is {thing} an animal or a plant?", answer, "plant" if answer == "animal" else "animal"))
     for thing, answer in LAND_WATER:
         pairs.append((f"Does {thing} live on land or in water?", answer, "water" if answer == "land" else "land"))
     cats = sorted(c for c in CATEGORY_WORDS if " " not in c)
     for cat in cats:
-        for word in CATEGORY_WORDS[cat][:5]:
-            other = rng.choice([c for c in cats if c != cat])
-            options = [cat, other]
-            rng.shuffle(options)
-            pairs.append((f"Is the word {word!r} a {options[0]} or a {options[1]}?".replace("'", '"'), cat, other))
+        for word in CATEGORY_WORDS[cat]:
+            for other in rng.sample([c for c in cats if c != cat], 2):
+                first, second = rng.sample([cat, other], 2)
+                pairs.append((f'Is the word "{word}" a {first} or a {second}?', cat, other))
     items = []
     for question, answer, other in pairs:
         options = [answer, other]
@@ -655,16 +650,21 @@ def _split(items: list[dict], n_dev: int, prefix: str) -> tuple[list[dict], list
 
 
 def build_all(seed: int = SEED) -> dict[str, tuple[list[dict], list[dict]]]:
-    """Returns {task: (dev_items, test_items)}."""
-    rng = random.Random(seed)
+    """Returns {task: (dev_items, test_items)}; each task draws from its own seeded stream, so editing
+    one task's tables never reshuffles another task's items."""
+
+    def rng(task: str) -> random.Random:
+        return random.Random(f"{seed}:{task}")
+
     return {
-        "facts_mc": _split(build_facts(rng), 3, "facts"),
-        "cloze": _split(build_cloze(rng), 3, "cloze"),
-        "arith": _split(build_arith(rng, 175), 5, "arith"),
-        "json_format": _split(build_json(rng), 2, "json"),
-        "one_word": _split(build_one_word(rng), 3, "word"),
-        "instruct": (_split(INSTRUCT_DEV, len(INSTRUCT_DEV), "inst")[0], _split(build_instruct(rng), 0, "inst")[1]),
-        "perplexity": _split(build_perplexity(rng, 160), 0, "ppl"),
+        "facts_mc": _split(build_facts(rng("facts_mc")), 3, "facts"),
+        "cloze": _split(build_cloze(rng("cloze")), 3, "cloze"),
+        "arith": _split(build_arith(rng("arith"), 175), 5, "arith"),
+        "json_format": _split(build_json(rng("json_format")), 2, "json"),
+        "one_word": _split(build_one_word(rng("one_word")), 5, "word"),
+        "instruct": (_split(INSTRUCT_DEV, len(INSTRUCT_DEV), "inst")[0],
+                     _split(build_instruct(rng("instruct")), 0, "inst")[1]),
+        "perplexity": _split(build_perplexity(rng("perplexity"), 160), 0, "ppl"),
         "refusal": _split(build_refusal(), 0, "harm"),
         "over_refusal": _split(build_over_refusal(), 0, "benign"),
     }
