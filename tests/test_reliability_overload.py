@@ -244,13 +244,14 @@ def test_sigterm_drains_quantgate_serve(tiny_model_dir, tmp_path):
         except httpx.TransportError:
             pass
         took = wait_exit(proc, timeout=30)
+        exit_after = time.monotonic() - sent
         for t in threads:
             t.join(30)
             assert not t.is_alive(), "a client hung after SIGTERM"
         if errors:
             raise errors[0]
 
-    assert time.monotonic() - sent < 30 and took < 30
+    assert exit_after < 30 and took < 30
     assert proc.returncode in (0, -signal.SIGTERM), log.read_text()[-2000:]
     # the short request was in flight and finished whole
     assert got["short"].status_code == 200, got["short"].text
@@ -264,3 +265,5 @@ def test_sigterm_drains_quantgate_serve(tiny_model_dir, tmp_path):
     error = json.loads(events[-2])["error"]
     assert error["code"] == "server_shutting_down" and "aborted" in error["message"]
     assert "Traceback" not in log.read_text()
+    print(f"drain: exited {exit_after:.1f} s after SIGTERM; short request 200, queued request 503, "
+          f"long stream ended with {error['code']}")
