@@ -6,7 +6,7 @@ text (the engine's prompt logprobs), and max concurrent sequences of --seq-len t
 --memory-gb budget. Prints ratios to the baseline side by side, writes JSON and a PNG bar chart.
 
     python benchmarks/variants.py [--model smollm2-135m] [--variants baseline,int8,nf4,int8wo]
-        [--memory-gb 2] [--decode-tokens 32] [--batches 1,32] [--repeats 2]
+        [--memory-gb 2] [--decode-tokens 32] [--batches 1,32] [--repeats 2] [--threads N]
 """
 
 from __future__ import annotations
@@ -164,8 +164,14 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--memory-gb", type=float, default=2.0, help="fixed budget for the capacity column")
     parser.add_argument("--seq-len", type=int, default=1024)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch CPU threads (1 keeps timings stable on a shared machine)")
     parser.add_argument("--out-dir", default=None, help="default: benchmarks/results/variants")
     args = parser.parse_args(argv)
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
     args.batches = [int(b) for b in args.batches.split(",")]
     names = [v.strip() for v in args.variants.split(",") if v.strip()]
     if names[0] != "baseline":

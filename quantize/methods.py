@@ -44,8 +44,9 @@ class Method:
                 f"its options are {sorted(self.defaults) or 'none'}"
             )
         merged = {**self.defaults, **opts}
-        if "compute_dtype" in merged and merged["compute_dtype"] not in DTYPES:
-            raise ValueError(f"compute_dtype must be one of {DTYPES}, got {merged['compute_dtype']!r}")
+        for key in ("compute_dtype", "dtype"):
+            if key in merged and merged[key] not in DTYPES:
+                raise ValueError(f"{key} must be one of {DTYPES}, got {merged[key]!r}")
         return merged
 
 
@@ -88,12 +89,17 @@ def _bnb_builder(method: str) -> Callable[[Path, dict[str, Any]], PreTrainedMode
         from transformers import AutoModelForCausalLM
 
         # Linear4bit packs its weights when placed on a device; device_map places them during load.
-        return AutoModelForCausalLM.from_pretrained(
+        model = AutoModelForCausalLM.from_pretrained(
             source,
             quantization_config=_bnb_config(method, opts),
             dtype=_torch_dtype(opts["dtype"]),
             device_map={"": opts["device"]},
         ).eval()
+        import bitsandbytes as bnb
+
+        if not any(isinstance(m, bnb.nn.Linear8bitLt | bnb.nn.Linear4bit) for m in model.modules()):
+            raise ValueError(f"bitsandbytes found no layer to quantize in {type(model).__name__}")
+        return model
 
     return build
 

@@ -71,10 +71,11 @@ def quantize(
     target = Path(out_dir).expanduser().resolve() if out_dir else variants_root() / variant_key(source_hash, spec, opts)
     identity = {"source_hash": source_hash, "method": spec.name, "options": opts}
 
-    if not force and _reusable(target, identity, in_cache=out_dir is None):
+    if _reusable(target, identity, in_cache=out_dir is None) and not force:  # raises on foreign content
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    tmp.chmod(0o755)  # mkdtemp makes it private; the variant is not
     try:
         _build(spec, source, str(model_ref), source_hash, opts, tmp)
         _move_into_place(tmp, target, identity)

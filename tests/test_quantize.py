@@ -180,6 +180,8 @@ def test_out_dir_with_other_content_is_refused_untouched(tiny_model_dir, tmp_pat
     (out / "notes.txt").write_text("keep me")
     with pytest.raises(ValueError, match="other content"):
         quantize.quantize(tiny_model_dir, "nf4", out)
+    with pytest.raises(ValueError, match="other content"):
+        quantize.quantize(tiny_model_dir, "nf4", out, force=True)  # force rebuilds variants, never foreign dirs
     assert [p.name for p in out.iterdir()] == ["notes.txt"] and (out / "notes.txt").read_text() == "keep me"
     # a directory holding a different variant is not overwritten either
     other = quantize.quantize(tiny_model_dir, "int8wo", tmp_path / "other")
@@ -199,6 +201,8 @@ def test_bad_input_is_refused_before_any_work(tiny_model_dir, variants, tmp_path
         quantize.quantize(tiny_model_dir, "nf4", group_size=128)
     with pytest.raises(ValueError, match="compute_dtype"):
         quantize.quantize(tiny_model_dir, "nf4", compute_dtype="int8")
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        quantize.quantize(tiny_model_dir, "int8wo", dtype="float64")
     with pytest.raises(ValueError, match="already a quantgate variant"):
         quantize.quantize(variants["nf4"], "int8")
     assert sorted(p.name for p in root.iterdir()) == before
