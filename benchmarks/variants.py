@@ -58,15 +58,6 @@ def variant_dir(model: str, name: str) -> Path:
     return quantize.quantize(model, name)
 
 
-def weight_bytes_of(directory: Path) -> int:
-    import quantize
-    from quantize.integrity import weight_bytes
-
-    if quantize.is_variant(directory):
-        return quantize.read_manifest(directory)["weight_bytes"]
-    return weight_bytes(directory)[0]
-
-
 def time_prefill(engine, vocab: int, prompt_len: int, n: int, repeats: int, seed: int) -> float:
     from serving import SamplingParams
 
@@ -108,7 +99,7 @@ def top1_predictions(engine, token_ids: list[int]) -> list[int]:
 def run_variant(name: str, args, baseline_top1: list[int] | None, text_ids: list[int]) -> tuple[VariantResult, list[int]]:
     import torch
 
-    from quantize.capacity import ModelShape, capacity_row
+    from quantize.capacity import ModelShape, capacity_row, weight_bytes_of
     from serving import LLMEngine
 
     directory = variant_dir(args.model, name)

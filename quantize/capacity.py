@@ -226,3 +226,23 @@ def format_table(rows: list[CapacityRow], memory_bytes: int, seq_len: int) -> st
 
 def rows_as_dicts(rows: list[CapacityRow]) -> list[dict[str, Any]]:
     return [asdict(r) for r in rows]
+
+
+def weight_bytes_of(model_dir: str | Path) -> int:
+    """Weight bytes of any model directory: a variant's manifest, else its safetensors headers."""
+    from quantize.integrity import is_variant, read_manifest, weight_bytes
+
+    if is_variant(model_dir):
+        return int(read_manifest(model_dir)["weight_bytes"])
+    total, _ = weight_bytes(Path(model_dir))
+    if not total:
+        raise ValueError(f"{model_dir} holds no safetensors weights to measure")
+    return total
+
+
+if __name__ == "__main__":  # python -m quantize.capacity --memory-gb 80 --model llama-70b
+    import sys
+
+    from quantgate.cli import main
+
+    raise SystemExit(main(["capacity", *sys.argv[1:]]))

@@ -70,7 +70,13 @@ def test_estimates_equal_the_bytes_variants_actually_store(tiny_model_dir):
     assert estimate_weight_bytes(shape, "nf4", 4) == pytest.approx(measured["nf4"], abs=64)  # json state blob
 
 
-def test_engine_budget_helper():
+def test_engine_budget_helper(tiny_model_dir):
+    import quantize
+    from quantize.capacity import weight_bytes_of
+
+    assert weight_bytes_of(tiny_model_dir) == 12_879_104  # fp32, the tied table stored once
+    variant = quantize.quantize(tiny_model_dir, "int8wo")
+    assert weight_bytes_of(variant) == quantize.read_manifest(variant)["weight_bytes"] < 12_879_104 / 3
     assert kv_cache_memory_gb(10, 2 * GIB, reserve_gb=1) == pytest.approx(7.0)
     with pytest.raises(ValueError, match="leave nothing"):
         kv_cache_memory_gb(1, 2 * GIB)
