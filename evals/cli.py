@@ -17,6 +17,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     ev.add_argument("--out", required=True, type=Path, help="output directory")
     ev.add_argument("--device", default=None, help="engine device (default: cuda if available, else cpu)")
     ev.add_argument("--dtype", default=None, help="engine dtype (float32, bfloat16, ...)")
+    ev.add_argument("--threads", type=int, default=None,
+                    help="torch CPU threads (1 is far faster when other processes share the cores)")
     ev.set_defaults(func=_eval)
 
     cmp = subparsers.add_parser("compare", help="paired task-by-task comparison of variants against a baseline",
@@ -40,6 +42,12 @@ def _eval(args: argparse.Namespace) -> int:
 
     resolve_model(args.model)  # bad references and task names fail before anything loads
     resolve_tasks(args.suite)
+    if args.threads is not None:
+        if args.threads < 1:
+            raise ValueError(f"--threads must be at least 1, got {args.threads}")
+        import torch
+
+        torch.set_num_threads(args.threads)
     engine_kwargs = {k: v for k, v in (("device", args.device), ("dtype", args.dtype)) if v is not None}
     lm = EngineLM.from_model(args.model, **engine_kwargs)
     result = run_suite(lm, args.suite, limit=args.limit, out_dir=args.out)

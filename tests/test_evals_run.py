@@ -154,6 +154,9 @@ def test_cli_eval_and_compare(tiny_model_dir: Path, tmp_path: Path, capsys: pyte
     assert quantgate_main(["eval", "--model", str(tiny_model_dir), "--suite", "arith,nope", "--out",
                            str(tmp_path / "c")]) == 2
     assert "unknown task or suite 'nope'" in capsys.readouterr().err
+    assert quantgate_main(["eval", "--model", str(tiny_model_dir), "--suite", "arith", "--threads", "0", "--out",
+                           str(tmp_path / "c")]) == 2
+    assert "--threads must be at least 1" in capsys.readouterr().err
     assert quantgate_main(["compare", str(a), str(tmp_path / "missing"), "--out", str(tmp_path / "d")]) == 2
     assert not (tmp_path / "c").exists() and not (tmp_path / "d").exists()
 
