@@ -142,7 +142,7 @@ def compare_task(base: TaskResult, var: TaskResult, variant: str, seed: int = DE
                          higher_is_better=base.higher_is_better, binary=base.binary, n=len(docs),
                          baseline=_agg(base.metric, bs, ws), variant_score=_agg(base.metric, vs, ws),
                          delta=0.0, ci_low=low, ci_high=high, mcnemar_p=None)
-    row.delta = row.variant_score - row.baseline
+    row.delta = round(row.variant_score - row.baseline, 12)  # no "-0.0000" from float noise
     if base.binary:
         for d in docs:
             flip = Flip(d, b[d].item_id, b[d].target, b[d].response, v[d].response)
@@ -185,7 +185,7 @@ def compare(baseline: EvalResult, variants: dict[str, EvalResult], seed: int = D
             mean_deltas = np.mean(agg_deltas, axis=0)
             low, high = np.percentile(mean_deltas, [100 * alpha / 2, 100 * (1 - alpha / 2)])
             aggregates.append(AggregateComparison(name, agg_tasks, float(np.mean(agg_b)), float(np.mean(agg_v)),
-                                                  float(np.mean(agg_v) - np.mean(agg_b)), float(low), float(high)))
+                                                  round(float(np.mean(agg_v) - np.mean(agg_b)), 12), float(low), float(high)))
     return Comparison(baseline=baseline.model, variants=list(variants), seed=seed, n_boot=n_boot, alpha=alpha,
                       rows=rows, aggregates=aggregates)
 
