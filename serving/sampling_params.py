@@ -48,7 +48,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        # Below this, logits / temperature overflows to inf and sampling is greedy in all but name.
+        return self.temperature < 1e-5
 
 
 def _finite(value: object) -> bool:
