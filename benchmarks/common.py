@@ -101,7 +101,8 @@ def pyplot():
 def save_figure(fig, path: str | Path, dpi: int = 110) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.tight_layout()
+    if not fig.get_layout_engine():
+        fig.tight_layout()
     fig.savefig(path, dpi=dpi)
     pyplot().close(fig)
     return path

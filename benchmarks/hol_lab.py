@@ -379,25 +379,45 @@ def plot_short_cdf(runs: dict[str, RunResult], path: Path) -> Path:
 
 
 def plot_gantt(runs: dict[str, RunResult], path: Path) -> Path:
+    """Which request held which batch slot when; a grey line is a request waiting for a slot."""
     plt = pyplot()
+    from matplotlib.lines import Line2D
     from matplotlib.patches import Patch
 
-    fig, axes = plt.subplots(len(runs), 1, figsize=(10, 2.2 + 2.2 * len(runs)), sharex=True, squeeze=False)
+    fig, axes = plt.subplots(len(runs), 1, figsize=(10, 2.6 + 2.2 * len(runs)), sharex=True, squeeze=False)
     for ax, (name, run) in zip(axes[:, 0], runs.items(), strict=True):
-        kinds = {d["request_id"]: d["kind"] for d in run.requests}
+        info = {d["request_id"]: d for d in run.requests}
+        admitted: set[str] = set()
         for iv in run.intervals:
+            req = info.get(iv.request_id, {})
+            if iv.request_id not in admitted and req:  # waiting from arrival to the first admission
+                admitted.add(iv.request_id)
+                if iv.start - req["arrival"] > 0:
+                    ax.hlines(iv.slot, req["arrival"], iv.start, color="#888888", linewidth=1, alpha=0.7, zorder=0.5)
             ax.barh(iv.slot, iv.end - iv.start, left=iv.start, height=0.8,
-                    color=COLORS[kinds.get(iv.request_id, "short")], edgecolor="white", linewidth=0.5)
+                    color=COLORS[req.get("kind", "short")], edgecolor="white", linewidth=0.5)
         ax.set_ylabel("batch slot")
         ax.yaxis.get_major_locator().set_params(integer=True)
         ax.set_title(f"{name} batching: {len(run.requests)} requests, done at {run.makespan:.1f} s", fontsize=10)
         ax.invert_yaxis()
         ax.grid(axis="x", alpha=0.3)
     axes[-1, 0].set_xlabel("time since the start (s)")
-    axes[0, 0].legend(handles=[Patch(color=COLORS["short"], label="short request"),
-                               Patch(color=COLORS["long"], label="long request")],
-                      loc="upper right", fontsize=8)
+    handles = [Patch(color=COLORS["short"], label="short request"), Patch(color=COLORS["long"], label="long request"),
+               Line2D([], [], color="#888888", label="waiting for a slot (arrival → admission)")]
+    fig.legend(handles=handles, loc="upper center", ncol=3, fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, 0, 1, 0.96))
     return save_figure(fig, path)
+
+
+def runs_from_report(report: dict[str, Any]) -> dict[str, RunResult]:
+    """Rebuild the runs from a saved hol_lab.json, e.g. to re-plot without re-running."""
+    runs = {}
+    for name, data in report["runs"].items():
+        requests = data["requests"]
+        runs[name] = RunResult(name, requests, [SlotInterval(**iv) for iv in data["intervals"]],
+                               makespan=max((d["finished"] for d in requests), default=0.0),
+                               num_steps=report["schedulers"][name]["num_steps"], num_preemptions=0)
+    return runs
 
 
 def print_report(report: dict[str, Any]) -> None:
