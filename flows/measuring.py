@@ -61,11 +61,12 @@ def source_hash(model_dir: Path) -> str:
 
 
 def variant_intact(variant_dir: Path) -> bool:
-    """A cached variant is reused only while its directory is complete (quantize's own check)."""
+    """A cached variant is reused only while every file matches its manifest's sha256, whatever its size:
+    a release must never measure (or register) weights that differ from what was quantized."""
     from quantize.integrity import verify_variant
 
     try:
-        verify_variant(Path(variant_dir))
+        verify_variant(Path(variant_dir), full=True)
     except (ValueError, OSError):
         return False
     return True

@@ -204,11 +204,11 @@ def test_a_task_that_keeps_failing_fails_the_flow_and_moves_nothing(flow_env, ti
     assert _latest_release_status(model) == "FAILED"
 
 
-def _variant_dir(method: str) -> Path:
-    found = sorted((Path(os.environ["QUANTGATE_HOME"]) / "variants").glob(f"*-{method}"),
-                   key=lambda p: p.stat().st_mtime)
-    assert found, f"no {method} variant under QUANTGATE_HOME"
-    return found[-1]
+def _variant_dir(model_dir: Path, method: str) -> Path:
+    """The cached variant of exactly this source (other tests leave variants of other models beside it)."""
+    from quantize.variant import quantize
+
+    return quantize(model_dir, method)  # intact and cached: returned without rebuilding
 
 
 def test_a_variant_damaged_between_runs_is_rebuilt_before_it_is_measured(flow_env, tiny_model_dir):
@@ -218,7 +218,7 @@ def test_a_variant_damaged_between_runs_is_rebuilt_before_it_is_measured(flow_en
     from quantize.integrity import verify_variant
 
     model = flow_env["model"]
-    variant = _variant_dir("nf4")
+    variant = _variant_dir(tiny_model_dir, "nf4")
     weights = next(variant.glob("*.safetensors"))
     data = bytearray(weights.read_bytes())
     middle = len(data) // 2
