@@ -28,16 +28,26 @@ class PrefillChunk:
 
 
 @dataclass
+class DecodeGroup:
+    """Single-token sequences of similar context length, padded only to the longest among them."""
+
+    start: int  # first row; the group's rows are contiguous
+    block_tables: torch.Tensor  # [B * max_blocks] flattened, padded with block 0
+    mask: torch.Tensor  # [B, 1, 1, max_blocks * block_size], True where attended
+
+    @property
+    def num_seqs(self) -> int:
+        return self.mask.shape[0]
+
+
+@dataclass
 class AttentionContext:
     k_cache: list[torch.Tensor]  # per layer [num_blocks * block_size, kv_heads, head_dim]
     v_cache: list[torch.Tensor]
     block_size: int
     slot_mapping: torch.Tensor  # [num_tokens] cache slot each new token's K/V is written to
-    prefills: list[PrefillChunk] = field(default_factory=list)
-    decode_rows: torch.Tensor | None = None  # [B] rows of the single-token (decode) sequences
-    decode_block_tables: torch.Tensor | None = None  # [B, max_blocks], padded with 0
-    decode_mask: torch.Tensor | None = None  # [B, 1, 1, max_blocks * block_size], True where attended
-    decode_only: bool = False  # every row is a decode token, in order: no gather/scatter of rows needed
+    prefills: list[PrefillChunk] = field(default_factory=list)  # their rows follow the decode rows
+    decode_groups: list[DecodeGroup] = field(default_factory=list)  # rows 0.. are decode tokens, by group
 
 
 _local = threading.local()  # per thread: engines stepping on different threads each see their own step
@@ -73,39 +83,39 @@ def paged_attention(
     k_cache.index_copy_(0, ctx.slot_mapping, k.to(k_cache.dtype))
     v_cache.index_copy_(0, ctx.slot_mapping, v.to(v_cache.dtype))
 
-    out = None if ctx.decode_only else torch.empty_like(q)
     gqa = q.shape[1] != k.shape[1]
+    outs = [_decode(q, k_cache, v_cache, ctx.block_size, g, scaling, gqa) for g in ctx.decode_groups]
     for chunk in ctx.prefills:
         rows = slice(chunk.start, chunk.start + chunk.length)
         qs = q[rows].transpose(0, 1)  # [heads, len, dim]
         if chunk.context_slots is None:  # the whole context is in this chunk: plain causal attention
             ks, vs, mask, causal = k[rows].transpose(0, 1), v[rows].transpose(0, 1), None, True
         else:
-            ks = k_cache[chunk.context_slots].transpose(0, 1).to(q.dtype)
-            vs = v_cache[chunk.context_slots].transpose(0, 1).to(q.dtype)
+            ks = k_cache.index_select(0, chunk.context_slots).transpose(0, 1).to(q.dtype)
+            vs = v_cache.index_select(0, chunk.context_slots).transpose(0, 1).to(q.dtype)
             offset = chunk.context_len - chunk.length
             q_pos = torch.arange(chunk.length, device=q.device)[:, None] + offset
             mask, causal = q_pos >= torch.arange(chunk.context_len, device=q.device)[None, :], False
         o = F.scaled_dot_product_attention(
             qs, ks, vs, attn_mask=mask, is_causal=causal, scale=scaling, enable_gqa=gqa
         )
-        out[rows] = o.transpose(0, 1)
+        outs.append(o.transpose(0, 1))
+    out = outs[0] if len(outs) == 1 else torch.cat(outs)
+    return out.unsqueeze(0), None  # [1, tokens, heads, dim], viewed by the caller as [1, tokens, heads * dim]
 
-    if ctx.decode_rows is not None:
-        num_seqs, max_blocks = ctx.decode_block_tables.shape
-        kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2]
-        paged_k = k_cache.view(-1, ctx.block_size, kv_heads, head_dim)[ctx.decode_block_tables]
-        paged_v = v_cache.view(-1, ctx.block_size, kv_heads, head_dim)[ctx.decode_block_tables]
-        ks = paged_k.view(num_seqs, max_blocks * ctx.block_size, kv_heads, head_dim).transpose(1, 2)
-        vs = paged_v.view(num_seqs, max_blocks * ctx.block_size, kv_heads, head_dim).transpose(1, 2)
-        qd = (q if ctx.decode_only else q[ctx.decode_rows]).unsqueeze(2)  # [B, heads, 1, dim]
-        o = F.scaled_dot_product_attention(
-            qd, ks.to(q.dtype), vs.to(q.dtype), attn_mask=ctx.decode_mask, scale=scaling, enable_gqa=gqa
-        )
-        if ctx.decode_only:
-            return o.transpose(1, 2), None  # [B, 1, heads, dim] viewed by the caller as [1, B, heads * dim]
-        out[ctx.decode_rows] = o.squeeze(2)
-    return out.unsqueeze(0), None
+
+def _decode(q, k_cache, v_cache, block_size: int, group: DecodeGroup, scaling, gqa: bool) -> torch.Tensor:
+    """One query token per sequence against its paged context. index_select copies whole blocks
+    (contiguous rows of the cache), several times faster on CPU than advanced indexing."""
+    n, length = group.num_seqs, group.mask.shape[-1]
+    kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2]
+    blocks_k = k_cache.view(-1, block_size, kv_heads, head_dim).index_select(0, group.block_tables)
+    blocks_v = v_cache.view(-1, block_size, kv_heads, head_dim).index_select(0, group.block_tables)
+    ks = blocks_k.view(n, length, kv_heads, head_dim).transpose(1, 2).to(q.dtype)
+    vs = blocks_v.view(n, length, kv_heads, head_dim).transpose(1, 2).to(q.dtype)
+    qd = q[group.start : group.start + n].unsqueeze(2)  # [n, heads, 1, dim]
+    o = F.scaled_dot_product_attention(qd, ks, vs, attn_mask=group.mask, scale=scaling, enable_gqa=gqa)
+    return o.squeeze(2)  # [n, heads, dim]
 
 
 def register() -> str:

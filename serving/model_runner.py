@@ -8,10 +8,23 @@ from pathlib import Path
 import torch
 
 from serving import attention
-from serving.attention import AttentionContext, PrefillChunk
+from serving.attention import AttentionContext, DecodeGroup, PrefillChunk
 from serving.sampler import sample, token_logprobs
 from serving.scheduler import ScheduledSeq
 from serving.sequence import Sequence, TokenLogprob
+
+DECODE_GROUP_SIZE = 16  # decode sequences per padded attention batch
+
+
+def _is_decode(item: ScheduledSeq) -> bool:
+    return item.num_new_tokens == 1 and item.seq.num_computed_tokens > 0
+
+
+def _decode_first(scheduled: list[ScheduledSeq]) -> list[int]:
+    """Row order for a step: decode tokens by context length (so groups pad little), then prefill chunks."""
+    decodes = [i for i, item in enumerate(scheduled) if _is_decode(item)]
+    decodes.sort(key=lambda i: scheduled[i].seq.num_computed_tokens)
+    return decodes + [i for i, item in enumerate(scheduled) if not _is_decode(item)]
 
 
 @dataclass
@@ -73,21 +86,19 @@ class ModelRunner:
     def run(self, scheduled: list[ScheduledSeq]) -> StepResult:
         input_ids, positions, slots = [], [], []
         prefills: list[PrefillChunk] = []
-        decode_rows: list[int] = []
         decode_seqs: list[Sequence] = []
         sample_rows: list[int] = []  # (row of the last token) for sequences that get a new token
         sample_idx: list[int] = []
         prompt_rows: dict[int, list[int]] = {}  # index -> rows whose logits score the next prompt token
         bs = self.block_size
-        for idx, item in enumerate(scheduled):
-            seq, n = item.seq, item.num_new_tokens
+        for idx in _decode_first(scheduled):
+            seq, n = scheduled[idx].seq, scheduled[idx].num_new_tokens
             start, end, row = seq.num_computed_tokens, seq.num_computed_tokens + n, len(input_ids)
             input_ids.extend(seq.token_ids[start:end])
             positions.extend(range(start, end))
             table = seq.block_table
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
-            if n == 1 and start > 0:
-                decode_rows.append(row)
+            if _is_decode(scheduled[idx]):
                 decode_seqs.append(seq)
             else:
                 context = None
@@ -110,20 +121,8 @@ class ModelRunner:
             bs,
             torch.tensor(slots, device=self.device),
             prefills,
+            self._decode_groups(decode_seqs),
         )
-        if decode_seqs:
-            max_blocks = max(len(s.block_table) for s in decode_seqs)
-            tables = torch.zeros(len(decode_seqs), max_blocks, dtype=torch.long)
-            lengths = torch.empty(len(decode_seqs), dtype=torch.long)
-            for i, s in enumerate(decode_seqs):
-                tables[i, : len(s.block_table)] = torch.tensor(s.block_table)
-                lengths[i] = s.num_computed_tokens + 1
-            ctx.decode_rows = torch.tensor(decode_rows, device=self.device)
-            ctx.decode_block_tables = tables.to(self.device)
-            mask = torch.arange(max_blocks * bs)[None, :] < lengths[:, None]
-            ctx.decode_mask = mask[:, None, None, :].to(self.device)
-            ctx.decode_only = not prefills
-
         keep_rows = sample_rows + [r for rows in prompt_rows.values() for r in rows]
         attention.set_context(ctx)
         try:
@@ -136,6 +135,23 @@ class ModelRunner:
         finally:
             attention.set_context(None)
         return self._postprocess(scheduled, logits, sample_idx, prompt_rows)
+
+    def _decode_groups(self, seqs: list[Sequence]) -> list[DecodeGroup]:
+        """Rows 0..len(seqs) hold the decode tokens, shortest context first; cut them into groups so that
+        padding to a group's longest context wastes little gather and attention work."""
+        groups = []
+        bs = self.block_size
+        for start in range(0, len(seqs), DECODE_GROUP_SIZE):
+            members = seqs[start : start + DECODE_GROUP_SIZE]
+            max_blocks = max(len(s.block_table) for s in members)
+            tables = torch.zeros(len(members), max_blocks, dtype=torch.long)
+            lengths = torch.empty(len(members), dtype=torch.long)
+            for i, s in enumerate(members):
+                tables[i, : len(s.block_table)] = torch.tensor(s.block_table)
+                lengths[i] = s.num_computed_tokens + 1
+            mask = torch.arange(max_blocks * bs)[None, :] < lengths[:, None]
+            groups.append(DecodeGroup(start, tables.view(-1).to(self.device), mask[:, None, None, :].to(self.device)))
+        return groups
 
     def _postprocess(self, scheduled, logits, sample_idx, prompt_rows) -> StepResult:
         result = StepResult({}, {}, {})

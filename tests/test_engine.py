@@ -61,6 +61,31 @@ def test_greedy_matches_hf_generate_tiny(tiny_model_dir, config):
     assert_no_leak(engine)
 
 
+def test_many_sequences_decode_in_length_groups_and_match_hf(tiny_model_dir):
+    """40 sequences: decode rows are sorted by context length into several padded groups, while
+    chunked prefills of late arrivals share the steps. Every output must still equal HF's."""
+    from serving.model_runner import DECODE_GROUP_SIZE
+
+    engine = engine_for(tiny_model_dir, max_num_seqs=40, max_num_batched_tokens=256)
+    prompts = random_prompts(40, engine.vocab_size, seed=3)
+    max_tokens = [12 + (7 * i) % 29 for i in range(40)]
+    params = [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for m in max_tokens]
+    groups_seen = []
+    original = engine.runner._decode_groups
+
+    def spy(seqs):
+        groups = original(seqs)
+        groups_seen.append(len(groups))
+        return groups
+
+    engine.runner._decode_groups = spy
+    outs = engine.generate(prompts, params)
+    assert max(groups_seen) == -(-40 // DECODE_GROUP_SIZE)  # at some step all 40 decoded, in 3 groups
+    for prompt, m, out in zip(prompts, max_tokens, outs, strict=True):
+        assert out.token_ids == hf_greedy(tiny_model_dir, prompt, m), f"prompt of {len(prompt)} tokens"
+    assert_no_leak(engine)
+
+
 def test_prefix_cache_hits_and_same_output(tiny_model_dir):
     engine = engine_for(tiny_model_dir, block_size=4)
     shared = random_prompts(1, engine.vocab_size, seed=3, lo=40, hi=40)[0]
