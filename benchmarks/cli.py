@@ -1,4 +1,4 @@
-"""`quantgate bench hol|serve|kv-waste|sweep`: the benchmarks, each printing a table and writing JSON (+ PNGs)."""
+"""`quantgate bench hol|serve|kv-waste|sweep|tenants`: the benchmarks, each printing a table and writing JSON (+ PNGs)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    bench = subparsers.add_parser("bench", help="benchmarks: HOL lab, serving load generator, KV waste, sweep")
+    bench = subparsers.add_parser("bench", help="benchmarks: HOL lab, serving load generator, KV waste, sweep, tenants")
     verbs = bench.add_subparsers(dest="bench_command", metavar="<benchmark>", required=True)
 
     p = verbs.add_parser("hol", help="head-of-line blocking: static vs continuous batching on a mixed workload")
@@ -70,6 +70,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--slo-tpot-ms", type=float, default=None, help="the best point must keep p99 TPOT under this")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=_sweep)
+
+    p = verbs.add_parser("tenants", help="tenant isolation: B's latency alone, beside A's flood, and in one FIFO")
+    _engine_args(p)
+    p.add_argument("--b-requests", type=int, default=24, help="B's short requests, one in flight at a time")
+    p.add_argument("--a-requests", type=int, default=24, help="A's burst of long prompts")
+    p.add_argument("--a-prompt-tokens", type=_range, default=(384, 512), metavar="LO-HI")
+    p.add_argument("--slack", type=float, default=None,
+                   help="how much slower a shared step may be than its decodes alone (default: the engine's)")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=_tenants)
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
@@ -162,4 +172,14 @@ def _sweep(args: argparse.Namespace) -> int:
         plots=args.plots,
     )
     print_report(report)
+    return 0
+
+
+def _tenants(args: argparse.Namespace) -> int:
+    from benchmarks.tenants import Workload, run
+
+    work = Workload(b_requests=args.b_requests, a_requests=args.a_requests, a_prompt_tokens=args.a_prompt_tokens,
+                    seed=args.seed)
+    run(args.model, device=args.device, dtype=args.dtype, work=work, slack=args.slack, out_dir=args.out_dir,
+        plots=args.plots)
     return 0

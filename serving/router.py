@@ -28,6 +28,7 @@ import hashlib
 import hmac
 import json
 import logging
+import math
 import os
 import random
 import threading
@@ -44,6 +45,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.parser import text_string_to_metric_families
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from serving.http_body import parse_json_object, read_body
 from serving.metrics import CONTENT_TYPE, LATENCY_BUCKETS
 from serving.protocol import APIError, error_body
 
@@ -353,14 +355,7 @@ def build_router_app(config: RouterConfig) -> FastAPI:
             raise APIError(401, "admin endpoints need `Authorization: Bearer <admin key>`", "invalid_admin_key")
 
     async def json_body(request: Request) -> dict:
-        raw = await request.body()
-        try:
-            data = json.loads(raw) if raw.strip() else {}
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise APIError(400, f"the body is not valid JSON: {exc}", "invalid_json") from exc
-        if not isinstance(data, dict):
-            raise APIError(400, f"the body must be a JSON object, got {type(data).__name__}")
-        return data
+        return parse_json_object(await read_body(request), empty_ok=True)
 
     def headers_of(request: Request) -> dict[str, str]:
         return {k: v for k, v in request.headers.items() if k.lower() in FORWARD_HEADERS}
@@ -515,10 +510,11 @@ def build_router_app(config: RouterConfig) -> FastAPI:
         weights = body.get("weights")
         names = {v.name for v in config.versions}
         if not isinstance(weights, dict) or set(weights) != names or any(
-                isinstance(w, bool) or not isinstance(w, int | float) or w < 0 for w in weights.values()):
-            raise APIError(400, f"`weights` must give a number >= 0 for each of {sorted(names)}")
-        if sum(weights.values()) <= 0:
-            raise APIError(400, "at least one weight must be > 0")
+                isinstance(w, bool) or not isinstance(w, int | float) or not 0 <= w < math.inf
+                for w in weights.values()):
+            raise APIError(400, f"`weights` must give a finite number >= 0 for each of {sorted(names)}")
+        if not 0 < sum(weights.values()) < math.inf:
+            raise APIError(400, "`weights` must not all be 0, and their sum must be finite")
         return state.set_weights({k: float(v) for k, v in weights.items()}, "weights", reason_of(body))
 
     return app

@@ -14,11 +14,13 @@ already sees their blocks free.
 With several tenants (the server's API keys) two rules keep one tenant from starving another:
 admission takes the head of each tenant's FIFO in turn (round-robin), skipping a tenant whose
 KV-block quota (`tenant_max_kv_blocks`, reserved for prompt + max_tokens) is full; and while more
-than one tenant has work, each gets an equal share of the step's token budget for prefill chunks
-(decode tokens always run), so a burst of long prompts can neither hold back another tenant's
-decodes or admission nor make its steps slow. A share left unused stays unused: isolation is
-bought with some throughput, and only while several tenants are active. With one tenant the
-schedule is exactly the plain FIFO one.
+than one tenant has work, each gets an equal share of the step's prefill tokens (decode tokens
+always run), so a burst of long prompts cannot hold back another tenant's decodes or admission.
+Nor may it make their steps slow: the prefill tokens of a shared step are capped at what keeps the
+step within `tenant_step_slack` of its decode-only time, as the engine's measured step costs
+predict (`step_cost.py`). A share left unused stays unused: isolation is bought with some
+throughput, and only while several tenants are active. With one tenant the schedule is exactly the
+plain FIFO one.
 
 The static scheduler differs in one rule: it admits a new batch only when every sequence of the
 current batch has finished — the head-of-line blocking that continuous batching removes.
@@ -32,6 +34,7 @@ from dataclasses import dataclass, field
 
 from serving.block_manager import BlockManager
 from serving.sequence import Sequence, SequenceStatus
+from serving.step_cost import StepCostModel
 
 
 @dataclass
@@ -68,6 +71,8 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         self.tenant_max_kv_blocks: dict[str, int] = {}
+        self.tenant_step_slack = 0.25  # a shared step may be this much slower than its decodes alone
+        self.step_cost = StepCostModel()  # the engine feeds it every step's tokens and seconds
         self._last_tenant: str | None = None
 
     def add(self, seq: Sequence) -> None:
@@ -150,7 +155,12 @@ class Scheduler:
         tenants = {s.tenant for s in self.running} | {s.tenant for s in self.waiting}
         if len(tenants) < 2:
             return None
-        return dict.fromkeys(tenants, max(1, self.max_num_batched_tokens // len(tenants)))
+        prefill = self.max_num_batched_tokens
+        decodes = sum(1 for s in self.running if s.num_uncomputed_tokens <= 1)
+        affordable = self.step_cost.tokens_within(decodes, self.tenant_step_slack)
+        if affordable is not None:
+            prefill = max(len(tenants), min(prefill, affordable))
+        return dict.fromkeys(tenants, max(1, prefill // len(tenants)))
 
     def _next_waiting(self, shares: dict[str, int] | None) -> Sequence | None:
         """The head of the next tenant's FIFO, tenants taken in turn after the last one admitted;

@@ -25,9 +25,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.requests import ClientDisconnect
 
 from serving.engine import LLMEngine, RequestOutput
+from serving.http_body import parse_json_object, read_body
 from serving.metrics import CONTENT_TYPE, ServerMetrics
 from serving.protocol import (
     APIError,
@@ -44,9 +44,10 @@ from serving.tenants import DEFAULT_TENANT, TenantTable
 
 log = logging.getLogger("quantgate.server")
 
-MAX_BODY_BYTES = 32 * 2**20
 RETRY_AFTER_S = 1
 DISCONNECT_POLL_S = 0.5
+ENGINE_STOPPED = APIError(503, "the engine loop is not running; retry on another replica", "engine_stopped",
+                          {"Retry-After": str(RETRY_AFTER_S)})
 MIN_TEMPERATURE = 1e-5
 DRAIN_TIMEOUT_S = 3.0  # after SIGTERM, in-flight requests get this long; `quantgate serve` gives uvicorn 5 s
 MIN_TOP_P = 1e-6
@@ -148,28 +149,30 @@ class EngineLoop:
     # ---- the thread ----------------------------------------------------------------------------
     def _run(self) -> None:
         while not self._stop.is_set():
-            if self._drain_deadline is not None and time.monotonic() >= self._drain_deadline and self._streams:
-                self._fail_all(APIError(503, "the server shut down before this request finished; it was aborted, "
-                                        "retry on another replica", "server_shutting_down",
-                                        {"Retry-After": str(RETRY_AFTER_S)}))
-            if not self.engine.has_unfinished():
-                self._snapshot()
-                self._wake.wait(0.1)
-                self._wake.clear()
-                continue
             try:
-                outputs = self.engine.step()
-            except Exception as exc:  # an engine bug must fail its requests, not the server
+                self._tick()
+            except Exception as exc:  # an engine bug must fail its requests, not stop the loop (they would hang)
                 log.exception("engine step failed")
                 self._fail_all(APIError(500, f"the engine failed: {exc}", "engine_error"))
                 time.sleep(0.05)
-                continue
-            self.steps += 1
-            for out in outputs:
-                self.metrics.on_output(out)
-                self._deliver(out)
-            self._mark_scheduled()
+
+    def _tick(self) -> None:
+        if self._drain_deadline is not None and time.monotonic() >= self._drain_deadline and self._streams:
+            self._fail_all(APIError(503, "the server shut down before this request finished; it was aborted, "
+                                    "retry on another replica", "server_shutting_down",
+                                    {"Retry-After": str(RETRY_AFTER_S)}))
+        if not self.engine.has_unfinished():
             self._snapshot()
+            self._wake.wait(0.1)
+            self._wake.clear()
+            return
+        outputs = self.engine.step()
+        self.steps += 1
+        for out in outputs:
+            self.metrics.on_output(out)
+            self._deliver(out)
+        self._mark_scheduled()
+        self._snapshot()
 
     def _deliver(self, out: RequestOutput) -> None:
         with self._lock:
@@ -226,53 +229,8 @@ def _sse(obj: dict) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
-async def _read_body(request: Request) -> bytes:
-    """The body, refused with 413 from its Content-Length or as soon as it grows past the limit."""
-    too_big = APIError(413, f"request body over {MAX_BODY_BYTES} bytes")
-    declared = request.headers.get("content-length", "")
-    if declared.isdigit() and (len(declared) > 15 or int(declared) > MAX_BODY_BYTES):
-        raise too_big
-    chunks, size = [], 0
-    try:
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > MAX_BODY_BYTES:
-                raise too_big
-            chunks.append(chunk)
-    except ClientDisconnect:  # hung up halfway through the body: nobody to answer, nothing to log as a 500
-        raise APIError(499, "client disconnected before sending the whole body") from None
-    return b"".join(chunks)
-
-
-def _has_lone_surrogate(data: object) -> bool:
-    """JSON may escape half a UTF-16 pair (`"\\ud800"`); such a string is no text the tokenizer can take."""
-    stack = [data]
-    while stack:
-        item = stack.pop()
-        if isinstance(item, str):
-            try:
-                item.encode("utf-8")
-            except UnicodeEncodeError:
-                return True
-        elif isinstance(item, dict):
-            stack.extend(item.keys())
-            stack.extend(item.values())
-        elif isinstance(item, list):
-            stack.extend(item)
-    return False
-
-
 async def _parse(request: Request, model: type[BaseModel]) -> BaseModel:
-    body = await _read_body(request)
-    try:
-        data = json.loads(body)
-    except (ValueError, RecursionError) as exc:  # also: invalid UTF-8, nesting too deep, a 5000-digit number
-        raise APIError(400, f"the body is not valid JSON: {exc}", "invalid_json") from exc
-    if not isinstance(data, dict):
-        raise APIError(400, f"the body must be a JSON object, got {type(data).__name__}")
-    if _has_lone_surrogate(data):
-        raise APIError(400, "the body holds a string with a lone UTF-16 surrogate escape; it is not valid UTF-8 text",
-                       "invalid_json")
+    data = parse_json_object(await read_body(request))
     try:
         return model.model_validate(data)
     except ValidationError as exc:
@@ -412,6 +370,15 @@ def build_app(
             raise APIError(400, f"token id {bad[0]} is not in the vocabulary (0..{engine.vocab_size - 1})")
         return list(prompt)
 
+    async def next_output(queue: asyncio.Queue) -> tuple[int, RequestOutput | APIError]:
+        """The next (index, output) for a stream; an error instead of waiting forever on a dead loop."""
+        while True:
+            try:
+                return await asyncio.wait_for(queue.get(), DISCONNECT_POLL_S)
+            except TimeoutError:
+                if not loop.alive:
+                    return 0, ENGINE_STOPPED
+
     async def collect(request: Request, queue: asyncio.Queue, rids: list[str]) -> list[RequestOutput]:
         """Wait for every request's final output; a client that hangs up aborts them."""
         finals: dict[int, RequestOutput] = {}
@@ -422,6 +389,8 @@ def build_app(
                     index, item = await asyncio.wait_for(queue.get(), DISCONNECT_POLL_S)
                 except TimeoutError:
                     item = None
+                    if not loop.alive:  # never wait on a loop that can no longer answer
+                        raise ENGINE_STOPPED from None
                 # on the clock, not on silence: a generating request gets an output every step
                 if time.monotonic() >= next_check:
                     next_check = time.monotonic() + DISCONNECT_POLL_S
@@ -501,7 +470,7 @@ def build_app(
                          "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}]})
 
         while done < len(rids):
-            index, out = await queue.get()
+            index, out = await next_output(queue)
             if isinstance(out, APIError):
                 yield _sse(error_body(out.status, out.message, out.code))
                 break
@@ -587,7 +556,7 @@ def build_app(
         yield chunk({"role": "assistant", "content": ""})
         sent_text, sent_tokens = "", 0
         while True:
-            _, out = await queue.get()
+            _, out = await next_output(queue)
             if isinstance(out, APIError):
                 yield _sse(error_body(out.status, out.message, out.code))
                 break

@@ -193,7 +193,7 @@ def test_degenerate_sampling_values_neither_fail_nor_break_other_requests(http, 
 
 # ---- body size -----------------------------------------------------------------------------------------
 def test_oversized_bodies_get_413_before_they_are_read(server):
-    from serving.server import MAX_BODY_BYTES
+    from serving.http_body import MAX_BODY_BYTES
 
     big = b'{"prompt": "' + b"a" * (MAX_BODY_BYTES + 1) + b'"}'
     r = httpx.post(f"{server.url}/v1/completions", content=big, headers={"content-type": "application/json"},
@@ -330,22 +330,23 @@ def test_router_admin_endpoints_refuse_without_the_admin_key(router_url):
 
 
 ROUTER_BODIES = [
-    (b"[", False),
-    (b"[1]", False),
-    (b'{"reason": 5}', False),
-    (b'{"weights": {"baseline": -1, "int8": 1}, "reason": "x"}', False),
-    (b'{"weights": {"baseline": 1}, "reason": "x"}', False),
-    (b'{"weights": {"baseline": 1e400, "int8": 1}, "reason": "x"}', True),
-    (b'{"weights": {"baseline": NaN, "int8": 1}, "reason": "x"}', True),
-]  # (deeply nested JSON is a 500 on the router too -- left out: that RecursionError can crash pytest's reporting)
+    b"[",
+    b"[1]",
+    b'{"reason": 5}',
+    b'{"weights": {"baseline": -1, "int8": 1}, "reason": "x"}',
+    b'{"weights": {"baseline": 1}, "reason": "x"}',
+    b'{"weights": {"baseline": 1e400, "int8": 1}, "reason": "x"}',
+    b'{"weights": {"baseline": NaN, "int8": 1}, "reason": "x"}',
+    b'{"weights": {"baseline": -Infinity, "int8": 1}, "reason": "x"}',
+    b'{"weights": {"baseline": 1e308, "int8": 1e308}, "reason": "x"}',  # each finite, the sum is not
+    b'{"weights": {"baseline": 0, "int8": 0}, "reason": "x"}',
+    b'{"weights": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",  # nesting deeper than the JSON parser's stack
+    b'{"weights": {"baseline": 1, "int8": 1}, "reason": "\\ud800"}',  # a lone surrogate: not text
+]
 
 
-@pytest.mark.parametrize("body,known_bug", ROUTER_BODIES, ids=[repr(b[:40]) for b, _ in ROUTER_BODIES])
-def test_router_admin_bad_bodies_get_400_and_move_nothing(router_url, request, body, known_bug):
-    if known_bug:
-        request.applymarker(pytest.mark.xfail(strict=True, reason=(
-            "serving/router.py (reported, not ours to fix): /admin/weights takes NaN/inf weights -- the weights "
-            "ARE changed (everything routes to the canary) and the answer is a 500")))
+@pytest.mark.parametrize("body", ROUTER_BODIES, ids=[repr(b[:40]) for b in ROUTER_BODIES])
+def test_router_admin_bad_bodies_get_400_and_move_nothing(router_url, body):
     before = _router_state(router_url)
     try:
         r = httpx.post(f"{router_url}/admin/weights", content=body, timeout=30,
@@ -355,3 +356,13 @@ def test_router_admin_bad_bodies_get_400_and_move_nothing(router_url, request, b
     finally:  # a bad body that got through must not spoil the next case
         httpx.post(f"{router_url}/admin/weights", headers=ADMIN, timeout=30,
                    json={"weights": before["weights"], "reason": "reliability test: restore"})
+
+
+def test_router_refuses_oversized_bodies_with_413(router_url):
+    from serving.http_body import MAX_BODY_BYTES
+
+    big = b'{"prompt": "' + b"a" * (MAX_BODY_BYTES + 1) + b'"}'
+    for path in ("/v1/completions", "/admin/weights"):
+        r = httpx.post(f"{router_url}{path}", content=big, timeout=120,
+                       headers={**ADMIN, "content-type": "application/json"})
+        assert r.status_code == 413 and "body over" in r.json()["error"]["message"], (path, r.text[:200])

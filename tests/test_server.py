@@ -296,3 +296,33 @@ def test_validation_errors_name_the_param(server):
     r = httpx.post(f"{server.url}/v1/completions", json={"prompt": "x", "max_tokens": -1}, timeout=30)
     err = r.json()["error"]
     assert r.status_code == 400 and err["param"] == "max_tokens" and "max_tokens" in err["message"]
+
+
+def test_a_failure_outside_the_engine_step_fails_its_requests_and_the_loop_serves_on(tiny_model_dir):
+    """Delivery or metrics raising used to kill the loop thread, leaving every request hanging."""
+    with one_torch_thread(), running_server(tiny_model_dir) as srv:
+        loop = srv.server.config.app.state.engine_loop
+        on_output, calls = loop.metrics.on_output, []
+
+        def broken_once(out):
+            calls.append(out.request_id)
+            if len(calls) == 1:
+                raise RuntimeError("metrics backend broke")
+            on_output(out)
+
+        loop.metrics.on_output = broken_once
+        body = {"prompt": "hello", "max_tokens": 4, "temperature": 0}
+        r = httpx.post(f"{srv.url}/v1/completions", json=body, timeout=60)
+        assert r.status_code == 500 and r.json()["error"]["code"] == "engine_error"
+        assert "metrics backend broke" in r.json()["error"]["message"]
+        r = httpx.post(f"{srv.url}/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+        wait_for(lambda: srv.engine.block_manager.num_free_blocks == srv.engine.block_manager.num_blocks)
+
+        loop.stop()  # the loop is gone for good: requests get a 503 at once, never a hang
+        for stream in (False, True):
+            r = httpx.post(f"{srv.url}/v1/completions", json={**body, "stream": stream}, timeout=30)
+            if stream:
+                assert r.status_code == 200 and "engine_stopped" in r.text
+            else:
+                assert r.status_code == 503 and r.json()["error"]["code"] == "engine_stopped"

@@ -100,6 +100,63 @@ def test_a_burst_of_long_prompts_does_not_starve_another_tenant(engine):
     assert fifo > 1.5 * alone, (alone, fifo)  # the same flood in one FIFO does hold B back
 
 
+def test_step_cost_model_recovers_a_linear_cost_and_sizes_the_chunk():
+    from serving.step_cost import StepCostModel
+
+    cost = StepCostModel()
+    cost.observe(4, 0.054)
+    assert cost.fit() is None  # one step says nothing
+    for tokens in [4, 8, 300, 6, 512, 5, 130] * 5:
+        cost.observe(tokens, 0.05 + 0.001 * tokens)
+    fixed, per_token = cost.fit()
+    assert fixed == pytest.approx(0.05) and per_token == pytest.approx(0.001)
+    assert cost.tokens_within(10, 0.25) == 15  # 0.25 * (0.05 + 10 * 0.001) / 0.001
+
+    flat = StepCostModel()
+    for _ in range(20):
+        flat.observe(8, 0.05)  # only decode steps so far: no slope can be known
+    assert flat.fit() is None
+
+
+def test_shared_steps_cap_prefill_at_what_the_step_cost_allows(engine):
+    """While B decodes, A's long prompts are prefilled in chunks no larger than the measured costs allow
+    (so B's token times stay within the slack); alone, A gets the whole token budget again."""
+    from serving.step_cost import StepCostModel
+
+    cost = StepCostModel()
+    for tokens in [1, 2, 500, 3, 250]:
+        cost.observe(tokens, 0.05 + 0.001 * tokens)  # as if measured: 50 ms a step, 1 ms a token
+    real = engine.scheduler.step_cost
+    engine.scheduler.step_cost = cost
+    engine.scheduler.step_cost.observe = lambda tokens, seconds: None  # keep the crafted costs
+    try:
+        params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+        b = engine.add_request([300 + i for i in range(12)], params, tenant="b")
+        engine.step()  # B prefilled alone, now decoding
+        for i in range(3):
+            engine.add_request([100 + 3 * i + j % 700 for j in range(400)], params, tenant="a")
+        schedule, a_chunks = engine.scheduler.schedule, []
+
+        def spy():
+            plan = schedule()
+            a_chunks.append(sum(x.num_new_tokens for x in plan.scheduled if x.seq.tenant == "a"))
+            return plan
+
+        engine.scheduler.schedule = spy
+        while any(s.request_id == b for s in engine.scheduler.running):
+            engine.step()
+        del engine.scheduler.schedule
+        # B's one decode: 0.25 * (50 ms + 1 ms) / 1 ms = 12 prefill tokens, half of them A's
+        assert a_chunks and set(a_chunks) == {6}, a_chunks
+        _drain(engine)
+        engine.add_request([900 + j % 50 for j in range(400)], params, tenant="a")
+        engine.step()
+        assert engine.scheduler.running[0].num_computed_tokens == 400  # alone: the whole prompt in one step
+    finally:
+        engine.scheduler.step_cost = real
+        _drain(engine)
+
+
 def test_kv_quota_caps_a_tenant_and_others_still_get_in(engine):
     engine.scheduler.tenant_max_kv_blocks = {"a": 60}
     try:
