@@ -119,7 +119,8 @@ def run(model: str = "smollm2-135m", device: str | None = None, dtype: str | Non
         "machine": machine(),
         "workload": work.__dict__,
         "tenant_step_slack": engine.scheduler.tenant_step_slack,
-        "step_cost_fit": engine.scheduler.step_cost.fit(),
+        "shared_prefill_chunk": engine.scheduler.shared_prefill_chunk,
+        "decode_step_s": engine.scheduler.decode_step_seconds,
         "runs": {
             name: {
                 "b_latency_s": summarize(r.b_latency_s),

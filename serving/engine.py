@@ -183,7 +183,7 @@ class LLMEngine:
             if item.seq.metrics.first_scheduled_time is None:
                 item.seq.metrics.first_scheduled_time = now
         result = self.runner.run(plan.scheduled)
-        self.scheduler.step_cost.observe(plan.num_tokens, time.perf_counter() - now)
+        self.scheduler.step_done(plan, time.perf_counter() - now)
         now = time.perf_counter()
         for idx, item in enumerate(plan.scheduled):
             seq = item.seq

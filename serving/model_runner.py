@@ -17,7 +17,7 @@ DECODE_GROUP_SIZE = 16  # decode sequences per padded attention batch
 
 
 def _is_decode(item: ScheduledSeq) -> bool:
-    return item.num_new_tokens == 1 and item.seq.num_computed_tokens > 0
+    return not item.is_prefill
 
 
 def _decode_first(scheduled: list[ScheduledSeq]) -> list[int]:

@@ -14,13 +14,15 @@ already sees their blocks free.
 With several tenants (the server's API keys) two rules keep one tenant from starving another:
 admission takes the head of each tenant's FIFO in turn (round-robin), skipping a tenant whose
 KV-block quota (`tenant_max_kv_blocks`, reserved for prompt + max_tokens) is full; and while more
-than one tenant has work, each gets an equal share of the step's prefill tokens (decode tokens
-always run), so a burst of long prompts cannot hold back another tenant's decodes or admission.
-Nor may it make their steps slow: the prefill tokens of a shared step are capped at what keeps the
-step within `tenant_step_slack` of its decode-only time, as the engine's measured step costs
-predict (`step_cost.py`). A share left unused stays unused: isolation is bought with some
-throughput, and only while several tenants are active. With one tenant the schedule is exactly the
-plain FIFO one.
+than one tenant has work, prefill is paid for from a time allowance, so a burst of long prompts can
+neither hold back another tenant's decodes nor make its steps slow. Each shared step earns
+`tenant_step_slack` x (a decode-only step's measured time) and is charged what it actually took
+beyond a decode-only step; prefill chunks (`shared_prefill_chunk` tokens, the tenant with the least
+pending prefill first) run only while the allowance is positive or nobody decodes, so on average
+shared steps stay within the slack whatever the hardware. A tenant with nothing running gets its
+first chunk at once (charged, not gated): a newcomer's short prompt never waits behind a flood.
+Decode tokens always run. Isolation is bought with the flooding tenant's prefill throughput, and
+only while several tenants are active. With one tenant the schedule is exactly the plain FIFO one.
 
 The static scheduler differs in one rule: it admits a new batch only when every sequence of the
 current batch has finished — the head-of-line blocking that continuous batching removes.
@@ -34,13 +36,17 @@ from dataclasses import dataclass, field
 
 from serving.block_manager import BlockManager
 from serving.sequence import Sequence, SequenceStatus
-from serving.step_cost import StepCostModel
 
 
 @dataclass
 class ScheduledSeq:
     seq: Sequence
     num_new_tokens: int
+
+    @property
+    def is_prefill(self) -> bool:
+        """Prompt tokens (or a preempted sequence's recompute), not the one token of a decode."""
+        return self.num_new_tokens > 1 or self.seq.num_computed_tokens == 0
 
 
 @dataclass
@@ -51,6 +57,23 @@ class SchedulerOutput:
     @property
     def num_tokens(self) -> int:
         return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled if s.is_prefill)
+
+
+PREFILL_BURST_STEPS = 16  # the allowance saves at most this many steps' slack
+
+
+def _smallest_first_split(budget: int, demand: dict[str, int]) -> dict[str, int]:
+    """The tenant with the least pending prefill is served first and in full, the flood gets the rest:
+    a short prompt is never cut into ever smaller pieces behind a long one."""
+    shares = dict.fromkeys(demand, 0)
+    for tenant in sorted(demand, key=demand.get):
+        shares[tenant] = min(demand[tenant], budget)
+        budget -= shares[tenant]
+    return shares
 
 
 class Scheduler:
@@ -71,8 +94,11 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         self.tenant_max_kv_blocks: dict[str, int] = {}
-        self.tenant_step_slack = 0.25  # a shared step may be this much slower than its decodes alone
-        self.step_cost = StepCostModel()  # the engine feeds it every step's tokens and seconds
+        self.tenant_step_slack = 0.25  # shared steps may be this much slower, on average, than decodes alone
+        self.shared_prefill_chunk = 64  # prefill tokens a shared step takes when the allowance permits
+        self.decode_step_seconds: float | None = None  # moving average of decode-only steps
+        self.prefill_allowance = 0.0  # seconds of extra step time shared prefill may still spend
+        self._shared_step = False
         self._last_tenant: str | None = None
 
     def add(self, seq: Sequence) -> None:
@@ -151,16 +177,39 @@ class Scheduler:
         return sum(self._reservation(s) for s in self.running if s.tenant == tenant)
 
     # ---- rules ---------------------------------------------------------------------------------
+    def step_done(self, plan: SchedulerOutput, seconds: float) -> None:
+        """The engine reports each step's time: decode-only steps set the baseline, shared ones pay."""
+        decode = self.decode_step_seconds
+        if plan.num_prefill_tokens == 0:
+            self.decode_step_seconds = seconds if decode is None else 0.95 * decode + 0.05 * seconds
+        if self._shared_step and decode is not None:
+            cap = PREFILL_BURST_STEPS * self.tenant_step_slack * decode
+            earned = self.tenant_step_slack * decode - max(0.0, seconds - decode)
+            self.prefill_allowance = min(cap, self.prefill_allowance + earned)
+
     def _tenant_shares(self) -> dict[str, int] | None:
-        tenants = {s.tenant for s in self.running} | {s.tenant for s in self.waiting}
-        if len(tenants) < 2:
+        """Prefill tokens per tenant for this step while several tenants have work, else None."""
+        demand: dict[str, int] = {}
+        for seq in self.running:
+            demand[seq.tenant] = demand.get(seq.tenant, 0) + (seq.num_uncomputed_tokens if seq.num_uncomputed_tokens > 1 else 0)
+        for seq in self.waiting:
+            demand[seq.tenant] = demand.get(seq.tenant, 0) + seq.num_uncomputed_tokens
+        self._shared_step = len(demand) > 1
+        if not self._shared_step:
+            self.prefill_allowance = 0.0
             return None
-        prefill = self.max_num_batched_tokens
-        decodes = sum(1 for s in self.running if s.num_uncomputed_tokens <= 1)
-        affordable = self.step_cost.tokens_within(decodes, self.tenant_step_slack)
-        if affordable is not None:
-            prefill = max(len(tenants), min(prefill, affordable))
-        return dict.fromkeys(tenants, max(1, prefill // len(tenants)))
+        decoding = any(s.num_uncomputed_tokens <= 1 for s in self.running)
+        if self.decode_step_seconds is None:
+            budget = self.max_num_batched_tokens  # no baseline measured yet
+        elif self.prefill_allowance > 0 or not decoding:  # (with no decodes, gating would stall everyone)
+            budget = self.shared_prefill_chunk
+        else:
+            budget = 0
+        shares = _smallest_first_split(budget, demand)
+        running = {s.tenant for s in self.running}
+        for tenant in demand.keys() - running:  # a newcomer's first chunk is not gated
+            shares[tenant] = max(shares[tenant], min(demand[tenant], self.shared_prefill_chunk))
+        return shares
 
     def _next_waiting(self, shares: dict[str, int] | None) -> Sequence | None:
         """The head of the next tenant's FIFO, tenants taken in turn after the last one admitted;
