@@ -72,8 +72,10 @@ def resolve_registered_model(model: str, client: MlflowClient | None = None) -> 
         try:
             client.get_registered_model(name)
             return name
-        except MlflowException:
-            continue
+        except MlflowException as exc:
+            if exc.error_code != "RESOURCE_DOES_NOT_EXIST":  # the store failed: say so, don't blame the name
+                where = getattr(client, "_registry_uri", "?")
+                raise ConnectionError(f"could not read the MLflow registry at {where}: {exc.message}") from exc
     raise ValueError(f"no registered model {model!r} (nor {registered_model_name(model)!r}) in the MLflow registry")
 
 

@@ -57,6 +57,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:  # bad input from the user: say what, no traceback
         print(f"quantgate {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    except ConnectionError as exc:  # a store or server we depend on is down: not the user's input
+        print(f"quantgate {args.command}: error: {exc}", file=sys.stderr)
+        return 3
 
 
 if __name__ == "__main__":
