@@ -1,4 +1,4 @@
-"""`quantgate bench hol|serve|kv-waste|sweep|tenants`: the benchmarks, each printing a table and writing JSON (+ PNGs)."""
+"""`quantgate bench hol|serve|kv-waste|sweep|tenants|throughput|variants`: the benchmarks, each printing a table and writing JSON (+ PNGs)."""
 
 from __future__ import annotations
 
@@ -80,6 +80,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="how much slower a shared step may be than its decodes alone (default: the engine's)")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=_tenants)
+
+    for name, module, what in (
+        ("throughput", "benchmarks.throughput", "useful tokens/s: engine vs HF static batches vs transformers CB"),
+        ("variants", "benchmarks.variants", "baseline vs int8 / nf4 / int8wo through the engine"),
+    ):
+        p = verbs.add_parser(name, help=what, add_help=False)  # its options (and --help) are the script's
+        p.set_defaults(func=_script, module=module, passes_extra_args=True, script_args=[])
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
@@ -182,4 +189,11 @@ def _tenants(args: argparse.Namespace) -> int:
                     seed=args.seed)
     run(args.model, device=args.device, dtype=args.dtype, work=work, slack=args.slack, out_dir=args.out_dir,
         plots=args.plots)
+    return 0
+
+
+def _script(args: argparse.Namespace) -> int:
+    import importlib
+
+    importlib.import_module(args.module).main(args.script_args)
     return 0

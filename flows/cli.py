@@ -7,8 +7,8 @@ import os
 import sys
 from pathlib import Path
 
-DEMO_LIMIT = 20  # items per task in `make demo`: the whole release fits in 15 minutes on 2 cores
-DEMO_POLICY = Path(__file__).with_name("demo_policy.yaml")  # the default gates, sized for 20 items a task
+DEMO_LIMIT = 40  # items per task in `make demo`: enough for the gates to tell int8 from noise, ~6 min on 2 cores
+DEMO_POLICY = Path(__file__).with_name("demo_policy.yaml")  # the default gates, sized for 40 items a task
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

@@ -46,7 +46,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     apply_defaults()
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra and not getattr(args, "passes_extra_args", False):
+        parser.parse_args(argv)  # the usual error for unknown arguments
+    if extra:
+        args.script_args = [*getattr(args, "script_args", []), *extra]
     if not getattr(args, "func", None):
         parser.print_help()
         return 0

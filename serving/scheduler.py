@@ -189,9 +189,10 @@ class Scheduler:
 
     def _tenant_shares(self) -> dict[str, int] | None:
         """Prefill tokens per tenant for this step while several tenants have work, else None."""
-        demand: dict[str, int] = {}
+        demand: dict[str, int] = {}  # tenant -> prompt tokens still to prefill
         for seq in self.running:
-            demand[seq.tenant] = demand.get(seq.tenant, 0) + (seq.num_uncomputed_tokens if seq.num_uncomputed_tokens > 1 else 0)
+            pending = seq.num_uncomputed_tokens if seq.num_uncomputed_tokens > 1 else 0  # 1 is a decode
+            demand[seq.tenant] = demand.get(seq.tenant, 0) + pending
         for seq in self.waiting:
             demand[seq.tenant] = demand.get(seq.tenant, 0) + seq.num_uncomputed_tokens
         self._shared_step = len(demand) > 1
@@ -214,9 +215,14 @@ class Scheduler:
     def _next_waiting(self, shares: dict[str, int] | None) -> Sequence | None:
         """The head of the next tenant's FIFO, tenants taken in turn after the last one admitted;
         tenants whose quota or token share is used up are skipped."""
+        if shares is None:  # one tenant has work: plain FIFO
+            head = self.waiting[0]
+            return head if self._within_quota(head) else None
         heads: dict[str, Sequence] = {}
         for seq in self.waiting:
             heads.setdefault(seq.tenant, seq)
+            if len(heads) == len(shares):  # every tenant with work has its head: no need to read on
+                break
         order = sorted(heads)
         if self._last_tenant is not None:
             k = bisect.bisect_right(order, self._last_tenant)

@@ -135,3 +135,24 @@ def test_cli_kv_waste_and_bad_input(tmp_path, capsys):
     assert json.loads((tmp_path / "kv_waste.json").read_text())["config"]["num_seqs"] == 50
     assert main(["bench", "kv-waste", "--num-seqs", "0", "--out-dir", str(tmp_path)]) == 2
     assert "num_seqs must be at least 1" in capsys.readouterr().err
+
+
+def test_tenants_benchmark_on_tiny_model(tiny_model_dir, tmp_path):
+    """The three runs, B's latencies counted, and in one FIFO B's requests wait for A's whole burst."""
+    with one_torch_thread():
+        assert main(["bench", "tenants", "--model", str(tiny_model_dir), "--device", "cpu", "--b-requests", "4",
+                     "--a-requests", "4", "--a-prompt-tokens", "100-120", "--out-dir", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "tenants.json").read_text())
+    assert set(report["runs"]) == {"alone", "fair", "fifo"}
+    assert all(run["b_latency_s"]["count"] == 4 for run in report["runs"].values())
+    assert report["runs"]["alone"]["a_prompt_tokens_done"] == 0
+    assert 400 <= report["runs"]["fifo"]["a_prompt_tokens_done"] <= 480  # all of A's prompts, before B's
+    assert report["p99_ratio_fifo_vs_alone"] is not None and (tmp_path / "tenants.png").is_file()
+
+
+def test_script_benchmarks_take_their_own_options(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "throughput", "--help"])
+    assert exit_info.value.code == 0 and "--num-requests" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["bench", "tenants", "--no-such-option"])
