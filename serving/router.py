@@ -45,6 +45,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.parser import text_string_to_metric_families
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from quantgate.files import read_yaml
 from serving.http_body import parse_json_object, read_body
 from serving.metrics import CONTENT_TYPE, LATENCY_BUCKETS
 from serving.protocol import APIError, error_body
@@ -82,15 +83,7 @@ class RouterConfig:
 
 
 def load_router_config(path: str | Path) -> RouterConfig:
-    import yaml
-
-    path = Path(path)
-    if not path.is_file():
-        raise ValueError(f"router config {path} does not exist")
-    try:
-        data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as exc:
-        raise ValueError(f"router config {path} is not valid YAML: {exc}") from exc
+    data = read_yaml(path, "router config")
     return parse_router_config(data, str(path))
 
 

@@ -19,6 +19,8 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from quantgate.files import read_yaml
+
 DEFAULT_TENANT = "default"
 
 
@@ -59,15 +61,7 @@ class TenantTable:
 
 def load_tenants(path: str | Path) -> TenantTable:
     """Read and check an API-keys file; ValueError names the first problem."""
-    import yaml
-
-    path = Path(path)
-    if not path.is_file():
-        raise ValueError(f"API-keys file {path} does not exist")
-    try:
-        data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as exc:
-        raise ValueError(f"API-keys file {path} is not valid YAML: {exc}") from exc
+    data = read_yaml(path, "API-keys file")
     return parse_tenants(data, source=str(path))
 
 
