@@ -100,6 +100,11 @@ def _register_serve(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--num-kv-blocks", type=int, default=None)
     p.add_argument("--kv-cache-memory-gb", type=float, default=None)
     p.add_argument("--max-waiting", type=int, default=256, help="queued requests before 429s (whole server)")
+    p.add_argument("--tenant-slack", type=float, default=0.25,
+                   help="while tenants share the engine, how much slower than a decode-only step their steps may be "
+                        "on average (isolation vs the flooding tenant's prefill throughput)")
+    p.add_argument("--tenant-prefill-chunk", type=int, default=64,
+                   help="prefill tokens a shared step takes when the tenants' time allowance permits")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--log-level", default="info")
     p.set_defaults(func=_serve)
@@ -121,6 +126,8 @@ def _serve(args: argparse.Namespace) -> int:
 
     if args.max_waiting < 1:
         raise ValueError("--max-waiting must be at least 1")
+    if not 0 < args.tenant_slack < 100 or args.tenant_prefill_chunk < 1:
+        raise ValueError("--tenant-slack must be in (0, 100) and --tenant-prefill-chunk at least 1")
     tenants = load_tenants(args.api_keys) if args.api_keys else None  # a bad file fails before the model loads
     if args.threads:
         import torch
@@ -134,6 +141,8 @@ def _serve(args: argparse.Namespace) -> int:
         max_num_batched_tokens=args.max_num_batched_tokens, num_kv_blocks=args.num_kv_blocks,
         kv_cache_memory_gb=args.kv_cache_memory_gb,
     )
+    engine.scheduler.tenant_step_slack = args.tenant_slack
+    engine.scheduler.shared_prefill_chunk = args.tenant_prefill_chunk
     app = build_app(engine, served_model_name=args.served_model_name, version=args.model_version,
                     tenants=tenants, max_waiting=args.max_waiting)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)

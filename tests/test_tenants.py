@@ -223,3 +223,12 @@ def test_server_with_api_keys(tiny_model_dir, tmp_path):
         assert metric(samples, "quantgate:e2e_request_latency_seconds_count", tenant="b") == 1
         assert metric(samples, "quantgate:e2e_request_latency_seconds_count", tenant="a") == 2
         assert {dict(lab).get("tenant") for n, lab in samples if n == "quantgate:num_requests_running"} == {"a", "b"}
+
+
+@pytest.mark.parametrize("flag,value", [("--tenant-slack", "0"), ("--tenant-slack", "nan"),
+                                        ("--tenant-prefill-chunk", "0")])
+def test_serve_refuses_bad_tenant_sharing_flags_before_loading_the_model(flag, value, capsys):
+    from quantgate.cli import main
+
+    assert main(["serve", "--model", "no-such-model", flag, value]) == 2
+    assert "--tenant-slack must be in (0, 100)" in capsys.readouterr().err
