@@ -13,6 +13,7 @@ import torch
 
 from serving.block_manager import BlockManager
 from serving.model_runner import KVCacheShape, ModelRunner, load_model
+from serving.sampler import NO_TOKEN
 from serving.sampling_params import SamplingParams
 from serving.scheduler import SCHEDULERS
 from serving.sequence import RequestMetrics, Sequence, SequenceStatus, TokenLogprob
@@ -197,6 +198,12 @@ class LLMEngine:
             if idx not in result.sampled:
                 continue
             token = result.sampled[idx]
+            if token == NO_TOKEN:
+                self._finish(seq, "error")
+                seq.metrics.finished_time = now
+                self.scheduler.finish(seq)
+                outputs.append(self._output(seq, []))
+                continue
             seq.token_ids.append(token)
             self.generation_tokens += 1
             if seq.metrics.first_token_time is None:

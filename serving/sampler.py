@@ -6,12 +6,19 @@ import torch
 
 from serving.sequence import Sequence, TokenLogprob
 
+NO_TOKEN = -1  # a row whose logits are not all finite (a broken model or variant): that sequence fails alone
+
 
 def sample(logits: torch.Tensor, seqs: list[Sequence], generators: dict[str, torch.Generator]) -> list[int]:
-    """logits: [len(seqs), vocab] float32. Greedy rows share one argmax; others sample one by one."""
+    """logits: [len(seqs), vocab] float32. Greedy rows share one argmax; others sample one by one.
+    A row with NaN/inf logits gets NO_TOKEN instead of failing every sequence of the step."""
     next_tokens = logits.argmax(dim=-1).tolist()
+    finite = torch.isfinite(logits).all(dim=-1).tolist()
     for i, seq in enumerate(seqs):
         p = seq.params
+        if not finite[i]:
+            next_tokens[i] = NO_TOKEN
+            continue
         if p.greedy:
             continue
         row = logits[i] / p.temperature

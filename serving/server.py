@@ -180,9 +180,14 @@ class EngineLoop:
             if out.finished:
                 self._streams.pop(out.request_id, None)
                 self._queued.pop(out.request_id, None)
-        if stream is not None:
-            with contextlib.suppress(RuntimeError):  # the client's event loop is gone
-                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, (stream.index, out))
+        if stream is None:
+            return
+        item: RequestOutput | APIError = out
+        if out.finish_reason == "error":  # this request alone: the others of its step went on
+            item = APIError(500, "the model produced non-finite logits (NaN/inf) for this request; the variant "
+                            "may be broken", "engine_error")
+        with contextlib.suppress(RuntimeError):  # the client's event loop is gone
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, (stream.index, item))
 
     def _mark_scheduled(self) -> None:
         with self._lock:

@@ -261,3 +261,29 @@ def test_default_model_generate_api(default_model_dir):
     out = engine.generate(["The capital of France is"], SamplingParams(max_tokens=16, temperature=0.0))[0]
     assert "Paris" in out.text
     assert torch.get_default_dtype() == torch.float32
+
+
+def test_non_finite_logits_fail_only_their_own_sequence(tiny_model_dir, monkeypatch):
+    """A broken variant can give NaN logits for one input: that request ends with finish_reason 'error',
+    every other sequence of the same steps finishes exactly as HF would, and no block leaks."""
+    import serving.model_runner as runner_module
+    from serving.sampler import NO_TOKEN, sample
+
+    engine = engine_for(tiny_model_dir)
+    prompts = random_prompts(3, engine.vocab_size, seed=11)
+    poisoned = prompts[1]
+
+    def poisoning_sample(logits, seqs, generators):
+        for row, seq in enumerate(seqs):
+            if seq.token_ids[: len(poisoned)] == poisoned and seq.num_output_tokens == 2:
+                logits[row, 7] = float("nan")
+        return sample(logits, seqs, generators)
+
+    monkeypatch.setattr(runner_module, "sample", poisoning_sample)
+    params = [SamplingParams(max_tokens=6, temperature=t, seed=1, ignore_eos=True) for t in (0, 0.8, 0)]
+    outs = engine.generate(prompts, params)
+    assert outs[1].finish_reason == "error" and len(outs[1].token_ids) == 2 and NO_TOKEN not in outs[1].token_ids
+    for i in (0, 2):
+        assert outs[i].finish_reason == "length"
+        assert outs[i].token_ids == hf_greedy(tiny_model_dir, prompts[i], 6)
+    assert_no_leak(engine)

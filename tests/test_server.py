@@ -326,3 +326,30 @@ def test_a_failure_outside_the_engine_step_fails_its_requests_and_the_loop_serve
                 assert r.status_code == 200 and "engine_stopped" in r.text
             else:
                 assert r.status_code == 503 and r.json()["error"]["code"] == "engine_stopped"
+
+
+def test_non_finite_logits_fail_that_request_only(tiny_model_dir, monkeypatch):
+    import serving.model_runner as runner_module
+    from serving.sampler import sample
+
+    def poisoning_sample(logits, seqs, generators):
+        for row, seq in enumerate(seqs):
+            if seq.token_ids[:3] == [5, 6, 7]:
+                logits[row, 0] = float("nan")
+        return sample(logits, seqs, generators)
+
+    monkeypatch.setattr(runner_module, "sample", poisoning_sample)
+    with one_torch_thread(), running_server(tiny_model_dir) as srv:
+        box = {}
+        healthy = threading.Thread(target=lambda: box.setdefault("r", httpx.post(
+            f"{srv.url}/v1/completions", json={"prompt": [9, 10, 11], "max_tokens": 24, "temperature": 0}, timeout=60)))
+        healthy.start()
+        r = httpx.post(f"{srv.url}/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 8}, timeout=60)
+        assert r.status_code == 500 and r.json()["error"]["code"] == "engine_error"
+        assert "non-finite logits" in r.json()["error"]["message"]
+        r = httpx.post(f"{srv.url}/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 8, "stream": True},
+                       timeout=60)
+        assert r.status_code == 200 and "non-finite logits" in r.text
+        healthy.join()
+        assert box["r"].status_code == 200 and box["r"].json()["usage"]["completion_tokens"] == 24
+        wait_for(lambda: srv.engine.block_manager.num_free_blocks == srv.engine.block_manager.num_blocks)
