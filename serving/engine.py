@@ -198,24 +198,23 @@ class LLMEngine:
             if idx not in result.sampled:
                 continue
             token = result.sampled[idx]
-            if token == NO_TOKEN:
+            new_tokens = []
+            if token == NO_TOKEN:  # its logits were not finite: this sequence alone ends
                 self._finish(seq, "error")
-                seq.metrics.finished_time = now
-                self.scheduler.finish(seq)
-                outputs.append(self._output(seq, []))
-                continue
-            seq.token_ids.append(token)
-            self.generation_tokens += 1
-            if seq.metrics.first_token_time is None:
-                seq.metrics.first_token_time = now
-            seq.metrics.token_times.append(now)
-            if idx in result.logprobs:
-                seq.logprobs.append(result.logprobs[idx])
-            self._check_finished(seq, token)
+            else:
+                new_tokens.append(token)
+                seq.token_ids.append(token)
+                self.generation_tokens += 1
+                if seq.metrics.first_token_time is None:
+                    seq.metrics.first_token_time = now
+                seq.metrics.token_times.append(now)
+                if idx in result.logprobs:
+                    seq.logprobs.append(result.logprobs[idx])
+                self._check_finished(seq, token)
             if seq.is_finished:
                 seq.metrics.finished_time = now
                 self.scheduler.finish(seq)
-            outputs.append(self._output(seq, [token]))
+            outputs.append(self._output(seq, new_tokens))
         for seq in list(self.sequences.values()):
             if seq.is_finished:
                 del self.sequences[seq.request_id]

@@ -16,15 +16,11 @@ from serving.sequence import Sequence, TokenLogprob
 DECODE_GROUP_SIZE = 16  # decode sequences per padded attention batch
 
 
-def _is_decode(item: ScheduledSeq) -> bool:
-    return not item.is_prefill
-
-
 def _decode_first(scheduled: list[ScheduledSeq]) -> list[int]:
     """Row order for a step: decode tokens by context length (so groups pad little), then prefill chunks."""
-    decodes = [i for i, item in enumerate(scheduled) if _is_decode(item)]
+    decodes = [i for i, item in enumerate(scheduled) if not item.is_prefill]
     decodes.sort(key=lambda i: scheduled[i].seq.num_computed_tokens)
-    return decodes + [i for i, item in enumerate(scheduled) if not _is_decode(item)]
+    return decodes + [i for i, item in enumerate(scheduled) if item.is_prefill]
 
 
 @dataclass
@@ -98,7 +94,7 @@ class ModelRunner:
             positions.extend(range(start, end))
             table = seq.block_table
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
-            if _is_decode(scheduled[idx]):
+            if not scheduled[idx].is_prefill:
                 decode_seqs.append(seq)
             else:
                 context = None

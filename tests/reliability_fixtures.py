@@ -112,16 +112,17 @@ def burst(url: str, bodies: list[dict], timeout: float = 300.0) -> list[Outcome]
 
 
 # ---- a real `quantgate serve` process --------------------------------------------------------------
-@contextlib.contextmanager
-def serve_process(model_dir: Path, log: Path, *extra: str, startup_s: float = 240.0) -> Iterator[tuple]:
-    """`quantgate serve` on a free loopback port; yields (process, base URL). Always reaped."""
+def spawn_serve(model_dir: Path, log: Path, *extra: str) -> tuple[subprocess.Popen, str]:
+    """Start `quantgate serve` on a free loopback port (not waiting for it); returns (process, base URL)."""
     port = free_port()
     cmd = [sys.executable, "-m", "quantgate.cli", "serve", "--model", str(model_dir), "--port", str(port),
            "--served-model-name", "tiny", "--threads", "1", "--log-level", "warning", *extra]
     with log.open("w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    url = f"http://127.0.0.1:{port}"
+    return proc, f"http://127.0.0.1:{port}"
 
+
+def wait_serve_up(proc: subprocess.Popen, url: str, log: Path, timeout: float = 240.0) -> None:
     def up() -> bool:
         if proc.poll() is not None:
             raise AssertionError(f"`quantgate serve` exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
@@ -130,17 +131,29 @@ def serve_process(model_dir: Path, log: Path, *extra: str, startup_s: float = 24
         except httpx.HTTPError:
             return False
 
+    wait_for(up, timeout=timeout, what=f"`quantgate serve` on {url} to come up")
+
+
+def stop_serve(proc: subprocess.Popen) -> None:
+    """Ctrl-C, then kill if it does not exit within 20 s."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+
+
+@contextlib.contextmanager
+def serve_process(model_dir: Path, log: Path, *extra: str, startup_s: float = 240.0) -> Iterator[tuple]:
+    """`quantgate serve` on a free loopback port; yields (process, base URL). Always reaped."""
+    proc, url = spawn_serve(model_dir, log, *extra)
     try:
-        wait_for(up, timeout=startup_s, what="`quantgate serve` to come up")
+        wait_serve_up(proc, url, log, timeout=startup_s)
         yield proc, url
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)
-            try:
-                proc.wait(20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(10)
+        stop_serve(proc)
 
 
 def wait_exit(proc: subprocess.Popen, timeout: float) -> float:

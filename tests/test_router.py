@@ -3,16 +3,12 @@
 
 from __future__ import annotations
 
-import os
-import signal
-import socket
-import subprocess
-import sys
 import threading
 import time
 
 import httpx
 import pytest
+from reliability_fixtures import spawn_serve, stop_serve, wait_serve_up
 from server_fixtures import one_torch_thread, running_server, wait_for
 
 from serving.router import build_router_app, parse_router_config
@@ -21,49 +17,20 @@ from serving.server import ServerThread
 ADMIN = {"Authorization": "Bearer admin-key-for-tests"}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _spawn(model_dir, version: str, log) -> tuple[subprocess.Popen, str]:
-    """`quantgate serve` in a process of its own: engines step on their own threads, one per process."""
-    port = _free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "quantgate.cli", "serve", "--model", str(model_dir), "--port", str(port),
-         "--served-model-name", "tiny", "--model-version", version, "--threads", "1", "--num-kv-blocks", "48",
-         "--log-level", "warning"],
-        stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    return proc, f"http://127.0.0.1:{port}"
-
-
-def _wait_up(proc: subprocess.Popen, url: str, log_path) -> None:
-    def up() -> bool:
-        if proc.poll() is not None:
-            raise AssertionError(f"`quantgate serve` exited with {proc.returncode}:\n{log_path.read_text()[-3000:]}")
-        try:
-            return httpx.get(f"{url}/health", timeout=2).status_code == 200
-        except httpx.HTTPError:
-            return False
-
-    wait_for(up, timeout=180, what=f"`quantgate serve` on {url} to come up")
-
-
 @pytest.fixture(scope="module")
 def cluster(tiny_model_dir, tmp_path_factory):
     """baseline: r1 in this process and r2 in a subprocess; int8 (the canary): a subprocess."""
     logs = tmp_path_factory.mktemp("backends")
+    backend = ("--num-kv-blocks", "48", "--model-version")
     procs = []
-    try:
-        with (logs / "r2.log").open("w") as log_r2, (logs / "int8.log").open("w") as log_int8:
-            procs.append(_spawn(tiny_model_dir, "baseline", log_r2))
-            procs.append(_spawn(tiny_model_dir, "int8", log_int8))
+    try:  # both subprocesses start before either is waited for: they load side by side
+        procs.append(spawn_serve(tiny_model_dir, logs / "r2.log", *backend, "baseline"))
+        procs.append(spawn_serve(tiny_model_dir, logs / "int8.log", *backend, "int8"))
         (r2_proc, r2), (proc, canary_url) = procs
         kw = dict(engine_kwargs={"num_kv_blocks": 48}, version="baseline")
         with one_torch_thread(), running_server(tiny_model_dir, **kw) as r1:
-            _wait_up(r2_proc, r2, logs / "r2.log")
-            _wait_up(proc, canary_url, logs / "int8.log")
+            wait_serve_up(r2_proc, r2, logs / "r2.log", timeout=180)
+            wait_serve_up(proc, canary_url, logs / "int8.log", timeout=180)
             config = parse_router_config({
                 "model": "tiny", "admin_key": "admin-key-for-tests", "canary": "int8", "poll_interval_s": 0.2,
                 "timeout_s": 60,
@@ -74,13 +41,7 @@ def cluster(tiny_model_dir, tmp_path_factory):
                 yield {"router": router.url, "r1": r1.url, "r2": r2, "canary": canary_url, "proc": proc}
     finally:
         for p, _ in procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGINT)
-                try:
-                    p.wait(20)
-                except subprocess.TimeoutExpired:
-                    p.kill()
-                    p.wait(10)
+            stop_serve(p)
 
 
 def _complete(url: str, user: str | None = None, **extra) -> httpx.Response:
