@@ -75,6 +75,7 @@ class LLMEngine:
         max_num_seqs: int = 64,
         max_num_batched_tokens: int = 512,
         enable_prefix_caching: bool = True,
+        prefix_cache_scope: str = "tenant",
         max_model_len: int | None = None,
         model_name: str = "model",
     ):
@@ -98,7 +99,7 @@ class LLMEngine:
             num_kv_blocks = self._blocks_for_budget(shape, kv_cache_memory_gb)
             if kv_cache_memory_gb is None:  # never reserve more than every slot at full context could use
                 num_kv_blocks = min(num_kv_blocks, max_num_seqs * -(-self.max_model_len // block_size))
-        self.block_manager = BlockManager(num_kv_blocks, block_size, enable_prefix_caching)
+        self.block_manager = BlockManager(num_kv_blocks, block_size, enable_prefix_caching, prefix_cache_scope)
         self.scheduler = SCHEDULERS[scheduler](self.block_manager, max_num_seqs, max_num_batched_tokens)
         self.scheduler_name = scheduler
         self.runner = ModelRunner(model, self.device, block_size, num_kv_blocks, kv_dtype)
@@ -142,6 +143,7 @@ class LLMEngine:
         request_id: str | None = None,
         *,
         tenant: str = "default",
+        cache_salt: str | None = None,
         stream_text: bool = False,
         arrival_time: float | None = None,
     ) -> str:
@@ -154,7 +156,8 @@ class LLMEngine:
             request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
             if request_id in self.sequences or any(s.request_id == request_id for s in self._inbox):
                 raise ValueError(f"request id {request_id!r} is already in use")
-            seq = Sequence(request_id, text, token_ids, params, tenant=tenant, stream_text=stream_text)
+            seq = Sequence(request_id, text, token_ids, params, tenant=tenant, cache_salt=cache_salt,
+                           stream_text=stream_text)
             if arrival_time is not None:
                 seq.metrics.arrival_time = arrival_time
             if params.seed is not None and not params.greedy:

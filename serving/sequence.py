@@ -61,6 +61,7 @@ class Sequence:
     prompt_token_ids: list[int]
     params: SamplingParams
     tenant: str = "default"
+    cache_salt: str | None = None  # prefix-cache reuse only among requests of the same scope and salt
     stream_text: bool = False
     token_ids: list[int] = field(default_factory=list)  # prompt + output
     num_computed_tokens: int = 0  # tokens whose KV is in the cache
@@ -72,6 +73,8 @@ class Sequence:
     logprobs: list[TokenLogprob] | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None
     num_preemptions: int = 0
+    cache_root: bytes | None = None  # the block manager's chain start for this sequence's scope and salt
+    block_hashes: list[bytes] = field(default_factory=list)  # chain digests of its full blocks, memoised
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.perf_counter()))
 
     def __post_init__(self) -> None:
