@@ -72,15 +72,6 @@ def variant_intact(variant_dir: Path) -> bool:
     return True
 
 
-def parallel_quantizations(source_dir: Path, n: int) -> int:
-    """How many quantizations may run side by side: each holds the fp32 source and its output."""
-    import psutil
-
-    weights = sum(p.stat().st_size for p in Path(source_dir).glob("*.safetensors")) or 1
-    fit = int(psutil.virtual_memory().available // (3 * weights))
-    return max(1, min(n, fit))
-
-
 # ---- one model through the engine -------------------------------------------------------------------
 
 

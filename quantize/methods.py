@@ -86,10 +86,10 @@ def _bnb_config(method: str, opts: dict[str, Any]):
 def _bnb_builder(method: str) -> Callable[[Path, dict[str, Any]], PreTrainedModel]:
     def build(source: Path, opts: dict[str, Any]) -> PreTrainedModel:
         quiet_bitsandbytes()
-        from transformers import AutoModelForCausalLM
+        from quantgate.loading import load_causal_lm
 
         # Linear4bit packs its weights when placed on a device; device_map places them during load.
-        model = AutoModelForCausalLM.from_pretrained(
+        model = load_causal_lm(
             source,
             quantization_config=_bnb_config(method, opts),
             dtype=_torch_dtype(opts["dtype"]),
@@ -110,11 +110,11 @@ def _save_pretrained(model: PreTrainedModel, out: Path) -> None:
 
 def _build_int8wo(source: Path, opts: dict[str, Any]) -> PreTrainedModel:
     import torch
-    from transformers import AutoModelForCausalLM
 
+    from quantgate.loading import load_causal_lm
     from quantize.weight_only import quantize_model
 
-    model = AutoModelForCausalLM.from_pretrained(source, dtype=_torch_dtype(opts["dtype"])).eval()
+    model = load_causal_lm(source, dtype=_torch_dtype(opts["dtype"])).eval()
     with torch.no_grad():
         swapped = quantize_model(model, opts["quantize_lm_head"], opts["quantize_embeddings"])
     if not swapped:

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from quantgate.env import apply_defaults, home
+from quantgate.loading import load_causal_lm
 from quantgate.models import content_hash, resolve_model
 from quantize.integrity import (
     FORMAT_VERSION,
@@ -27,6 +28,7 @@ from quantize.integrity import (
     weight_bytes,
 )
 from quantize.methods import Method, get_method, quiet_bitsandbytes
+from quantize.probe import check_built
 
 if TYPE_CHECKING:
     import torch
@@ -143,6 +145,7 @@ def _identity(manifest: dict[str, Any]) -> dict[str, Any]:
 def _build(spec: Method, source: Path, ref: str, source_hash: str, opts: dict[str, Any], out: Path) -> None:
     start = time.perf_counter()
     model = spec.build(source, opts)
+    probe = check_built(model, source, source_hash, spec.name)  # before anything is written
     spec.save(model, out)
     del model
     for file in sorted(source.iterdir()):
@@ -168,6 +171,7 @@ def _build(spec: Method, source: Path, ref: str, source_hash: str, opts: dict[st
         "weight_bytes": total,
         "weight_bytes_by_dtype": by_dtype,
         "quantize_seconds": round(seconds, 3),
+        "probe": {"logit_cosine": probe.cosine, "top1_agreement": probe.top1_agreement},
         "created": datetime.now(UTC).isoformat(timespec="seconds"),
         "versions": library_versions(spec.backend),
         "files": file_table(out),
@@ -241,11 +245,7 @@ def load_variant(directory: str | Path, device: str = "cpu", dtype: torch.dtype 
     if spec.load is not None:
         return spec.load(directory, device, dtype).eval()
     quiet_bitsandbytes()
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(
-        directory, dtype=dtype or "auto", device_map={"": device}
-    ).eval()
+    return load_causal_lm(directory, dtype=dtype or "auto", device_map={"": device}).eval()
 
 
 def load_model(model_dir: str | Path, device: str = "cpu", dtype: torch.dtype | None = None) -> PreTrainedModel:
@@ -257,9 +257,7 @@ def load_model(model_dir: str | Path, device: str = "cpu", dtype: torch.dtype | 
     path = resolve_model(model_dir)
     if (path / MANIFEST).exists():
         return load_variant(path, device, dtype)
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype or "auto", device_map={"": device}).eval()
+    return load_causal_lm(path, dtype=dtype or "auto", device_map={"": device}).eval()
 
 
 _SAFETENSORS_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
+from quantgate.loading import check_materialised, model_construction
 from quantize.weight_only import Int8Embedding, Int8WeightOnlyLinear, replace_linears
 
 WEIGHTS_FILE = "int8wo.safetensors"
@@ -55,7 +56,7 @@ def load_weight_only(directory: Path, device: str = "cpu", dtype: torch.dtype | 
 
     config = AutoConfig.from_pretrained(directory)
     dtype = dtype or _config_dtype(config)
-    with no_init_weights():
+    with model_construction(), no_init_weights():
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     swapped = replace_linears(model, from_weights=False, only=linears)
     if sorted(swapped) != linears:
@@ -73,6 +74,7 @@ def load_weight_only(directory: Path, device: str = "cpu", dtype: torch.dtype | 
         module_name, _, attr = key.rpartition(".")
         source_module, _, source_attr = source.rpartition(".")
         setattr(model.get_submodule(module_name), attr, getattr(model.get_submodule(source_module), source_attr))
+    check_materialised(model, str(path))
     return model.to(device).eval()
 
 

@@ -56,9 +56,9 @@ def load_model(model_dir: Path, device: torch.device, dtype: torch.dtype):
 
         model = load_variant(Path(model_dir), str(device), dtype)
     else:
-        from transformers import AutoModelForCausalLM
+        from quantgate.loading import load_causal_lm
 
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device)
+        model = load_causal_lm(model_dir, dtype=dtype).to(device)
     model.set_attn_implementation(attention.register())
     return model.eval()
 

@@ -1,0 +1,98 @@
+"""A built variant must still be its source model: checked on a fixed input before anything is saved.
+
+Quantization moves logits a little; a model whose weights were left on the meta device or freshly
+initialised (a broken concurrent load, a checkpoint that does not match) has logits unrelated to the
+source's. The probe compares the two on one fixed input and refuses the build when they disagree.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from quantgate.loading import UnmaterialisedModelError, check_materialised, load_causal_lm
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import PreTrainedModel
+
+PROBE_LENGTH = 32
+# Mean cosine similarity of the probe's logits (centred per position) between variant and source.
+# Measured on the default model: int8wo 0.997, int8 0.963, nf4 0.909, fp4 0.808 (tiny test Llama: 0.999,
+# 0.999, 0.920, 0.840); the same architecture with random weights: 0.001.
+MIN_COSINE = 0.5
+
+
+@dataclass(frozen=True)
+class ProbeResult:
+    cosine: float  # mean over positions of the centred logits' cosine similarity
+    top1_agreement: float  # share of positions whose argmax is the same
+
+
+def probe_ids(vocab_size: int) -> list[int]:
+    """A fixed, vocabulary-independent input: spread over the ids, the same on every machine."""
+    return [(7 + 7919 * i) % vocab_size for i in range(PROBE_LENGTH)]
+
+
+def logits_of(model: PreTrainedModel, ids: list[int]) -> torch.Tensor:
+    import torch
+
+    device = next(model.parameters()).device
+    with torch.inference_mode():
+        return model(input_ids=torch.tensor([ids], device=device)).logits[0].float().cpu()
+
+
+@lru_cache(maxsize=4)
+def _source_logits(source: str, content_hash: str, vocab_size: int) -> torch.Tensor:
+    import torch
+
+    model = load_causal_lm(source, dtype=torch.float32).eval()
+    return logits_of(model, probe_ids(vocab_size))
+
+
+def compare(variant: torch.Tensor, source: torch.Tensor) -> ProbeResult:
+    import torch
+
+    a, b = variant - variant.mean(-1, keepdim=True), source - source.mean(-1, keepdim=True)
+    cosine = torch.nn.functional.cosine_similarity(a, b, dim=-1).mean().item()
+    top1 = (variant.argmax(-1) == source.argmax(-1)).float().mean().item()
+    return ProbeResult(round(cosine, 6), round(top1, 6))
+
+
+def check_built(model: PreTrainedModel, source: Path, content_hash: str, method: str) -> ProbeResult:
+    """Refuse a built model that has unmaterialised tensors or does not behave like its source."""
+    check_materialised(model, f"{method} variant of {source}")
+    vocab = model.get_input_embeddings().num_embeddings
+    result = compare(logits_of(model, probe_ids(vocab)), _source_logits(str(source), content_hash, vocab))
+    if not result.cosine >= MIN_COSINE:
+        differing = differing_parameters(model, source)
+        named = f"; parameters that differ from the source: {', '.join(differing[:8])}" if differing else ""
+        raise UnmaterialisedModelError(
+            f"the {method} variant of {source} does not behave like its source on the fixed probe "
+            f"(logit cosine {result.cosine:.3f} < {MIN_COSINE}, top-1 agreement {result.top1_agreement:.2f}): "
+            f"its weights were not all loaded{named}; nothing was saved"
+        )
+    return result
+
+
+def differing_parameters(model: PreTrainedModel, source: Path, atol: float = 1e-2) -> list[str]:
+    """Unquantized parameters (same name and shape as in the source's safetensors) whose values differ."""
+    import torch
+    from safetensors import safe_open
+
+    params = dict(model.named_parameters())
+    differing = []
+    for file in sorted(Path(source).glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as handle:
+            for key in handle.keys():
+                ours = params.get(key)
+                if ours is None or ours.device.type == "meta" or not ours.is_floating_point():
+                    continue
+                theirs = handle.get_tensor(key)
+                if ours.shape == theirs.shape and not torch.allclose(
+                    ours.detach().float().cpu(), theirs.float(), atol=atol, rtol=1e-2
+                ):
+                    differing.append(key)
+    return differing
