@@ -90,6 +90,12 @@ def _register_serve(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-keys", default=None, metavar="FILE",
                    help="YAML of API key -> tenant and per-tenant limits; without it no key is needed")
+    p.add_argument("--metrics-key", default=None,
+                   help="bearer key /metrics asks for (with --api-keys it is required there; the keys file's "
+                        "`metrics_key` keeps it out of the process list)")
+    p.add_argument("--prefix-cache-scope", choices=["tenant", "global"], default="tenant",
+                   help="tenant: a request reuses only its own tenant's cached prefixes (and those of its "
+                        "`cache_salt`); global: tenants share them, so one can time another's prompts")
     p.add_argument("--served-model-name", default=None, help="the `model` clients ask for (default: from --model)")
     p.add_argument("--model-version", default=None, help="the `version` label of every metric (default: the name)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
@@ -128,7 +134,11 @@ def _serve(args: argparse.Namespace) -> int:
         raise ValueError("--max-waiting must be at least 1")
     if not 0 < args.tenant_slack < 100 or args.tenant_prefill_chunk < 1:
         raise ValueError("--tenant-slack must be in (0, 100) and --tenant-prefill-chunk at least 1")
+    if args.metrics_key is not None and len(args.metrics_key) < 8:
+        raise ValueError("--metrics-key must be at least 8 characters")
     tenants = load_tenants(args.api_keys) if args.api_keys else None  # a bad file fails before the model loads
+    if tenants is not None:
+        tenants = tenants.with_metrics_key(args.metrics_key)
     if args.threads:
         import torch
 
@@ -139,12 +149,12 @@ def _serve(args: argparse.Namespace) -> int:
     engine = LLMEngine.from_pretrained(
         args.model, device=args.device, dtype=args.dtype, scheduler=args.scheduler, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, num_kv_blocks=args.num_kv_blocks,
-        kv_cache_memory_gb=args.kv_cache_memory_gb,
+        kv_cache_memory_gb=args.kv_cache_memory_gb, prefix_cache_scope=args.prefix_cache_scope,
     )
     engine.scheduler.tenant_step_slack = args.tenant_slack
     engine.scheduler.shared_prefill_chunk = args.tenant_prefill_chunk
     app = build_app(engine, served_model_name=args.served_model_name, version=args.model_version,
-                    tenants=tenants, max_waiting=args.max_waiting)
+                    tenants=tenants, max_waiting=args.max_waiting, metrics_key=args.metrics_key)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
     return 0
 

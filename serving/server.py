@@ -40,7 +40,7 @@ from serving.protocol import (
 )
 from serving.sampling_params import SamplingParams
 from serving.sequence import TokenLogprob
-from serving.tenants import DEFAULT_TENANT, TenantTable
+from serving.tenants import DEFAULT_TENANT, TenantTable, key_matches
 
 log = logging.getLogger("quantgate.server")
 
@@ -104,7 +104,7 @@ class EngineLoop:
         self._wake.set()
 
     def submit(self, prompts: list[list[int]], params: SamplingParams, tenant: str,
-               queue: asyncio.Queue) -> list[str]:
+               queue: asyncio.Queue, cache_salt: str | None = None) -> list[str]:
         """Queue one engine request per prompt, all or none. 429 when a waiting queue is full."""
         loop = asyncio.get_running_loop()
         if self.draining:
@@ -129,7 +129,8 @@ class EngineLoop:
                     rid = f"cmpl-{uuid.uuid4().hex}"
                     self._streams[rid] = _Stream(loop, queue, index)
                     rids.append(rid)
-                    self.engine.add_request(ids, params, request_id=rid, tenant=tenant, stream_text=True)
+                    self.engine.add_request(ids, params, request_id=rid, tenant=tenant, cache_salt=cache_salt,
+                                            stream_text=True)
                     self._queued[rid] = tenant
             except ValueError as exc:
                 for rid in rids:
@@ -306,8 +307,16 @@ def build_app(
     tenants: TenantTable | None = None,
     max_waiting: int = 256,
     drain_timeout_s: float = DRAIN_TIMEOUT_S,
+    metrics_key: str | None = None,
 ) -> FastAPI:
-    """The ASGI app over `engine`. With `tenants`, every request needs an API key of a tenant."""
+    """The ASGI app over `engine`. With `tenants`, every request needs an API key of a tenant, and
+    /metrics the metrics key (`metrics_key`, else the keys file's); without tenants /metrics is open
+    unless a `metrics_key` is given."""
+    if tenants is not None:
+        tenants = tenants.with_metrics_key(metrics_key)
+        metrics_key = tenants.metrics_key
+        if metrics_key is None:
+            log.warning("tenants are configured but no metrics key: /metrics will answer 401 to everyone")
     model_name = served_model_name or engine.model_name.rstrip("/").rsplit("/", 1)[-1]
     version = version or model_name
     tenant_names = sorted(tenants.tenants) if tenants else [DEFAULT_TENANT]
@@ -438,7 +447,7 @@ def build_app(
         want_prompt_lps = body.echo and body.logprobs is not None
         params = sampling(body, max(1, max_tokens), body.logprobs, body.logprobs if want_prompt_lps else None)
         queue: asyncio.Queue = asyncio.Queue()
-        rids = loop.submit(prompts, params, tenant, queue)
+        rids = loop.submit(prompts, params, tenant, queue, body.cache_salt)
         rid = rids[0]
         if body.stream:
             return _AbortingStream(stream_completion(body, rid, rids, queue, prompts, texts, no_generation),
@@ -537,7 +546,7 @@ def build_app(
         top = (body.top_logprobs or 0) if body.logprobs else None
         params = sampling(body, limit, top, None)
         queue: asyncio.Queue = asyncio.Queue()
-        rids = loop.submit([ids], params, tenant, queue)
+        rids = loop.submit([ids], params, tenant, queue, body.cache_salt)
         rid = rids[0].replace("cmpl-", "chatcmpl-", 1)
         if body.stream:
             return _AbortingStream(stream_chat(body, rid, queue, len(ids)), lambda: loop.abort(rids))
@@ -628,7 +637,15 @@ def build_app(
         return {"status": "ok", "model": model_name, "version": version}
 
     @app.get("/metrics")
-    async def prometheus_metrics():
+    async def prometheus_metrics(request: Request):
+        if tenants is not None or metrics_key is not None:  # per-tenant series are not for tenants to read
+            scheme, _, key = request.headers.get("authorization", "").partition(" ")
+            if metrics_key is None:
+                raise APIError(401, "/metrics needs the metrics key and this server has none: set `metrics_key` "
+                               "in the API-keys file or --metrics-key", "no_metrics_key")
+            if not key_matches(metrics_key, key.strip() if scheme.lower() == "bearer" else None):
+                raise APIError(401, "/metrics needs `Authorization: Bearer <metrics key>` (a tenant's API key "
+                               "is not one)", "invalid_metrics_key")
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
     return app

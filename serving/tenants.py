@@ -8,8 +8,11 @@ The `--api-keys` file (YAML):
     tenants:                    # optional limits per tenant
       team-a: {max_kv_blocks: 0.5, max_waiting: 16}   # a float in (0, 1]: a share of the KV cache
       team-b: {max_kv_blocks: 200}                     # an int: a number of blocks
+    metrics_key: sk-metrics-0123456789  # optional: the bearer key /metrics asks for (or --metrics-key)
 
-A tenant without limits may use the whole cache and queue up to the server's `--max-waiting`.
+A tenant without limits may use the whole cache and queue up to the server's `--max-waiting`. With
+tenants configured, /metrics (which has per-tenant series) answers only to the metrics key, never to
+a tenant's key.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ class Tenant:
 class TenantTable:
     tenants: dict[str, Tenant]
     keys: dict[str, str]  # API key -> tenant name
+    metrics_key: str | None = None
 
     def authenticate(self, key: str | None) -> Tenant | None:
         """The tenant owning `key`, compared in constant time; None for a missing or unknown key."""
@@ -52,6 +56,13 @@ class TenantTable:
             if hmac.compare_digest(known.encode(), key.encode()):
                 found = tenant
         return self.tenants[found] if found else None
+
+    def with_metrics_key(self, key: str | None) -> TenantTable:
+        """This table with `key` (e.g. from --metrics-key) as its metrics key, checked as the file's is."""
+        if key is None:
+            return self
+        _check_metrics_key(key, self.keys, "--metrics-key")
+        return TenantTable(self.tenants, self.keys, key)
 
     def quotas(self, num_blocks: int) -> dict[str, int]:
         return {
@@ -68,9 +79,10 @@ def load_tenants(path: str | Path) -> TenantTable:
 def parse_tenants(data: object, source: str = "API-keys file") -> TenantTable:
     if not isinstance(data, dict):
         raise ValueError(f"{source}: expected a mapping with `keys` (and optionally `tenants`)")
-    unknown = set(data) - {"keys", "tenants"}
+    unknown = set(data) - {"keys", "tenants", "metrics_key"}
     if unknown:
-        raise ValueError(f"{source}: unknown top-level field(s) {sorted(unknown)}; expected `keys`, `tenants`")
+        raise ValueError(f"{source}: unknown top-level field(s) {sorted(unknown)}; "
+                         "expected `keys`, `tenants`, `metrics_key`")
     keys = data.get("keys")
     if not isinstance(keys, dict) or not keys:
         raise ValueError(f"{source}: `keys` must be a non-empty mapping of API key -> tenant name")
@@ -86,7 +98,23 @@ def parse_tenants(data: object, source: str = "API-keys file") -> TenantTable:
     if undefined:
         raise ValueError(f"{source}: tenant(s) {sorted(undefined)} have limits but no API key")
     tenants = {name: _tenant(name, limits.get(name) or {}, source) for name in sorted(set(keys.values()))}
-    return TenantTable(tenants, dict(keys))
+    metrics_key = data.get("metrics_key")
+    if metrics_key is not None:
+        _check_metrics_key(metrics_key, keys, f"{source}: `metrics_key`")
+    return TenantTable(tenants, dict(keys), metrics_key)
+
+
+def key_matches(expected: str | None, presented: str | None) -> bool:
+    """Constant-time comparison of a presented bearer key with the expected one (none expected: no match)."""
+    return bool(expected and presented) and hmac.compare_digest(expected.encode(), presented.encode())
+
+
+def _check_metrics_key(key: object, api_keys: dict[str, str], what: str) -> None:
+    if not isinstance(key, str) or len(key) < 8:
+        raise ValueError(f"{what} must be a string of at least 8 characters")
+    if key in api_keys:
+        raise ValueError(f"{what} must differ from every tenant's API key: a tenant must not read other "
+                         "tenants' metrics")
 
 
 def _tenant(name: str, spec: object, source: str) -> Tenant:

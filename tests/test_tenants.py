@@ -181,7 +181,9 @@ def test_kv_quota_caps_a_tenant_and_others_still_get_in(engine):
 # ---- over HTTP ---------------------------------------------------------------------------------
 def test_server_with_api_keys(tiny_model_dir, tmp_path):
     path = tmp_path / "keys.yaml"
-    path.write_text(yaml.safe_dump({"keys": KEYS, "tenants": {"a": {"max_kv_blocks": 40, "max_waiting": 1}}}))
+    path.write_text(yaml.safe_dump({"keys": KEYS, "tenants": {"a": {"max_kv_blocks": 40, "max_waiting": 1}},
+                                    "metrics_key": "sk-metrics-0001"}))
+    ops = {"Authorization": "Bearer sk-metrics-0001"}  # /metrics answers only to the metrics key
     key_a = {"Authorization": "Bearer sk-team-a-0001"}
     key_b = {"Authorization": "Bearer sk-team-b-0001"}
     with one_torch_thread(), running_server(tiny_model_dir, tenants=load_tenants(path)) as srv:
@@ -206,7 +208,7 @@ def test_server_with_api_keys(tiny_model_dir, tmp_path):
             t = threading.Thread(target=lambda: second.update(
                 r=httpx.post(url, json={**short, "max_tokens": 90}, headers=key_a, timeout=60)))
             t.start()
-            wait_for(lambda: metric(scrape(srv.url), "quantgate:num_requests_waiting", tenant="a") == 1,
+            wait_for(lambda: metric(scrape(srv.url, ops), "quantgate:num_requests_waiting", tenant="a") == 1,
                      what="A's second request to wait")
             third = httpx.post(url, json=short, headers=key_a, timeout=30)
             assert third.status_code == 429 and "tenant 'a'" in third.json()["error"]["message"]
@@ -217,7 +219,7 @@ def test_server_with_api_keys(tiny_model_dir, tmp_path):
         t.join(60)
         assert second["r"].status_code == 200
 
-        samples = scrape(srv.url)
+        samples = scrape(srv.url, ops)
         assert metric(samples, "quantgate:request_rejected_total", tenant="a", reason="tenant_queue_full") == 1
         assert metric(samples, "quantgate:request_rejected_total", tenant="b") == 0
         assert metric(samples, "quantgate:e2e_request_latency_seconds_count", tenant="b") == 1
