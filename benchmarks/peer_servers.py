@@ -1,0 +1,168 @@
+"""The servers `quantgate bench peers` compares: parse `--serve` specs, start one on a free loopback
+port in its own process group, wait until it is healthy, and stop the whole group afterwards.
+
+    quantgate[:ARGS]   `quantgate serve` from this venv, ARGS appended (e.g. `quantgate:--dtype bfloat16`)
+    vllm[:ARGS]        vLLM's CPU build from its own venv (scripts/peers_setup.sh), bf16 unless ARGS say
+    url=URL            a server that is already running; nothing is started or stopped
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+VLLM_DEFAULT_ARGS = ["--dtype", "bfloat16", "--max-model-len", "2048"]
+TCMALLOC_PATHS = ("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4", "/usr/lib64/libtcmalloc_minimal.so.4",
+                  "/usr/lib/libtcmalloc_minimal.so.4")
+
+
+@dataclass
+class ServerSpec:
+    kind: str  # "quantgate", "vllm" or "url"
+    args: list[str] = field(default_factory=list)
+    url: str | None = None
+
+    @property
+    def label(self) -> str:
+        if self.kind == "url":
+            return str(self.url)
+        name = "quantgate serve" if self.kind == "quantgate" else "vLLM CPU"
+        return " ".join([name, *self.args])
+
+
+@dataclass
+class Running:
+    url: str
+    startup_s: float | None = None
+    pid: int | None = None
+    log: Path | None = None
+    version: str | None = None
+
+
+def parse_serve(text: str) -> ServerSpec:
+    if text.startswith("url="):
+        url = text[4:].rstrip("/")
+        if not url.startswith(("http://", "https://")):
+            raise ValueError(f"--serve url=... needs an http(s) URL, got {text!r}")
+        return ServerSpec("url", url=url)
+    kind, _, rest = text.partition(":")
+    if kind not in ("quantgate", "vllm"):
+        raise ValueError(f"--serve takes quantgate[:ARGS], vllm[:ARGS] or url=URL, got {text!r}")
+    return ServerSpec(kind, shlex.split(rest))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _cpu_bind() -> str:
+    cpus = sorted(os.sched_getaffinity(0))
+    if cpus == list(range(cpus[0], cpus[-1] + 1)):
+        return f"{cpus[0]}-{cpus[-1]}"
+    return ",".join(map(str, cpus))
+
+
+def vllm_env(venv: Path) -> dict[str, str]:
+    """What vLLM's CPU docs ask for (see shared/notes/dependencies.md); the caller's own values win."""
+    env = {"VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_CPU_OMP_THREADS_BIND": _cpu_bind(),
+           "VLLM_HOST_IP": "127.0.0.1", "HF_HUB_OFFLINE": "1"}
+    preload = [p for p in TCMALLOC_PATHS if Path(p).is_file()][:1] + glob.glob(str(venv / "lib" / "libiomp5.so"))
+    if preload:
+        env["LD_PRELOAD"] = ":".join(preload)
+    return {**env, **os.environ}
+
+
+def vllm_version(venv: Path) -> str | None:
+    found = glob.glob(str(venv / "lib" / "python*" / "site-packages" / "vllm_cpu-*.dist-info"))
+    return Path(found[0]).name.removeprefix("vllm_cpu-").removesuffix(".dist-info") if found else None
+
+
+def command(spec: ServerSpec, port: int, model_dir: Path, served_name: str, vllm_venv: Path) -> list[str]:
+    common = ["--model", str(model_dir), "--served-model-name", served_name, "--host", "127.0.0.1",
+              "--port", str(port)]
+    if spec.kind == "quantgate":
+        return [sys.executable, "-m", "quantgate.cli", "serve", *common, "--log-level", "warning", *spec.args]
+    python = vllm_venv / "bin" / "python"
+    if not python.is_file():
+        raise ValueError(f"no vLLM venv at {vllm_venv}: build it with scripts/peers_setup.sh (or pass --vllm-venv)")
+    return [str(python), "-m", "vllm.entrypoints.openai.api_server", *common, *VLLM_DEFAULT_ARGS, *spec.args]
+
+
+def _healthy(url: str) -> bool:
+    try:
+        for path in ("/health", "/v1/models"):
+            with urllib.request.urlopen(url + path, timeout=5) as response:
+                if response.status != 200:
+                    return False
+        return True
+    except OSError:
+        return False
+
+
+def _tail(log: Path, chars: int = 3000) -> str:
+    return log.read_text(errors="replace")[-chars:] if log.is_file() else ""
+
+
+def wait_healthy(proc: subprocess.Popen, url: str, log: Path, timeout_s: float) -> float:
+    start = time.monotonic()
+    while not _healthy(url):
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited with {proc.returncode} before it was healthy:\n{_tail(log)}")
+        if time.monotonic() - start > timeout_s:
+            raise RuntimeError(f"the server was not healthy within {timeout_s:.0f} s:\n{_tail(log)}")
+        time.sleep(1.0)
+    return time.monotonic() - start
+
+
+def stop_group(proc: subprocess.Popen) -> None:
+    """SIGINT the server's process group, then SIGTERM, then SIGKILL whatever of the group is left."""
+    pgid = proc.pid  # start_new_session: the leader's pid is the group id
+    for sig, wait_s in ((signal.SIGINT, 30), (signal.SIGTERM, 15)):
+        if proc.poll() is not None:
+            break
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pgid, sig)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(wait_s)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pgid, signal.SIGKILL)  # children the leader left behind
+    proc.wait(10)
+
+
+@contextlib.contextmanager
+def started(spec: ServerSpec, *, model_dir: Path, served_name: str, vllm_venv: Path, log_dir: Path,
+            startup_timeout_s: float = 900.0) -> Iterator[Running]:
+    """The server of `spec`, healthy; a started one is stopped (its whole process group) on exit."""
+    if spec.kind == "url":
+        yield Running(str(spec.url))
+        return
+    port = free_port()
+    cmd = command(spec, port, model_dir, served_name, vllm_venv)
+    env = vllm_env(vllm_venv) if spec.kind == "vllm" else dict(os.environ)
+    log_dir.mkdir(parents=True, exist_ok=True)
+    log = log_dir / f"{spec.kind}-{port}.log"
+    with log.open("w") as out:
+        out.write(f"$ {shlex.join(cmd)}\n")
+        out.flush()
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                                start_new_session=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        startup = wait_healthy(proc, url, log, startup_timeout_s)
+        version = vllm_version(vllm_venv) if spec.kind == "vllm" else None
+        yield Running(url, startup, proc.pid, log, version)
+    finally:
+        stop_group(proc)

@@ -1,0 +1,298 @@
+"""Our server beside the engines a user would pick instead, on one workload, one server at a time.
+
+The workload (issue 19): 64 requests sent all at once, token-id prompts of 16–256 tokens, outputs of
+8–256 tokens forced (ignore_eos, and min_tokens where the server takes it), streaming, drawn from a fixed
+seed so that every server gets the identical requests. Every request must produce exactly its forced
+token count (and report its prompt length) or its row is marked inexact and the run exits 1. Every
+server gets one short warm-up request first. Same client for all: benchmarks/serving.py.
+
+    quantgate bench peers --serve quantgate --serve "quantgate:--dtype bfloat16" --serve vllm \\
+        [--serve "vllm:--dtype float32"] [--serve url=http://127.0.0.1:8000] [--reference 3]
+
+Prints server | output tok/s | TTFT p50 | TTFT p99 | TPOT p50 with ratios to the reference row (default:
+the first vLLM row, else the first), the CPU's model name and SIMD/AMX flags; writes peers.json,
+peers.md and peers.png under --out-dir (default benchmarks/results/peers).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import sys
+import traceback
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):  # run as a script: import the repo's packages
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+
+from benchmarks.common import fmt, machine, output_dir, pyplot, ratio, save_figure, write_json  # noqa: E402
+from benchmarks.peer_servers import ServerSpec, parse_serve, started  # noqa: E402
+from quantgate.env import apply_defaults, home  # noqa: E402
+
+CPU_FLAGS = ("avx2", "avx_vnni", "avx512f", "avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16",
+             "amx_int8")
+METRICS = (("output_tok_s", "output tok/s", 1), ("ttft_p50_ms", "TTFT p50 (ms)", 0),
+           ("ttft_p99_ms", "TTFT p99 (ms)", 0), ("tpot_p50_ms", "TPOT p50 (ms)", 1))
+
+
+@dataclass
+class Workload:
+    num_requests: int = 64
+    prompt_tokens: tuple[int, int] = (16, 256)
+    output_tokens: tuple[int, int] = (8, 256)
+    token_ids: tuple[int, int] = (1000, 49151)  # prompt ids drawn from [lo, hi]: no special tokens
+    seed: int = 0
+
+    def requests(self) -> list[tuple[list[int], int]]:
+        rng = random.Random(self.seed)
+        out = []
+        for _ in range(self.num_requests):
+            prompt = [rng.randint(*self.token_ids) for _ in range(rng.randint(*self.prompt_tokens))]
+            out.append((prompt, rng.randint(*self.output_tokens)))
+        return out
+
+
+def cpu_info(path: str = "/proc/cpuinfo") -> dict[str, Any]:
+    """The CPU's model name and which of the flags that decide CPU inference speed it has."""
+    name, flags = None, set()
+    try:
+        for line in Path(path).read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name" and name is None:
+                name = value.strip()
+            elif key.strip() == "flags" and not flags:
+                flags = set(value.split())
+    except OSError:
+        pass
+    return {"model_name": name, "flags": [f for f in CPU_FLAGS if f in flags], "cpus": len(os.sched_getaffinity(0))}
+
+
+def _warm_up(url: str, model: str, prompt: list[int]) -> bool:
+    """One short request; returns whether the server takes min_tokens (ours refuses unknown fields)."""
+    from benchmarks.serving import run_serving_benchmark
+
+    try:
+        run_serving_benchmark(url, model, requests=[(prompt, 4)], min_tokens=True)
+        return True
+    except ValueError as exc:
+        if "min_tokens" not in str(exc):
+            raise
+    run_serving_benchmark(url, model, requests=[(prompt, 4)])
+    return False
+
+
+def check_exact(requests: list[tuple[list[int], int]], records: list[dict[str, Any]]) -> list[str]:
+    """Why any request did not produce exactly what it was sent for (empty when all did)."""
+    problems = []
+    for (prompt, n), r in zip(requests, records, strict=True):
+        if not r["ok"]:
+            problems.append(f"request {r['index']}: {r['error']}")
+        elif r["output_tokens"] != n:
+            problems.append(f"request {r['index']}: {r['output_tokens']} output tokens, forced {n}")
+        elif r["prompt_tokens"] is None:
+            problems.append(f"request {r['index']}: the server reported no usage (prompt/output counts)")
+        elif r["prompt_tokens"] != len(prompt):
+            problems.append(f"request {r['index']}: prompt of {r['prompt_tokens']} tokens, sent {len(prompt)}")
+    return problems
+
+
+def measure(url: str, model: str, work: Workload, timeout_s: float, progress: bool) -> dict[str, Any]:
+    from benchmarks.serving import run_serving_benchmark
+
+    requests = work.requests()
+    takes_min_tokens = _warm_up(url, model, requests[0][0][:16])
+    report = run_serving_benchmark(url, model, requests=requests, ignore_eos=True, min_tokens=takes_min_tokens,
+                                   timeout_s=timeout_s, progress=progress, details=True)
+    problems = check_exact(requests, report["requests"])
+    return {
+        "output_tok_s": report["output_throughput"], "ttft_p50_ms": report["ttft_ms"]["median"],
+        "ttft_p99_ms": report["ttft_ms"]["p99"], "tpot_p50_ms": report["tpot_ms"]["median"],
+        "duration_s": report["duration_s"], "completed": report["completed"], "failed": report["failed"],
+        "total_output_tokens": report["total_output_tokens"], "total_input_tokens": report["total_input_tokens"],
+        "expected_output_tokens": sum(n for _, n in requests), "exact": not problems, "problems": problems[:10],
+        "min_tokens": takes_min_tokens, "serving": report,
+    }
+
+
+def run_one(spec: ServerSpec, *, model_dir: Path, served_name: str, vllm_venv: Path, work: Workload,
+            out: Path, startup_timeout_s: float, timeout_s: float, progress: bool) -> dict[str, Any]:
+    row: dict[str, Any] = {"label": spec.label, "kind": spec.kind, "args": spec.args}
+    try:
+        with started(spec, model_dir=model_dir, served_name=served_name, vllm_venv=vllm_venv, log_dir=out / "logs",
+                     startup_timeout_s=startup_timeout_s) as server:
+            row |= {"url": server.url, "startup_s": server.startup_s, "pid": server.pid,
+                    "log": server.log, "version": server.version}
+            row |= measure(server.url, served_name, work, timeout_s, progress)
+    except Exception as exc:  # one server failing must not lose the others' figures
+        row["error"] = f"{type(exc).__name__}: {exc}"
+        row["traceback"] = traceback.format_exc()
+    return row
+
+
+def pick_reference(rows: list[dict[str, Any]], reference: str | None) -> int | None:
+    """A 1-based row number or a label substring; default: the first vLLM row, else the first row."""
+    measured = [i for i, r in enumerate(rows) if "error" not in r]
+    if reference is None:
+        return next((i for i in measured if rows[i]["kind"] == "vllm"), measured[0] if measured else None)
+    if reference.isdigit():
+        i = int(reference) - 1
+        if not 0 <= i < len(rows):
+            raise ValueError(f"--reference {reference}: there are {len(rows)} servers")
+        return i
+    matches = [i for i, r in enumerate(rows) if reference in r["label"]]
+    if not matches:
+        raise ValueError(f"--reference {reference!r} matches no server label")
+    return matches[0]
+
+
+def add_ratios(rows: list[dict[str, Any]], ref: int | None) -> None:
+    base = rows[ref] if ref is not None and "error" not in rows[ref] else {}
+    for row in rows:
+        if "error" not in row:
+            row["ratios"] = {key: ratio(row[key], base.get(key)) for key, _, _ in METRICS}
+
+
+def markdown(report: dict[str, Any]) -> str:
+    cpu = report["cpu"]
+    lines = [f"CPU: {cpu['model_name']}, {cpu['cpus']} CPUs, flags: {', '.join(cpu['flags']) or 'none'}; "
+             f"model: {report['model']}; reference: {report['reference']}", "",
+             "| server | output tok/s | × ref | TTFT p50 | TTFT p99 | × ref | TPOT p50 | × ref | exact |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+    for r in report["rows"]:
+        if "error" in r:
+            lines.append(f"| {r['label']} | failed: {r['error'].splitlines()[0][:120]} |||||||| |")
+            continue
+        x = r["ratios"]
+        lines.append(
+            f"| {r['label']} | {r['output_tok_s']:.1f} | {fmt(x['output_tok_s'], 2)}× | {r['ttft_p50_ms'] / 1000:.1f} s "
+            f"| {r['ttft_p99_ms'] / 1000:.1f} s | {fmt(x['ttft_p99_ms'], 2)}× | {r['tpot_p50_ms']:.0f} ms "
+            f"| {fmt(x['tpot_p50_ms'], 2)}× | {'yes' if r['exact'] else 'NO'} |")
+    return "\n".join(lines) + "\n"
+
+
+def print_report(report: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    cpu, work = report["cpu"], report["workload"]
+    console.print(f"[bold]{cpu['model_name']}[/bold], {cpu['cpus']} CPUs, flags: {' '.join(cpu['flags']) or 'none'}")
+    console.print(f"model {report['model']}; {work['num_requests']} requests at once, prompts {work['prompt_tokens']}, "
+                  f"outputs {work['output_tokens']} forced, seed {work['seed']}; reference: {report['reference']}")
+    table = Table("server", "output tok/s", "×", "TTFT p50 s", "TTFT p99 s", "×", "TPOT p50 ms", "×", "exact",
+                  "start s")
+    for r in report["rows"]:
+        if "error" in r:
+            table.add_row(r["label"], f"[red]{r['error'].splitlines()[0][:100]}[/red]", *[""] * 8)
+            continue
+        x = r["ratios"]
+        table.add_row(r["label"], f"{r['output_tok_s']:.1f}", fmt(x["output_tok_s"], 2),
+                      f"{r['ttft_p50_ms'] / 1000:.2f}", f"{r['ttft_p99_ms'] / 1000:.2f}", fmt(x["ttft_p99_ms"], 2),
+                      f"{r['tpot_p50_ms']:.0f}", fmt(x["tpot_p50_ms"], 2), "yes" if r["exact"] else "[red]NO[/red]",
+                      fmt(r.get("startup_s"), 0))
+    console.print(table)
+    for r in report["rows"]:
+        for problem in r.get("problems", [])[:3]:
+            console.print(f"[red]{r['label']}: {problem}[/red]")
+    console.print(f"report: {report['json']}")
+
+
+def plot(report: dict[str, Any], path: Path) -> Path:
+    plt = pyplot()
+    rows = [r for r in report["rows"] if "error" not in r]
+    fig, axes = plt.subplots(1, 3, figsize=(15, 1.6 + 0.55 * len(rows)), sharey=True)
+    labels = [r["label"] for r in rows]
+    for ax, (key, title) in zip(axes, (("output_tok_s", "output tok/s (higher is better)"),
+                                       ("ttft_p99_ms", "TTFT p99, ms (lower is better)"),
+                                       ("tpot_p50_ms", "TPOT p50, ms (lower is better)")), strict=True):
+        values = [r[key] for r in rows]
+        ax.barh(labels, values, color=["tab:orange" if r["kind"] == "vllm" else "tab:blue" for r in rows])
+        for y, v in enumerate(values):
+            ax.text(v, y, f" {v:.0f}", va="center", fontsize=8)
+        ax.set_title(title, fontsize=10)
+        ax.invert_yaxis()
+    cpu = report["cpu"]
+    fig.suptitle(f"{report['model']} on {cpu['model_name']} ({cpu['cpus']} CPUs; {' '.join(cpu['flags'])})",
+                 fontsize=10)
+    return save_figure(fig, path)
+
+
+def run_peers(specs: list[ServerSpec], *, model: str = "smollm2-135m", served_name: str | None = None,
+              vllm_venv: str | Path | None = None, work: Workload | None = None, reference: str | None = None,
+              out_dir: str | Path | None = None, startup_timeout_s: float = 900.0, timeout_s: float = 3600.0,
+              plots: bool = True, progress: bool = False) -> dict[str, Any]:
+    from quantgate.models import resolve_model
+
+    if not specs:
+        raise ValueError("name at least one server with --serve")
+    work = work or Workload()
+    out = output_dir(out_dir, "peers")
+    model_dir = resolve_model(model)
+    venv = Path(vllm_venv) if vllm_venv else home() / "peers" / "vllm"
+    report: dict[str, Any] = {"benchmark": "peers", "model": model, "model_dir": model_dir, "workload": asdict(work),
+                              "cpu": cpu_info(), "machine": machine(), "rows": [], "reference": None}
+    for spec in specs:  # one after the other: each server has the machine to itself
+        report["rows"].append(run_one(spec, model_dir=model_dir, served_name=served_name or model, vllm_venv=venv,
+                                      work=work, out=out, startup_timeout_s=startup_timeout_s, timeout_s=timeout_s,
+                                      progress=progress))
+        write_json(out / "peers.json", report)  # what was measured survives a later failure
+    ref = pick_reference(report["rows"], reference)
+    report["reference"] = report["rows"][ref]["label"] if ref is not None else None
+    add_ratios(report["rows"], ref)
+    (out / "peers.md").write_text(markdown(report))
+    if plots and any("error" not in r for r in report["rows"]):
+        report["png"] = str(plot(report, out / "peers.png"))
+    report["json"] = str(write_json(out / "peers.json", report))
+    return report
+
+
+def _pair(text: str) -> tuple[int, int]:
+    lo, _, hi = text.partition("-")
+    try:
+        pair = (int(lo), int(hi or lo))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected N or LO-HI, got {text!r}") from None
+    if not 0 <= pair[0] <= pair[1]:
+        raise argparse.ArgumentTypeError(f"expected 0 <= LO <= HI, got {text!r}")
+    return pair
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="quantgate bench peers", description=__doc__.split("\n\n")[0])
+    p.add_argument("--serve", action="append", type=parse_serve, default=[], metavar="SPEC",
+                   help="quantgate[:ARGS] | vllm[:ARGS] | url=URL; repeat, measured in this order")
+    p.add_argument("--model", default="smollm2-135m", help="model reference (vLLM gets its plain HF dir)")
+    p.add_argument("--served-model-name", default=None, help="the `model` requested (default: --model)")
+    p.add_argument("--vllm-venv", default=None, help="default: $QUANTGATE_HOME/peers/vllm")
+    p.add_argument("--reference", default=None, help="row number or label substring (default: first vLLM row)")
+    p.add_argument("--num-requests", type=int, default=64)
+    p.add_argument("--prompt-tokens", type=_pair, default=(16, 256), metavar="LO-HI")
+    p.add_argument("--output-tokens", type=_pair, default=(8, 256), metavar="LO-HI")
+    p.add_argument("--token-ids", type=_pair, default=(1000, 49151), metavar="LO-HI", help="prompt token id range")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--startup-timeout", type=float, default=900.0, help="seconds for a server to become healthy")
+    p.add_argument("--timeout", type=float, default=3600.0, help="seconds for one server's whole run")
+    p.add_argument("--out-dir", default=None, help="default: benchmarks/results/peers")
+    p.add_argument("--no-plots", dest="plots", action="store_false")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    apply_defaults()
+    args = parse_args(argv)
+    if args.output_tokens[0] < 2 or args.prompt_tokens[0] < 1:
+        raise ValueError("outputs need at least 2 tokens (TPOT) and prompts at least 1")
+    work = Workload(args.num_requests, args.prompt_tokens, args.output_tokens, args.token_ids, args.seed)
+    report = run_peers(args.serve, model=args.model, served_name=args.served_model_name, vllm_venv=args.vllm_venv,
+                       work=work, reference=args.reference, out_dir=args.out_dir,
+                       startup_timeout_s=args.startup_timeout, timeout_s=args.timeout, plots=args.plots,
+                       progress=sys.stdout.isatty())
+    print_report(report)
+    return 0 if all("error" not in r and r["exact"] for r in report["rows"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

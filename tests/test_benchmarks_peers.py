@@ -1,0 +1,71 @@
+"""benchmarks/peers.py against real servers on the tiny model: one it starts itself, one given by URL."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+from server_fixtures import one_torch_thread, running_server
+
+from benchmarks.peer_servers import ServerSpec, parse_serve
+from benchmarks.peers import Workload, check_exact, cpu_info, pick_reference, run_peers
+from benchmarks.serving import run_serving_benchmark
+
+
+def test_specs_workload_and_cpu_flags(tmp_path):
+    assert parse_serve("quantgate") == ServerSpec("quantgate", [])
+    assert parse_serve("quantgate:--dtype bfloat16 --threads 1").args == ["--dtype", "bfloat16", "--threads", "1"]
+    assert parse_serve("vllm:--dtype float32").label == "vLLM CPU --dtype float32"
+    assert parse_serve("url=http://127.0.0.1:9/").url == "http://127.0.0.1:9"
+    with pytest.raises(ValueError, match="url=URL"):
+        parse_serve("llama")
+    work = Workload(num_requests=20, prompt_tokens=(3, 9), output_tokens=(2, 5), token_ids=(1000, 1100), seed=4)
+    reqs = work.requests()
+    assert reqs == Workload(20, (3, 9), (2, 5), (1000, 1100), 4).requests()  # same seed, same workload
+    assert all(3 <= len(p) <= 9 and all(1000 <= t <= 1100 for t in p) and 2 <= n <= 5 for p, n in reqs)
+    fake = tmp_path / "cpuinfo"
+    fake.write_text("model name\t: Some CPU\nflags\t\t: fpu avx2 avx512f amx_bf16 avx512_bf16\n\n"
+                    "model name\t: Some CPU\nflags\t\t: fpu\n")
+    info = cpu_info(str(fake))
+    assert info["model_name"] == "Some CPU" and info["flags"] == ["avx2", "avx512f", "avx512_bf16", "amx_bf16"]
+    ok = {"index": 0, "ok": True, "error": None, "output_tokens": 4, "prompt_tokens": 3}
+    assert check_exact([([1, 2, 3], 4)], [ok]) == []
+    assert "forced 5" in check_exact([([1, 2, 3], 5)], [ok])[0]
+    rows = [{"label": "a", "kind": "quantgate"}, {"label": "b", "kind": "vllm"}]
+    assert pick_reference(rows, None) == 1 and pick_reference(rows, "1") == 0 and pick_reference(rows, "a") == 0
+
+
+def test_token_id_prompts_through_the_shared_client(tiny_model_dir):
+    with one_torch_thread(), running_server(tiny_model_dir) as server:
+        report = run_serving_benchmark(server.url, "tiny", requests=[([1000, 1001, 1002], 3), ([1003] * 5, 2)],
+                                       details=True)
+        assert report["completed"] == 2 and report["total_output_tokens"] == 5
+        assert [r["prompt_tokens"] for r in report["requests"]] == [3, 5]
+        with pytest.raises(ValueError, match="min_tokens"):  # ours refuses fields it does not know
+            run_serving_benchmark(server.url, "tiny", requests=[([1000], 2)], min_tokens=True)
+
+
+def test_peers_against_a_started_and_a_given_server(tiny_model_dir, tmp_path):
+    work = Workload(num_requests=6, prompt_tokens=(4, 24), output_tokens=(2, 6), seed=1)
+    expected = sum(n for _, n in work.requests())
+    with one_torch_thread(), running_server(tiny_model_dir) as given:
+        report = run_peers([parse_serve(f"url={given.url}"), parse_serve("quantgate:--threads 1 --num-kv-blocks 64")],
+                           model=str(tiny_model_dir), served_name="tiny", work=work, reference="1",
+                           out_dir=tmp_path, startup_timeout_s=240, timeout_s=120)
+    saved = json.loads((tmp_path / "peers.json").read_text())
+    assert saved["reference"] == given.url and saved["cpu"]["model_name"]
+    for row in saved["rows"]:
+        assert "error" not in row, row.get("traceback")
+        assert row["exact"] and row["problems"] == [] and row["min_tokens"] is False
+        assert row["completed"] == 6 and row["failed"] == 0
+        assert row["total_output_tokens"] == row["expected_output_tokens"] == expected
+        assert set(row["ratios"]) == {"output_tok_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms"}
+        assert all(v is not None and v > 0 for v in row["ratios"].values())
+    assert saved["rows"][0]["ratios"]["output_tok_s"] == 1.0
+    started = saved["rows"][1]
+    assert started["startup_s"] > 0 and started["label"].startswith("quantgate serve --threads 1")
+    with pytest.raises(ProcessLookupError):  # the started server's whole process group is gone
+        os.killpg(started["pid"], 0)
+    assert (tmp_path / "peers.png").is_file() and "| quantgate serve" in (tmp_path / "peers.md").read_text()
+    assert report["json"] == str(tmp_path / "peers.json")
