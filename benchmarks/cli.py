@@ -1,4 +1,4 @@
-"""`quantgate bench hol|serve|kv-waste|sweep|tenants|throughput|variants|peers`: the benchmarks, each printing a table and writing JSON (+ PNGs)."""
+"""`quantgate bench hol|serve|kv-waste|sweep|tenants|tenant-leak|throughput|variants|peers`: the benchmarks, each printing a table and writing JSON (+ PNGs)."""
 
 from __future__ import annotations
 
@@ -80,6 +80,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="how much slower a shared step may be than its decodes alone (default: the engine's)")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=_tenants)
+
+    p = verbs.add_parser("tenant-leak", help="prefix-cache timing leak: can B tell A's prompts from its TTFT, "
+                                             "per --prefix-cache-scope")
+    _engine_args(p)
+    p.add_argument("--pairs", type=int, default=32, help="A's prompts P_i, each probed by B beside an unseen Q_i")
+    p.add_argument("--prompt-tokens", type=int, default=512)
+    p.add_argument("--scopes", type=lambda t: tuple(t.split(",")), default=("global", "tenant"),
+                   metavar="global,tenant")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=_tenant_leak)
 
     for name, module, what in (
         ("throughput", "benchmarks.throughput", "useful tokens/s: engine vs HF static batches vs transformers CB"),
@@ -192,6 +202,17 @@ def _tenants(args: argparse.Namespace) -> int:
     work = Workload(b_requests=args.b_requests, a_requests=args.a_requests, a_prompt_tokens=args.a_prompt_tokens,
                     seed=args.seed)
     run(args.model, device=args.device, dtype=args.dtype, work=work, slack=args.slack, out_dir=args.out_dir,
+        plots=args.plots)
+    return 0
+
+
+def _tenant_leak(args: argparse.Namespace) -> int:
+    from benchmarks.tenant_leak import LeakWorkload, run
+
+    if not set(args.scopes) <= {"global", "tenant"}:
+        raise ValueError(f"--scopes takes global and/or tenant, got {','.join(args.scopes)}")
+    work = LeakWorkload(pairs=args.pairs, prompt_tokens=args.prompt_tokens, seed=args.seed)
+    run(args.model, device=args.device, dtype=args.dtype, work=work, scopes=args.scopes, out_dir=args.out_dir,
         plots=args.plots)
     return 0
 
