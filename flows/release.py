@@ -204,8 +204,11 @@ def measure(variant: Variant, config: MeasureConfig) -> Measured:
 @task(name="start-release", cache_policy=NO_CACHE, retries=TASK_RETRIES, retry_delay_seconds=RETRY_DELAY_S,
       retry_condition_fn=transient)
 def start_release(source: Source, config: dict) -> str:
+    from gates.orphans import fail_orphaned_releases
     from gates.tracking import start_release as open_run
 
+    for orphan in fail_orphaned_releases(source.name, found_by=f"the next release of {source.name}"):
+        note(f"MLflow release run {orphan} was left RUNNING by a process that is gone: marked FAILED")
     return open_run(source.name, source.content_hash, config=config)
 
 

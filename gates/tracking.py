@@ -152,11 +152,15 @@ def start_release(model_name: str, source_hash: str, config: Mapping[str, Any] |
     """Open the parent run of one release of `model_name`; returns its run id.
 
     `config` (eval config, policy path, ...) is logged flattened as params and whole as `config.json`.
+    The run's tags name the process running the release (`gates.orphans`), set with the run itself.
     """
+    from gates.orphans import ReleaseProcess
+
     client = get_client()
     experiment_id = ensure_experiment(model_name, client)
     stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
-    tags = {TAG_KIND: "release", TAG_MODEL: model_name, TAG_SOURCE_HASH: source_hash}
+    tags = {TAG_KIND: "release", TAG_MODEL: model_name, TAG_SOURCE_HASH: source_hash,
+            **ReleaseProcess.current().tags()}
     run = client.create_run(experiment_id, run_name=f"release-{stamp}", tags=tags)
     run_id = run.info.run_id
     config = dict(config or {})

@@ -1,0 +1,128 @@
+"""Release runs whose process died: every release run records the process that runs it, and the next
+release of that model marks the runs whose process is gone FAILED (with the reason), children too.
+
+A process is judged only on the machine it ran on: same kernel boot and same pid namespace, so a pid
+means the same thing here as there. The pid's start time catches a pid reused by another process.
+Runs from another machine (or container) and runs that recorded no process are left alone: nothing
+here can tell whether they still run.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from gates.tracking import TAG_KIND, TAG_RELEASE, experiment_name, get_client
+
+if TYPE_CHECKING:
+    from mlflow import MlflowClient
+    from mlflow.entities import Run
+
+TAG_HOST = "quantgate.host"
+TAG_PID = "quantgate.pid"
+TAG_PID_STARTED = "quantgate.pid_started"  # the process's start time, epoch seconds
+TAG_MACHINE = "quantgate.pid_namespace"  # kernel boot id + pid namespace: where the pid means something
+TAG_FAILURE = "quantgate.failure_reason"
+_START_TOLERANCE_S = 1.0
+
+
+def _machine() -> str:
+    """This kernel boot and pid namespace ("" where Linux's /proc does not tell)."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        namespace = os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return ""
+    return f"{boot}/{namespace}"
+
+
+@dataclass(frozen=True)
+class ReleaseProcess:
+    host: str
+    pid: int
+    started: float
+    machine: str
+
+    @classmethod
+    def current(cls) -> ReleaseProcess:
+        import psutil
+
+        return cls(socket.gethostname(), os.getpid(), psutil.Process().create_time(), _machine())
+
+    @classmethod
+    def from_tags(cls, tags: dict[str, str]) -> ReleaseProcess | None:
+        try:
+            return cls(tags[TAG_HOST], int(tags[TAG_PID]), float(tags[TAG_PID_STARTED]), tags[TAG_MACHINE])
+        except (KeyError, ValueError):
+            return None
+
+    def tags(self) -> dict[str, str]:
+        return {TAG_HOST: self.host, TAG_PID: str(self.pid), TAG_PID_STARTED: f"{self.started:.3f}",
+                TAG_MACHINE: self.machine}
+
+    def judged_here(self) -> bool:
+        """Whether this machine can tell if the process is alive."""
+        here = ReleaseProcess.current()
+        return bool(self.machine) and (self.host, self.machine) == (here.host, here.machine)
+
+    def is_alive(self) -> bool:
+        import psutil
+
+        try:
+            process = psutil.Process(self.pid)
+            if process.status() == psutil.STATUS_ZOMBIE:
+                return False
+            return abs(process.create_time() - self.started) < _START_TOLERANCE_S
+        except psutil.NoSuchProcess:
+            return False
+        except psutil.AccessDenied:
+            return True
+
+    def describe(self) -> str:
+        started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(self.started))
+        return f"pid {self.pid} on {self.host}, started {started}"
+
+
+def fail_orphaned_releases(model_name: str | None = None, found_by: str = "the next release",
+                           client: MlflowClient | None = None) -> list[str]:
+    """Mark FAILED the RUNNING release runs (of `model_name`, or of every quantgate model) whose process
+    on this machine is gone, and their RUNNING child runs; returns the release run ids marked."""
+    client = client or get_client()
+    failed = []
+    for run in _running_releases(client, model_name):
+        owner = ReleaseProcess.from_tags(run.data.tags)
+        if owner is None or not owner.judged_here() or owner.is_alive():
+            continue
+        now = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
+        reason = f"orphaned: the release process ({owner.describe()}) is gone; marked FAILED by {found_by} at {now}"
+        _fail(client, run, reason)
+        failed.append(run.info.run_id)
+    return failed
+
+
+def _running_releases(client: MlflowClient, model_name: str | None) -> list[Run]:
+    if model_name is not None:
+        experiment = client.get_experiment_by_name(experiment_name(model_name))
+        ids = [experiment.experiment_id] if experiment is not None else []
+    else:
+        ids = [e.experiment_id for e in client.search_experiments(filter_string="name LIKE 'quantgate/%'")]
+    if not ids:
+        return []
+    return client.search_runs(ids, filter_string=f"attributes.status = 'RUNNING' and tags.`{TAG_KIND}` = 'release'",
+                              max_results=1000)
+
+
+def _fail(client: MlflowClient, release: Run, reason: str) -> None:
+    """Children first: a sweep cut short leaves the release RUNNING, so the next one finishes the job."""
+    release_id = release.info.run_id
+    children = client.search_runs([release.info.experiment_id], max_results=1000,
+                                  filter_string=f"attributes.status = 'RUNNING' and tags.`{TAG_RELEASE}` = '{release_id}'")
+    for child in children:
+        client.set_tag(child.info.run_id, TAG_FAILURE, f"its release {release_id} is {reason}")
+        client.set_terminated(child.info.run_id, status="FAILED")
+    client.set_tag(release_id, TAG_FAILURE, reason)
+    client.set_terminated(release_id, status="FAILED")
