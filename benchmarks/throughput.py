@@ -161,9 +161,9 @@ def main(argv: list[str] | None = None) -> dict:
     from transformers import AutoModelForCausalLM
 
     from quantgate.models import resolve_model
-    from serving.engine import _parse_dtype
+    from serving.device import resolve_dtype
 
-    dtype = _parse_dtype(args.dtype) or (torch.float32 if args.device == "cpu" else torch.bfloat16)
+    dtype = resolve_dtype(args.dtype, args.device)
     model_dir = resolve_model(args.model)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(args.device).eval()
     vocab = model.get_input_embeddings().weight.shape[0]

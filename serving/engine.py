@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from serving.block_manager import BlockManager
+from serving.device import default_device, resolve_dtype
 from serving.model_runner import KVCacheShape, ModelRunner, load_model
 from serving.sampler import NO_TOKEN
 from serving.sampling_params import SamplingParams
@@ -55,10 +56,6 @@ class EngineStats:
     @property
     def kv_cache_usage(self) -> float:
         return self.used_blocks / self.num_blocks
-
-
-def default_device() -> str:
-    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 class LLMEngine:
@@ -129,7 +126,7 @@ class LLMEngine:
         apply_defaults()
         model_dir = resolve_model(model)
         device = torch.device(device or default_device())
-        dtype = _parse_dtype(dtype) or (torch.float32 if device.type == "cpu" else torch.bfloat16)
+        dtype = resolve_dtype(dtype, device)
         hf_model = load_model(model_dir, device, dtype)
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
         kwargs.setdefault("model_name", str(model))
@@ -397,12 +394,3 @@ def _eos_token_ids(model, tokenizer) -> set[int]:
             ids.update(v for v in value if isinstance(v, int))
     return ids
 
-
-def _parse_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
-    if dtype is None or isinstance(dtype, torch.dtype):
-        return dtype
-    names = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-             "float16": torch.float16, "fp16": torch.float16}
-    if dtype not in names:
-        raise ValueError(f"unknown dtype {dtype!r}; choose one of {sorted(names)}")
-    return names[dtype]

@@ -72,7 +72,7 @@ class ModelRunner:
         self.shape = KVCacheShape.from_config(model.config, kv_dtype)
         slots = num_blocks * block_size
         self.k_cache = [
-            torch.zeros(slots, self.shape.kv_heads, self.shape.head_dim, dtype=kv_dtype, device=device)
+            torch.zeros(self.shape.kv_heads, slots, self.shape.head_dim, dtype=kv_dtype, device=device)
             for _ in range(self.shape.num_layers)
         ]
         self.v_cache = [torch.zeros_like(k) for k in self.k_cache]
@@ -145,8 +145,8 @@ class ModelRunner:
             for i, s in enumerate(members):
                 tables[i, : len(s.block_table)] = torch.tensor(s.block_table)
                 lengths[i] = s.num_computed_tokens + 1
-            mask = torch.arange(max_blocks * bs)[None, :] < lengths[:, None]
-            groups.append(DecodeGroup(start, tables.view(-1).to(self.device), mask[:, None, None, :].to(self.device)))
+            pad = torch.arange(max_blocks * bs)[None, :] >= lengths[:, None]
+            groups.append(DecodeGroup(start, tables.view(-1).to(self.device), pad[None, :, None, :].to(self.device)))
         return groups
 
     def _postprocess(self, scheduled, logits, sample_idx, prompt_rows) -> StepResult:

@@ -20,6 +20,9 @@ os.environ["HF_HOME"] = str(_SESSION_HOME / "hf")
 # Tests start servers in subprocesses beside the test process: OpenMP threads that spin while waiting
 # turn that oversubscription of 2 cores into 10-100x slowdowns; passive waiting keeps them fair.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# Engines default to bf16 on CPUs with native bf16; tests compare token by token with HF in fp32, so
+# they pin fp32 (test_device.py checks the automatic choice itself).
+os.environ["QUANTGATE_DTYPE"] = "float32"
 
 from quantgate.env import apply_defaults  # noqa: E402
 

@@ -1,0 +1,64 @@
+"""Which device and dtype the engine runs in when the caller does not say.
+
+On CPU, bf16 is chosen where the processor multiplies bf16 natively (AVX-512-BF16 or AMX-BF16): there
+bf16 matmuls beat fp32 and the weights and KV cache take half the bytes. Elsewhere fp32, whose bf16 path
+is emulated and slower. CUDA takes bf16. `QUANTGATE_DTYPE` overrides the choice for every engine
+the process builds (tests pin float32 to compare token by token with HF in fp32).
+"""
+
+from __future__ import annotations
+
+import os
+from functools import lru_cache
+
+import torch
+
+DTYPE_ENV = "QUANTGATE_DTYPE"
+BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")
+_NAMES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16}
+
+
+def default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@lru_cache(maxsize=1)
+def cpu_flags() -> frozenset[str]:
+    """The processor's feature flags (Linux /proc/cpuinfo); empty where they cannot be read."""
+    try:
+        with open("/proc/cpuinfo") as handle:
+            for line in handle:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def native_bf16(flags: frozenset[str] | None = None) -> bool:
+    return bool(set(BF16_CPU_FLAGS) & (cpu_flags() if flags is None else flags))
+
+
+def parse_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
+    """A dtype, its name, or None / "auto" (the engine chooses)."""
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        return None
+    if dtype not in _NAMES:
+        raise ValueError(f"unknown dtype {dtype!r}; choose auto or one of {sorted(_NAMES)}")
+    return _NAMES[dtype]
+
+
+def default_dtype(device: torch.device | str) -> torch.dtype:
+    override = os.environ.get(DTYPE_ENV, "").strip()
+    if override and override != "auto":
+        return parse_dtype(override)  # type: ignore[return-value]
+    if torch.device(device).type != "cpu":
+        return torch.bfloat16
+    return torch.bfloat16 if native_bf16() else torch.float32
+
+
+def resolve_dtype(dtype: torch.dtype | str | None, device: torch.device | str) -> torch.dtype:
+    return parse_dtype(dtype) or default_dtype(device)
