@@ -40,3 +40,10 @@ def test_a_small_run_shows_the_leak_only_in_global_scope(tiny_model_dir, tmp_pat
     assert report["hash_cost"]["sha256_chain_us"] > 0
     saved = json.loads((tmp_path / "tenant_leak.json").read_text())
     assert saved["runs"]["tenant"]["answers"] == 8
+
+
+def test_bench_verb_refuses_an_unknown_scope(capsys):
+    from quantgate.cli import main
+
+    assert main(["bench", "tenant-leak", "--scopes", "global,shared"]) == 2
+    assert "--scopes takes global and/or tenant" in capsys.readouterr().err
