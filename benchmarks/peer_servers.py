@@ -37,8 +37,10 @@ class ServerSpec:
     def label(self) -> str:
         if self.kind == "url":
             return str(self.url)
-        name = "quantgate serve" if self.kind == "quantgate" else "vLLM CPU"
-        return " ".join([name, *self.args])
+        if self.kind == "quantgate":
+            return " ".join(["quantgate serve", *self.args])
+        dtype = [] if "--dtype" in self.args else VLLM_DEFAULT_ARGS[:2]  # vLLM's own default would be fp32
+        return " ".join(["vLLM CPU", *dtype, *self.args])
 
 
 @dataclass

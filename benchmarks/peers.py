@@ -125,7 +125,9 @@ def run_one(spec: ServerSpec, *, model_dir: Path, served_name: str, vllm_venv: P
                      startup_timeout_s=startup_timeout_s) as server:
             row |= {"url": server.url, "startup_s": server.startup_s, "pid": server.pid,
                     "log": server.log, "version": server.version}
+            before = os.getloadavg()[0]  # other load on the machine distorts every figure: say how much
             row |= measure(server.url, served_name, work, timeout_s, progress)
+            row["load_avg_1m"] = {"before": before, "after": os.getloadavg()[0]}
     except Exception as exc:  # one server failing must not lose the others' figures
         row["error"] = f"{type(exc).__name__}: {exc}"
         row["traceback"] = traceback.format_exc()
@@ -159,17 +161,18 @@ def markdown(report: dict[str, Any]) -> str:
     cpu = report["cpu"]
     lines = [f"CPU: {cpu['model_name']}, {cpu['cpus']} CPUs, flags: {', '.join(cpu['flags']) or 'none'}; "
              f"model: {report['model']}; reference: {report['reference']}", "",
-             "| server | output tok/s | × ref | TTFT p50 | TTFT p99 | × ref | TPOT p50 | × ref | exact |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+             "| server | output tok/s | × ref | TTFT p50 | TTFT p99 | × ref | TPOT p50 | × ref | exact | load 1m |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: |"]
     for r in report["rows"]:
         if "error" in r:
-            lines.append(f"| {r['label']} | failed: {r['error'].splitlines()[0][:120]} |||||||| |")
+            lines.append(f"| {r['label']} | failed: {r['error'].splitlines()[0][:120]} ||||||||| |")
             continue
         x = r["ratios"]
         lines.append(
             f"| {r['label']} | {r['output_tok_s']:.1f} | {fmt(x['output_tok_s'], 2)}× | {r['ttft_p50_ms'] / 1000:.1f} s "
             f"| {r['ttft_p99_ms'] / 1000:.1f} s | {fmt(x['ttft_p99_ms'], 2)}× | {r['tpot_p50_ms']:.0f} ms "
-            f"| {fmt(x['tpot_p50_ms'], 2)}× | {'yes' if r['exact'] else 'NO'} |")
+            f"| {fmt(x['tpot_p50_ms'], 2)}× | {'yes' if r['exact'] else 'NO'} "
+            f"| {r['load_avg_1m']['before']:.1f}/{r['load_avg_1m']['after']:.1f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -177,22 +180,22 @@ def print_report(report: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    console = Console()
+    console = Console(width=None if sys.stdout.isatty() else 160)  # a log file gets the whole table
     cpu, work = report["cpu"], report["workload"]
     console.print(f"[bold]{cpu['model_name']}[/bold], {cpu['cpus']} CPUs, flags: {' '.join(cpu['flags']) or 'none'}")
     console.print(f"model {report['model']}; {work['num_requests']} requests at once, prompts {work['prompt_tokens']}, "
                   f"outputs {work['output_tokens']} forced, seed {work['seed']}; reference: {report['reference']}")
     table = Table("server", "output tok/s", "×", "TTFT p50 s", "TTFT p99 s", "×", "TPOT p50 ms", "×", "exact",
-                  "start s")
+                  "start s", "load 1m")
     for r in report["rows"]:
         if "error" in r:
-            table.add_row(r["label"], f"[red]{r['error'].splitlines()[0][:100]}[/red]", *[""] * 8)
+            table.add_row(r["label"], f"[red]{r['error'].splitlines()[0][:100]}[/red]", *[""] * 9)
             continue
         x = r["ratios"]
         table.add_row(r["label"], f"{r['output_tok_s']:.1f}", fmt(x["output_tok_s"], 2),
                       f"{r['ttft_p50_ms'] / 1000:.2f}", f"{r['ttft_p99_ms'] / 1000:.2f}", fmt(x["ttft_p99_ms"], 2),
                       f"{r['tpot_p50_ms']:.0f}", fmt(x["tpot_p50_ms"], 2), "yes" if r["exact"] else "[red]NO[/red]",
-                      fmt(r.get("startup_s"), 0))
+                      fmt(r.get("startup_s"), 0), f"{r['load_avg_1m']['before']:.1f}/{r['load_avg_1m']['after']:.1f}")
     console.print(table)
     for r in report["rows"]:
         for problem in r.get("problems", [])[:3]:
