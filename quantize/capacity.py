@@ -16,7 +16,8 @@ from typing import Any
 
 GIB = 1 << 30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-METHOD_ROWS = ("baseline", "int8", "int8wo", "nf4", "fp4")
+METHOD_ROWS = ("baseline", "int8", "int8wo", "int4wo", "nf4", "fp4")
+INT4WO_GROUP = 64
 
 # A Llama-3-70B-shaped config (80 layers, GQA 64/8, 128k vocab, untied): 70.6B parameters.
 LLAMA_70B: dict[str, Any] = {
@@ -86,6 +87,8 @@ def linear_bytes(method: str, out_features: int, in_features: int, dtype_bytes: 
         return n * dtype_bytes
     if method in ("int8", "int8wo"):
         return n + 4 * out_features + (1 if method == "int8" else 0)  # int8 codes + fp32 row scale (+ format byte)
+    if method == "int4wo":  # nibbles + an fp32 scale and zero per group of 64 inputs
+        return n // 2 + 8 * out_features * (in_features // INT4WO_GROUP)
     if method in ("nf4", "fp4"):
         blocks = math.ceil(n / 64)
         # packed nibbles + int8 absmax per block of 64 + fp32 absmax per 256 blocks + code tables + state json
@@ -96,8 +99,8 @@ def linear_bytes(method: str, out_features: int, in_features: int, dtype_bytes: 
 def estimate_weight_bytes(shape: ModelShape, method: str, dtype_bytes: int = 2) -> int:
     """Weight bytes of `method` applied to `shape`: quantized projections, the rest at `dtype_bytes`.
 
-    bitsandbytes leaves embeddings and lm_head unquantized; int8wo stores them as int8 rows, one shared
-    table when they are tied.
+    bitsandbytes leaves embeddings and lm_head unquantized; int8wo / int4wo store them as int8 rows /
+    int4 groups, one shared table when they are tied.
     """
     per_layer = sum(linear_bytes(method, o, i, dtype_bytes) for o, i in shape.layer_linears())
     norms = (2 * shape.num_layers + 1) * shape.hidden_size * dtype_bytes
@@ -105,6 +108,8 @@ def estimate_weight_bytes(shape: ModelShape, method: str, dtype_bytes: int = 2) 
     v, h = shape.vocab_size, shape.hidden_size
     if method == "int8wo":
         embed = tables * (v * h + 4 * v)
+    elif method == "int4wo":
+        embed = tables * linear_bytes("int4wo", v, h, dtype_bytes)
     else:
         embed = tables * v * h * dtype_bytes
     return shape.num_layers * per_layer + norms + embed

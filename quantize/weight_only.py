@@ -105,14 +105,18 @@ def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
 
 
 def replace_linears(
-    model: nn.Module, from_weights: bool, skip: Iterable[str] = (), only: Iterable[str] | None = None
+    model: nn.Module, from_weights: bool, skip: Iterable[str] = (), only: Iterable[str] | None = None,
+    group_size: int | None = None,
 ) -> list[str]:
-    """Swap nn.Linear modules for Int8WeightOnlyLinear; returns the swapped names.
+    """Swap nn.Linear modules for Int8WeightOnlyLinear (or, with a `group_size`, Int4WeightOnlyLinear);
+    returns the swapped names.
 
     `skip` holds full or last-part names to leave alone; `only`, when given, the exact names to swap.
     With `from_weights` the existing weights are quantized; otherwise empty modules are created to be
     filled by `load_state_dict`.
     """
+    from quantize.int4 import Int4WeightOnlyLinear
+
     skip, only = set(skip), None if only is None else set(only)
     swapped = []
     for name, module in list(model.named_modules()):
@@ -120,7 +124,14 @@ def replace_linears(
             continue
         if only is not None and name not in only:
             continue
-        if from_weights:
+        if group_size is not None and only is None and not int4_fits(module, group_size):
+            continue  # the int4 kernel needs whole groups and 16 output rows at a time: stays as it is
+        if group_size is not None and from_weights:
+            new = Int4WeightOnlyLinear.from_linear(module, group_size)
+        elif group_size is not None:
+            new = Int4WeightOnlyLinear(module.in_features, module.out_features, module.bias is not None,
+                                       module.weight.dtype, group_size).to(module.weight.device)
+        elif from_weights:
             new = Int8WeightOnlyLinear.from_linear(module)
         else:
             new = Int8WeightOnlyLinear(module.in_features, module.out_features, module.bias is not None,
@@ -131,25 +142,39 @@ def replace_linears(
     return swapped
 
 
-def quantize_model(model: nn.Module, quantize_lm_head: bool = True, quantize_embeddings: bool = True) -> list[str]:
-    """Quantize a HF causal LM in place; returns the names of the quantized modules.
-
-    A tied embedding is quantized together with the lm_head into one shared int8 table.
+def quantize_model(model: nn.Module, quantize_lm_head: bool = True, quantize_embeddings: bool = True,
+                   group_size: int | None = None) -> list[str]:
+    """Quantize a HF causal LM in place (int8, or int4 groups with `group_size`); returns the names of
+    the quantized modules. A tied embedding is quantized together with the lm_head into one shared table.
     """
+    from quantize.int4 import Int4Embedding, Int4WeightOnlyLinear
+
     embed, head = model.get_input_embeddings(), model.get_output_embeddings()
     tied = head is not None and isinstance(embed, nn.Embedding) and head.weight is embed.weight
     skip = set() if quantize_lm_head else {_module_name(model, head)} - {None}
-    swapped = replace_linears(model, from_weights=True, skip=skip)
+    swapped = replace_linears(model, from_weights=True, skip=skip, group_size=group_size)
     if quantize_embeddings and isinstance(embed, nn.Embedding):
         new_head = model.get_output_embeddings()
-        if tied and isinstance(new_head, Int8WeightOnlyLinear):
-            new_embed = Int8Embedding.sharing(new_head, embed.weight.dtype)
+        if tied and isinstance(new_head, Int8WeightOnlyLinear | Int4WeightOnlyLinear):
+            new_embed = type_of_embedding(new_head).sharing(new_head, embed.weight.dtype)
+        elif group_size is not None:
+            new_embed = Int4Embedding.from_embedding(embed, group_size)
         else:
             new_embed = Int8Embedding.from_embedding(embed)
         name = _module_name(model, embed)
         model.set_input_embeddings(new_embed)
         swapped.append(name)
     return swapped
+
+
+def int4_fits(linear: nn.Linear, group_size: int) -> bool:
+    return linear.in_features % group_size == 0 and linear.out_features % 16 == 0
+
+
+def type_of_embedding(linear: nn.Module) -> type[nn.Module]:
+    from quantize.int4 import Int4Embedding, Int4WeightOnlyLinear
+
+    return Int4Embedding if isinstance(linear, Int4WeightOnlyLinear) else Int8Embedding
 
 
 def _module_name(model: nn.Module, target: nn.Module | None) -> str | None:

@@ -17,8 +17,9 @@ from quantgate.cli import main as cli_main
 from quantgate.models import content_hash
 from quantize.integrity import CorruptVariantError, safetensors_header, verify_variant
 
-METHODS = ["int8", "nf4", "fp4", "int8wo"]
-LAYER_TYPES = {"int8": "Linear8bitLt", "nf4": "Linear4bit", "fp4": "Linear4bit", "int8wo": "Int8WeightOnlyLinear"}
+METHODS = ["int8", "nf4", "fp4", "int8wo", "int4wo"]
+LAYER_TYPES = {"int8": "Linear8bitLt", "nf4": "Linear4bit", "fp4": "Linear4bit", "int8wo": "Int8WeightOnlyLinear",
+               "int4wo": "Int4WeightOnlyLinear"}
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +53,7 @@ def test_variant_manifest_and_layers(variants, tiny_model_dir, method):
     directory = variants[method]
     manifest = quantize.read_manifest(directory)
     assert manifest["method"] == method
-    assert manifest["bits"] == (4 if method in ("nf4", "fp4") else 8)
+    assert manifest["bits"] == (4 if method in ("nf4", "fp4", "int4wo") else 8)
     assert manifest["source"]["content_hash"] == content_hash(tiny_model_dir)
     assert directory.name == f"{manifest['source']['content_hash'][:16]}-{method}"
     assert manifest["versions"]["torch"] == torch.__version__.split("+")[0] or manifest["versions"]["torch"] == torch.__version__
@@ -102,6 +103,7 @@ def test_weight_bytes_shrink(variants, tiny_model_dir):
     by = {m: quantize.read_manifest(variants[m])["weight_bytes"] for m in METHODS}
     assert by["nf4"] < by["int8"] < source
     assert by["int8wo"] < source / 3  # embeddings are int8 too, shared with the tied lm_head
+    assert by["int4wo"] < by["int8wo"] * 0.6  # nibbles + a bf16-sized scale and zero per 64 weights
     # exact layouts: the 2 layers hold 73,728 projection weights
     linear_params = 2 * (64 * 64 * 2 + 32 * 64 * 2 + 3 * 128 * 64)
     assert quantize.read_manifest(variants["int8"])["weight_bytes_by_dtype"]["I8"] == linear_params
@@ -221,7 +223,7 @@ def test_non_causal_architecture_is_refused(tmp_path):
 
 def test_cli_quantize_and_errors(tiny_model_dir, tmp_path, capsys):
     assert cli_main(["quantize", "--model", str(tiny_model_dir), "--method", "int4", "--out", str(tmp_path / "v")]) == 0
-    assert quantize.read_manifest(tmp_path / "v")["method"] == "nf4"
+    assert quantize.read_manifest(tmp_path / "v")["method"] == "int4wo"  # int4 means our fast int4
     assert str(tmp_path / "v") in capsys.readouterr().out
     assert cli_main(["quantize", "--model", str(tiny_model_dir), "--method", "int3"]) == 2
     assert "unknown quantization method" in capsys.readouterr().err

@@ -1,0 +1,137 @@
+"""gpt-fast-style weight-only int4: 4-bit codes in groups along the input, one bf16 scale and zero each.
+
+w ≈ (q - 8) * scale + zero, q in [0, 15], per group of `group_size` inputs of one output row (the
+semantics of `torch._weight_int4pack_mm_for_cpu`). Decode reads a quarter of the bf16 bytes, which
+is what makes it faster. The codes are kept plain on disk (two per byte, low nibble first); on CPU
+they are repacked at load into the kernel's own layout. Other devices dequantize and run a plain matmul.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+DEFAULT_GROUP_SIZE = 64
+
+
+def quantize_groups(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Asymmetric 4-bit per group: plain codes [N, K/2] uint8 and scales_and_zeros [K/g, N, 2] fp32."""
+    n, k = weight.shape
+    if k % group_size:
+        raise ValueError(f"in_features {k} is not a multiple of the int4 group size {group_size}")
+    groups = weight.float().reshape(n, k // group_size, group_size)
+    low, high = groups.amin(-1), groups.amax(-1)
+    scale = ((high - low) / 15).clamp(min=1e-8)
+    q = ((groups - low[..., None]) / scale[..., None]).round().clamp(0, 15).to(torch.uint8).reshape(n, k)
+    zero = low + 8 * scale
+    scales_and_zeros = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous()
+    return pack_nibbles(q), scales_and_zeros
+
+
+def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
+    return (q[:, ::2] | (q[:, 1::2] << 4)).contiguous()
+
+
+def unpack_nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """[..., K/2] uint8 -> [..., K] uint8 in 0..15."""
+    return torch.stack([codes & 0xF, codes >> 4], dim=-1).flatten(-2)
+
+
+def dequantize_rows(codes: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int,
+                    dtype: torch.dtype) -> torch.Tensor:
+    """codes [R, K/2] with their [K/g, R, 2] scales and zeros -> weights [R, K] in `dtype`."""
+    q = unpack_nibbles(codes).float()
+    r, k = q.shape
+    sz = scales_and_zeros.float().transpose(0, 1)  # [R, K/g, 2]
+    w = (q.view(r, k // group_size, group_size) - 8) * sz[..., :1] + sz[..., 1:]
+    return w.view(r, k).to(dtype)
+
+
+class Int4WeightOnlyLinear(nn.Module):
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype = torch.float32,
+                 group_size: int = DEFAULT_GROUP_SIZE):
+        super().__init__()
+        self.in_features, self.out_features, self.group_size = in_features, out_features, group_size
+        self.register_buffer("codes", torch.zeros(out_features, in_features // 2, dtype=torch.uint8))
+        self.register_buffer("scales_and_zeros", torch.zeros(in_features // group_size, out_features, 2))
+        self.register_buffer("_packed", None, persistent=False)
+        self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype), requires_grad=False) if bias else None
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, group_size: int = DEFAULT_GROUP_SIZE) -> Int4WeightOnlyLinear:
+        module = cls(linear.in_features, linear.out_features, linear.bias is not None, linear.weight.dtype,
+                     group_size)
+        module.codes, module.scales_and_zeros = quantize_groups(linear.weight.detach(), group_size)
+        if linear.bias is not None:
+            module.bias.data.copy_(linear.bias.detach())
+        return module.to(linear.weight.device)
+
+    def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return dequantize_rows(self.codes, self.scales_and_zeros, self.group_size, dtype)
+
+    def _kernel_weights(self) -> torch.Tensor:
+        if self._packed is None:  # repacked once, on first use: the layout is the CPU kernel's own
+            self._packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(unpack_nibbles(self.codes).int(), 1)
+            self._scales_bf16 = self.scales_and_zeros.to(torch.bfloat16)
+        return self._packed
+
+    def drop_codes(self) -> None:
+        """Serve from the kernel layout alone (a loaded variant is never saved again): half the bytes."""
+        if self.codes.device.type == "cpu":
+            self._kernel_weights()
+            self.codes = torch.empty(0, dtype=torch.uint8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.device.type == "cpu":
+            rows = x.numel() // self.in_features
+            flat = x.reshape(rows, self.in_features).to(torch.bfloat16)
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self._kernel_weights(), self.group_size,
+                                                           self._scales_bf16)
+            y = y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+        else:
+            y = F.linear(x, self.dequantized_weight(x.dtype))
+        if self.bias is not None:
+            y = y + self.bias
+        return y
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"group_size={self.group_size}, bias={self.bias is not None}")
+
+
+class Int4Embedding(nn.Module):
+    """An embedding table as int4 groups; a tied lm_head and embedding share the same codes."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, dtype: torch.dtype = torch.float32,
+                 group_size: int = DEFAULT_GROUP_SIZE):
+        super().__init__()
+        self.num_embeddings, self.embedding_dim, self.dtype = num_embeddings, embedding_dim, dtype
+        self.group_size = group_size
+        self.register_buffer("codes", torch.zeros(num_embeddings, embedding_dim // 2, dtype=torch.uint8))
+        self.register_buffer("scales_and_zeros", torch.zeros(embedding_dim // group_size, num_embeddings, 2))
+
+    @classmethod
+    def sharing(cls, linear: Int4WeightOnlyLinear, dtype: torch.dtype) -> Int4Embedding:
+        module = cls(linear.out_features, linear.in_features, dtype, linear.group_size)
+        module.codes, module.scales_and_zeros = linear.codes, linear.scales_and_zeros
+        return module
+
+    @classmethod
+    def from_embedding(cls, embedding: nn.Embedding, group_size: int = DEFAULT_GROUP_SIZE) -> Int4Embedding:
+        module = cls(embedding.num_embeddings, embedding.embedding_dim, embedding.weight.dtype, group_size)
+        module.codes, module.scales_and_zeros = quantize_groups(embedding.weight.detach(), group_size)
+        return module
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """Shape and dtype of the table this stands for, on the meta device: nothing is dequantized."""
+        return torch.empty(self.num_embeddings, self.embedding_dim, dtype=self.dtype, device="meta")
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        flat = ids.reshape(-1)
+        rows = dequantize_rows(self.codes[flat], self.scales_and_zeros[:, flat], self.group_size, self.dtype)
+        return rows.view(*ids.shape, self.embedding_dim)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, group_size={self.group_size}, dtype={self.dtype}"
