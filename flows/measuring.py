@@ -104,7 +104,7 @@ def measure(variant: Variant, config: MeasureConfig, out: Path, advance: Callabl
     advance(1)
     bench_json = out / "serving.json"
     metrics.update(serving_benchmark(engine, config, variant.name, bench_json))
-    metrics.update(capacity(variant, weights, config))
+    metrics.update(capacity(variant, weights, config, engine.runner.k_cache[0].element_size()))
     advance(1)
     eval_dir = out / "evals"
     for suite in config.suites:
@@ -125,14 +125,14 @@ def serving_benchmark(engine, config: MeasureConfig, name: str, out_json: Path) 
     return serving_harness.to_metrics(report)
 
 
-def capacity(variant: Variant, weights: int, config: MeasureConfig) -> dict[str, float]:
+def capacity(variant: Variant, weights: int, config: MeasureConfig, kv_dtype_bytes: int) -> dict[str, float]:
     """KV blocks and concurrent sequences of `capacity_seq_len` tokens that fit beside the weights in a
     fixed `capacity_budget_gb` (quantize.capacity, with the weight bytes measured here)."""
     from quantize.capacity import ModelShape, capacity_row
 
     shape = ModelShape.from_config(json.loads((Path(variant.path) / "config.json").read_text()))
     row = capacity_row(variant.name, shape, weights, int(config.capacity_budget_gb * 2**30),
-                       seq_len=config.capacity_seq_len, kv_dtype_bytes=4, weights_source="measured")
+                       seq_len=config.capacity_seq_len, kv_dtype_bytes=kv_dtype_bytes, weights_source="measured")
     return {M.CAPACITY_KV_BLOCKS: float(row.num_blocks), M.CAPACITY_KV_TOKENS: float(row.num_blocks * 16),
             M.CAPACITY_MAX_SEQS: float(row.max_seqs)}
 

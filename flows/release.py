@@ -28,7 +28,7 @@ from flows.progress import note, stage  # noqa: E402
 from quantgate.models import DEFAULT_MODEL  # noqa: E402
 
 FLOW_NAME = "quantgate-release"
-DEFAULT_METHODS = ("int8", "nf4")
+DEFAULT_METHODS = ("int8wo", "int4wo")  # our fast weight-only kernels; bitsandbytes int8/nf4/fp4 on request
 DEFAULT_SUITES = ("accuracy", "safety")  # suites or single task names, as `quantgate eval --suite` takes
 BASELINE = "baseline"
 TASK_RETRIES = 2
