@@ -1,12 +1,13 @@
-"""What each variant buys, through our engine: baseline vs int8 / nf4 / int8wo on one model, one run.
+"""What each variant buys, through our engine: baseline vs int8wo / int4wo / bitsandbytes int8 / nf4 on
+one model, one run, in the engine's dtype (auto: bf16 on CPUs with native bf16, else fp32).
 
-Per variant: weight bytes (from the saved tensors), engine load time, prefill tokens/s, decode
+Per variant: weight bytes (as served: parameters and buffers in memory), engine load time, prefill tokens/s, decode
 tokens/s at batch 1 and 32, top-1 agreement of next-token predictions with the baseline on a fixed
 text (the engine's prompt logprobs), and max concurrent sequences of --seq-len tokens at a fixed
 --memory-gb budget. Prints ratios to the baseline side by side, writes JSON and a PNG bar chart.
 
-    python benchmarks/variants.py [--model smollm2-135m] [--variants baseline,int8,nf4,int8wo]
-        [--memory-gb 2] [--decode-tokens 32] [--batches 1,32] [--repeats 2] [--threads N]
+    python benchmarks/variants.py [--model smollm2-135m] [--variants baseline,int8wo,int4wo,int8,nf4]
+        [--dtype auto] [--memory-gb 2] [--decode-tokens 32] [--batches 1,16,32] [--repeats 2] [--threads N]
 """
 
 from __future__ import annotations
@@ -99,15 +100,16 @@ def top1_predictions(engine, token_ids: list[int]) -> list[int]:
 def run_variant(name: str, args, baseline_top1: list[int] | None, text_ids: list[int]) -> tuple[VariantResult, list[int]]:
     import torch
 
-    from quantize.capacity import ModelShape, capacity_row, weight_bytes_of
+    from quantgate.loading import resident_bytes
+    from quantize.capacity import ModelShape, capacity_row
     from serving import LLMEngine
 
     directory = variant_dir(args.model, name)
-    weights = weight_bytes_of(directory)
     start = time.perf_counter()
-    engine = LLMEngine.from_pretrained(str(directory), device=args.device, enable_prefix_caching=False,
-                                       max_num_seqs=max(args.batches), max_num_batched_tokens=512)
+    engine = LLMEngine.from_pretrained(str(directory), device=args.device, dtype=args.dtype,
+                                       enable_prefix_caching=False, max_num_seqs=max(args.batches))
     load_s = time.perf_counter() - start
+    weights = resident_bytes(engine.model)
     vocab = engine.vocab_size
     prefill = time_prefill(engine, vocab, args.prompt_len, 4, args.repeats, args.seed)
     decode = {b: time_decode(engine, vocab, b, args.decode_tokens, args.repeats, args.seed) for b in args.batches}
@@ -146,11 +148,12 @@ def main(argv: list[str] | None = None) -> dict:
     apply_defaults()
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--variants", default="baseline,int8,nf4,int8wo")
+    parser.add_argument("--variants", default="baseline,int8wo,int4wo,int8,nf4")
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="auto", help="auto (the engine's choice), float32 or bfloat16")
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--decode-tokens", type=int, default=32)
-    parser.add_argument("--batches", default="1,32")
+    parser.add_argument("--batches", default="1,16,32")
     parser.add_argument("--repeats", type=int, default=2, help="best of N for each timing")
     parser.add_argument("--memory-gb", type=float, default=2.0, help="fixed budget for the capacity column")
     parser.add_argument("--seq-len", type=int, default=1024)

@@ -76,15 +76,9 @@ def variant_intact(variant_dir: Path) -> bool:
 
 
 def weight_bytes(model) -> int:
-    """Bytes of parameters and buffers in memory (tied weights counted once)."""
-    seen: set[int] = set()
-    total = 0
-    for t in list(model.parameters()) + list(model.buffers()):
-        if id(t) in seen:
-            continue
-        seen.add(id(t))
-        total += t.numel() * t.element_size()
-    return total
+    from quantgate.loading import resident_bytes
+
+    return resident_bytes(model)
 
 
 def load_engine(variant: Variant, config: MeasureConfig):

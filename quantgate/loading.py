@@ -58,6 +58,18 @@ def check_materialised(model: torch.nn.Module, what: str = "model") -> None:
         )
 
 
+def resident_bytes(model: torch.nn.Module) -> int:
+    """Bytes of parameters and buffers in memory (tied weights counted once, meta tensors not at all)."""
+    seen: set[int] = set()
+    total = 0
+    for _, t in _named_tensors(model):
+        if id(t) in seen or t.device.type == "meta":
+            continue
+        seen.add(id(t))
+        total += t.numel() * t.element_size()
+    return total
+
+
 def _named_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     yield from model.named_parameters(remove_duplicate=False)
     yield from model.named_buffers(remove_duplicate=False)

@@ -13,3 +13,6 @@ for dtype in float32 bfloat16; do
     -k "greedy or preempt or prefix or abort" 2>&1 | tee "$OUT/engine-tests-cuda-$dtype.log" | tail -5
 done
 timeout 400 python benchmarks/throughput.py --device cuda --out "$OUT" 2>&1 | grep -v "it/s" | tee "$OUT/throughput-cuda.log"
+# Weight-only variants on CUDA take the dequantize-then-matmul path (the int4/int8 CPU kernels are CPU-only).
+timeout 400 python benchmarks/variants.py --device cuda --variants baseline,int8wo,int4wo --batches 1,16 \
+  --out-dir "$OUT/variants" 2>&1 | grep -v "it/s" | tee "$OUT/variants-cuda.log"
