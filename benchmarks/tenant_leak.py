@@ -19,6 +19,7 @@ from __future__ import annotations
 import gc
 import hashlib
 import math
+import os
 import random
 import struct
 import time
@@ -177,6 +178,7 @@ def run_scope(model: str, scope: str, work: LeakWorkload, device: str | None, dt
         a_hits = engine.stats().prefix_cache_hit_tokens - before
     result = {
         "scope": scope,
+        "dtype": str(engine.model.get_input_embeddings().weight.dtype).removeprefix("torch."),
         "num_kv_blocks": engine.block_manager.num_blocks,
         "b_ttft_p_s": summarize(p for p, _ in pairs),
         "b_ttft_q_s": summarize(q for _, q in pairs),
@@ -201,7 +203,7 @@ def run(model: str = "smollm2-135m", device: str | None = None, dtype: str | Non
     work = work or LeakWorkload()
     if work.pairs < 2 or work.prompt_tokens < 17:
         raise ValueError("need at least 2 pairs and prompts longer than one block")
-    started = time.perf_counter()
+    started, load_before = time.perf_counter(), os.getloadavg()[0]
     runs = {}
     for scope in scopes:
         print(f"  scope {scope}: A sends {work.pairs} prompts, B probes them and {work.pairs} unseen ones ...")
@@ -214,6 +216,7 @@ def run(model: str = "smollm2-135m", device: str | None = None, dtype: str | Non
         "machine": machine(),
         "workload": work.__dict__,
         "seconds": time.perf_counter() - started,
+        "load_average_1m": [load_before, os.getloadavg()[0]],  # other jobs on the machine add TTFT noise
         "hash_cost": {**costs, "blocks_per_prompt": work.prompt_tokens // 16,
                       "sha256_us_per_prompt": costs["sha256_chain_us"] * (work.prompt_tokens // 16)},
         "runs": runs,
@@ -230,7 +233,7 @@ def run(model: str = "smollm2-135m", device: str | None = None, dtype: str | Non
 def print_scope(r: dict[str, Any]) -> None:
     lo, hi = r["loo_ci95"]
     plo, phi = r["paired_ci95"]
-    print(f"    B's TTFT median: P (A sent it) {fmt(r['b_ttft_p_s']['median'])} s, Q (unseen) "
+    print(f"    ({r['dtype']}) B's TTFT median: P (A sent it) {fmt(r['b_ttft_p_s']['median'])} s, Q (unseen) "
           f"{fmt(r['b_ttft_q_s']['median'])} s")
     print(f"    threshold classifier: in-sample {r['best_threshold_accuracy_in_sample']:.1%}, leave-one-pair-out "
           f"{r['loo_accuracy']:.1%} [{lo:.1%}, {hi:.1%}] of {r['answers']}; paired {r['paired_accuracy']:.1%} "
