@@ -10,7 +10,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("prompts", nargs="*", help="prompts (default: a few built-in ones)")
     p.add_argument("--model", default="smollm2-135m", help="model reference or variant directory")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    p.add_argument("--dtype", default=None, help="float32, bfloat16 or float16")
+    p.add_argument("--dtype", default="auto",
+                   help="auto (bf16 where the CPU has AVX-512-BF16/AMX or on CUDA, else fp32), float32, bfloat16, float16")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
@@ -99,7 +100,8 @@ def _register_serve(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--served-model-name", default=None, help="the `model` clients ask for (default: from --model)")
     p.add_argument("--model-version", default=None, help="the `version` label of every metric (default: the name)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    p.add_argument("--dtype", default=None, help="float32, bfloat16 or float16")
+    p.add_argument("--dtype", default="auto",
+                   help="auto (bf16 where the CPU has AVX-512-BF16/AMX or on CUDA, else fp32), float32, bfloat16, float16")
     p.add_argument("--scheduler", choices=["continuous", "static"], default="continuous")
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
