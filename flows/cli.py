@@ -173,15 +173,20 @@ def _approve(args: argparse.Namespace) -> int:
 
 
 def _deploy(args: argparse.Namespace) -> int:
-    from flows.runtime import api_mode, prepare
+    from flows.runtime import prepare
 
     prepare()
-    from flows.deploy import DEPLOYMENT_NAME, EVENT_NAME, FLOW_NAME, serve_deployment
+    from flows.deploy import DEPLOYMENT_NAME, EVENT_NAME, FLOW_NAME, exit_at_once, serve_deployment
 
     name = args.name or DEPLOYMENT_NAME
-    print(f"serving {FLOW_NAME}/{name} on {api_mode()}: a run starts on each {EVENT_NAME!r} event "
-          "(`quantgate watch PATH` or `quantgate notify REF`); Ctrl-C stops", file=sys.stderr)
-    serve_deployment(name)
+
+    def serving(api_url: str) -> None:
+        print(f"serving {FLOW_NAME}/{name} on the Prefect API {api_url}: a run starts on each {EVENT_NAME!r} "
+              "event (`quantgate watch PATH` or `quantgate notify REF`); Ctrl-C or SIGTERM stops, cancelling "
+              "the runs in flight", file=sys.stderr, flush=True)
+
+    serve_deployment(name, on_serving=serving)
+    exit_at_once(0)
     return 0
 
 

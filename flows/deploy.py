@@ -11,7 +11,11 @@ triggered exists (it also tells you the run's id) before it exits.
 
 from __future__ import annotations
 
+import os
+import signal
+import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,11 +54,65 @@ def build_deployment(name: str = DEPLOYMENT_NAME):
     )
 
 
-def serve_deployment(name: str = DEPLOYMENT_NAME) -> None:
-    """Register the deployment and run its flow runs in this process until interrupted (Ctrl-C)."""
-    from prefect import serve
+def serve_deployment(name: str = DEPLOYMENT_NAME, on_serving: Callable[[str], None] | None = None) -> None:
+    """Register the deployment and start its flow runs (each in a process of its own) until SIGINT or
+    SIGTERM; `on_serving(api_url)` once it is registered. What a stop does: `flows.stopping`."""
+    import asyncio
 
-    serve(build_deployment(name), print_starting_message=True)
+    from flows.runtime import shared_api
+    from flows.stopping import Stopper
+    from gates.orphans import prepare_sweep
+
+    prepare_sweep()  # now: on a stop, these imports would take the GIL from the runner for seconds
+    stopper = Stopper()
+    stopper.install()
+    try:
+        stopper.interruptible = True  # starting the API: nothing to lose
+        with shared_api() as api:
+            stopper.interruptible = False  # from here on a stop waits for a point where it is clean
+            stopper.api_server_pid = api.server_pid
+            runner = _runner(stopper)
+            runner.add_deployment(build_deployment(name))
+            if on_serving is not None:
+                on_serving(api.url)
+            if stopper.signum is None:
+                asyncio.run(_serve(runner, stopper))
+    except KeyboardInterrupt:  # a stop signal while the API started: nothing was in flight
+        pass
+    finally:
+        stopper.finish()
+
+
+async def _serve(runner, stopper) -> None:
+    import asyncio
+
+    serving = asyncio.create_task(runner.start())
+    while not runner.started and not serving.done():
+        await asyncio.sleep(0.05)
+    if runner.started:
+        stopper.serving(runner)
+    await serving
+
+
+def _runner(stopper):
+    from prefect.runner import Runner
+
+    class StoppableRunner(Runner):
+        def handle_sigterm(self, signum: int = signal.SIGTERM, frame: Any = None) -> None:
+            stopper.request(signum)  # Runner.start installs this one for SIGTERM
+
+    return StoppableRunner()
+
+
+def exit_at_once(code: int = 0) -> None:
+    """After a stop, when everything is recorded: flush and leave without the interpreter's teardown,
+    which takes seconds here (module teardown of Prefect, MLflow and their dependencies)."""
+    import logging
+
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def event_payload(methods: list[str], policy: str | None, approve: str, limit: int | None,

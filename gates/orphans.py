@@ -87,6 +87,17 @@ class ReleaseProcess:
         return f"pid {self.pid} on {self.host}, started {started}"
 
 
+def prepare_sweep() -> None:
+    """Import now what a sweep needs (seconds of CPU), for a process that must sweep fast later."""
+    import mlflow.tracking  # noqa: F401
+
+    from gates.tracking import is_local_store
+
+    if is_local_store():
+        import mlflow.store.model_registry.sqlalchemy_store  # noqa: F401
+        import mlflow.store.tracking.sqlalchemy_store  # noqa: F401
+
+
 def fail_orphaned_releases(model_name: str | None = None, found_by: str = "the next release",
                            client: MlflowClient | None = None) -> list[str]:
     """Mark FAILED the RUNNING release runs (of `model_name`, or of every quantgate model) whose process
