@@ -18,7 +18,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     p = subparsers.add_parser("demo", help="the whole release on the embedded default model, auto-approved")
     p.add_argument("--limit", type=int, default=DEMO_LIMIT, help=f"items per eval task (default {DEMO_LIMIT})")
-    p.add_argument("--methods", default="int8,nf4", help="comma-separated quantization methods")
+    p.add_argument("--methods", default="int8wo,int4wo", help="comma-separated quantization methods")
     p.add_argument("--policy", default=str(DEMO_POLICY), help="gate policy (default flows/demo_policy.yaml)")
     p.add_argument("--verbose", action="store_true", help="show Prefect's run logs in the terminal too")
     p.set_defaults(func=_demo)
@@ -63,7 +63,7 @@ def _release_args(p: argparse.ArgumentParser) -> None:
 
 
 def _event_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--methods", default="int8,nf4", help="comma-separated quantization methods (default int8,nf4)")
+    p.add_argument("--methods", default="int8wo,int4wo", help="comma-separated quantization methods (default int8wo,int4wo)")
     p.add_argument("--policy", default=None, help="gate policy YAML (default gates/policy.yaml)")
     p.add_argument("--approve", choices=["auto", "manual"], default="auto",
                    help="auto: approve every variant whose gates pass; manual: pause for a release manager")
