@@ -25,12 +25,31 @@ WEIGHTS_BYTES = M.WEIGHTS_BYTES
 # ---- quantize ---------------------------------------------------------------------------------------
 
 
+def split_method(name: str) -> tuple[str, str]:
+    """A release method and its KV dimension: "int4wo+kv8" -> ("int4wo", "int8"), "int8wo" -> ("int8wo",
+    "auto"), "baseline+kv8" (or "kv8") -> ("baseline", "int8"): the source weights with an int8 cache."""
+    from quantize.capacity import split_variant
+
+    return split_variant(name)
+
+
+def variant_label(name: str) -> str:
+    """"int4wo+kv8" is recorded (MLflow run, registered version, summary row) as "int4wo-kv8"."""
+    from quantize.capacity import variant_label as label
+
+    return label(name)
+
+
 def check_methods(methods: list[str]) -> None:
-    """Unknown methods are named before anything runs (the method table is quantize's)."""
+    """Unknown methods and KV suffixes are named before anything runs (the method table is quantize's)."""
     from quantize.methods import get_method
 
     for m in methods:
-        get_method(m)
+        weights, kv = split_method(m)
+        if weights == "baseline" and kv == "auto":
+            raise ValueError("'baseline' is always measured; as a method it needs a KV suffix (baseline+kv8)")
+        if weights != "baseline":
+            get_method(weights)
 
 
 def quantize(source_dir: Path, method: str) -> Path:
@@ -85,7 +104,7 @@ def load_engine(variant: Variant, config: MeasureConfig):
     from serving import LLMEngine
 
     return LLMEngine.from_pretrained(variant.path, device="cpu", kv_cache_memory_gb=config.kv_cache_memory_gb,
-                                     model_name=variant.name)
+                                     model_name=variant.name, kv_cache_dtype=getattr(variant, "kv_cache_dtype", "auto"))
 
 
 def measure(variant: Variant, config: MeasureConfig, out: Path, advance: Callable[[int], None]) -> Measured:
@@ -98,7 +117,7 @@ def measure(variant: Variant, config: MeasureConfig, out: Path, advance: Callabl
     advance(1)
     bench_json = out / "serving.json"
     metrics.update(serving_benchmark(engine, config, variant.name, bench_json))
-    metrics.update(capacity(variant, weights, config, engine.runner.k_cache[0].element_size()))
+    metrics.update(capacity(variant, weights, config, engine.runner.shape.dtype.itemsize, engine.kv_cache_dtype))
     advance(1)
     eval_dir = out / "evals"
     for suite in config.suites:
@@ -119,16 +138,25 @@ def serving_benchmark(engine, config: MeasureConfig, name: str, out_json: Path) 
     return serving_harness.to_metrics(report)
 
 
-def capacity(variant: Variant, weights: int, config: MeasureConfig, kv_dtype_bytes: int) -> dict[str, float]:
+def capacity(variant: Variant, weights: int, config: MeasureConfig, kv_dtype_bytes: int,
+             kv_cache_dtype: str = "auto") -> dict[str, float]:
     """KV blocks and concurrent sequences of `capacity_seq_len` tokens that fit beside the weights in a
-    fixed `capacity_budget_gb` (quantize.capacity, with the weight bytes measured here)."""
+    fixed `capacity_budget_gb` (quantize.capacity, with the weight bytes measured here; an 8-bit cache
+    counts its codes and scales as the engine stores them)."""
     from quantize.capacity import ModelShape, capacity_row
 
     shape = ModelShape.from_config(json.loads((Path(variant.path) / "config.json").read_text()))
     row = capacity_row(variant.name, shape, weights, int(config.capacity_budget_gb * 2**30),
-                       seq_len=config.capacity_seq_len, kv_dtype_bytes=kv_dtype_bytes, weights_source="measured")
+                       seq_len=config.capacity_seq_len, kv_dtype_bytes=kv_dtype_bytes, kv_cache_dtype=kv_cache_dtype,
+                       weights_source="measured")
     return {M.CAPACITY_KV_BLOCKS: float(row.num_blocks), M.CAPACITY_KV_TOKENS: float(row.num_blocks * 16),
-            M.CAPACITY_MAX_SEQS: float(row.max_seqs)}
+            M.CAPACITY_MAX_SEQS: float(row.max_seqs), M.CAPACITY_KV_BYTES_PER_BLOCK: float(row.kv_bytes_per_block)}
+
+
+def capacity_gain(variant: dict[str, float], baseline: dict[str, float]) -> dict[str, float]:
+    """Concurrent sequences at the fixed budget, variant / baseline (absent when either is missing or 0)."""
+    v, b = variant.get(M.CAPACITY_MAX_SEQS), baseline.get(M.CAPACITY_MAX_SEQS)
+    return {M.CAPACITY_GAIN: v / b} if v is not None and b else {}
 
 
 def run_evals(engine, suite: str, limit: int | None, out_dir: Path) -> None:

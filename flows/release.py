@@ -52,11 +52,12 @@ class Source:
 
 @dataclass(frozen=True)
 class Variant:
-    name: str  # "baseline" or the method
+    name: str  # "baseline" or the method, with its KV suffix ("int4wo+kv8")
     method: str | None
     path: str
-    content_hash: str
+    content_hash: str  # of the weights; the KV dtype is not in it (int4wo and int4wo+kv8 share one)
     manifest: dict | None = None
+    kv_cache_dtype: str = "auto"  # the engine's cache for this variant: auto | int8 | fp8
 
 
 @dataclass(frozen=True)
@@ -131,7 +132,7 @@ def check_options(methods: list[str], approve: str, limit: int | None, policy: s
         raise ValueError(f"approve must be one of {', '.join(APPROVE_MODES)}, not {approve!r}")
     if not methods:
         raise ValueError("at least one quantization method is needed")
-    if len(set(methods)) != len(methods):
+    if len({measuring.variant_label(m) for m in methods}) != len(methods):
         raise ValueError(f"methods repeat: {methods}")
     measuring.check_methods(methods)
     if limit is not None and limit < 1:
@@ -181,7 +182,8 @@ def quantize_method(source: Source, method: str) -> Variant:
 
 def _measure_key(context, parameters) -> str:
     v, cfg = parameters["variant"], parameters["config"]
-    return f"measure-{v.content_hash}-{cfg.key()}-v{CACHE_VERSION}"
+    kv = "" if v.kv_cache_dtype == "auto" else f"-kv-{v.kv_cache_dtype}"
+    return f"measure-{v.content_hash}{kv}-{cfg.key()}-v{CACHE_VERSION}"
 
 
 @task(
@@ -196,7 +198,8 @@ def measure(variant: Variant, config: MeasureConfig) -> Measured:
     """Serve the model through our engine: serving benchmark, eval suites, weight bytes, KV capacity."""
     from flows.runtime import work_dir
 
-    out = work_dir("measure", f"{variant.content_hash[:16]}-{config.key()}")
+    kv = "" if variant.kv_cache_dtype == "auto" else f"-kv-{variant.kv_cache_dtype}"
+    out = work_dir("measure", f"{variant.content_hash[:16]}{kv}-{config.key()}")
     with stage(f"{variant.name}: load, benchmark, evaluate", total=2 + len(config.suites)) as advance:
         return measuring.measure(variant, config, out, advance)
 
@@ -228,9 +231,11 @@ def record(release_run_id: str, measured: Measured, baseline: Measured | None) -
             cmp_metrics, cmp_artifacts = measuring.compare(Path(baseline.eval_dir), Path(measured.eval_dir), v.name,
                                                              cmp_dir)
             metrics.update(cmp_metrics)
+            metrics.update(measuring.capacity_gain(measured.metrics, baseline.metrics))
             artifacts += cmp_artifacts
         params = {
             "method": v.method or "none",
+            "kv_cache_dtype": v.kv_cache_dtype,
             "variant_path": v.path,
             "variant_hash": v.content_hash,
             **({"bits": v.manifest.get("bits")} if v.manifest and v.manifest.get("bits") is not None else {}),
@@ -351,17 +356,29 @@ def release_flow(
 
 
 def _quantize_all(source: Source, methods: list[str], fresh: bool) -> list[Variant]:
-    """Quantize one method after the other; a cached variant whose files vanished is rebuilt.
+    """Quantize each weight method once (int4wo and int4wo+kv8 share the weights); a cached variant whose
+    files vanished is rebuilt. A KV suffix only changes how the variant is served and measured.
 
     Model construction is serialised per process (quantgate.loading), so threads gain nothing here:
     int8 + nf4 of the default model took 4.8-5.1 s one after the other and 5.4-6.0 s from two threads
     on 2 cores, and a process each would pay ~10 s of imports."""
     task_ = quantize_method.with_options(refresh_cache=True) if fresh else quantize_method
-    variants = [task_(source, m) for m in methods]
-    for i, v in enumerate(variants):
+    weights: dict[str, Variant] = {}
+    for method in dict.fromkeys(measuring.split_method(m)[0] for m in methods):
+        if method == BASELINE:
+            weights[method] = Variant(BASELINE, None, source.path, source.content_hash, None)
+            continue
+        v = task_(source, method)
         if not measuring.variant_intact(Path(v.path)):
             note(f"cached variant {v.name} at {v.path} is gone or damaged: quantizing again")
-            variants[i] = quantize_method.with_options(refresh_cache=True)(source, v.method)
+            v = quantize_method.with_options(refresh_cache=True)(source, method)
+        weights[method] = v
+    variants = []
+    for name in methods:
+        method, kv = measuring.split_method(name)
+        w = weights[method]
+        label = measuring.variant_label(name)
+        variants.append(Variant(label, label, w.path, w.content_hash, w.manifest, kv_cache_dtype=kv))
     return variants
 
 

@@ -153,6 +153,8 @@ def judge(
                 "1 - variant bytes / baseline bytes >= min", lambda v, b: 1.0 - v / b if b > 0 else None, at_least=True)
     vs_baseline(M.SERVE_DECODE_TPS, policy.min_decode_speedup, "serve/min_decode_speedup",
                 "variant decode tok/s / baseline >= min", lambda v, b: v / b if b > 0 else None, at_least=True)
+    vs_baseline(M.CAPACITY_MAX_SEQS, policy.min_capacity_gain, "capacity/min_gain",
+                "variant max concurrent seqs / baseline >= min", lambda v, b: v / b if b > 0 else None, at_least=True)
     if policy.max_tpot_p99_s is not None:
         name, rule, missing = "serve/max_tpot_p99_s", f"{M.SERVE_TPOT_P99_S} <= max", []
         value = need(variant, M.SERVE_TPOT_P99_S, "variant", missing)

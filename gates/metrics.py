@@ -14,6 +14,8 @@ One module so both sides agree. Every name is a plain MLflow metric key; values 
 | `serve/decode_tps`, `serve/prefill_tps` | tokens per second through our engine | benchmarks |
 | `serve/ttft_p50_s` ... `serve/tpot_p99_s` | latency quantiles in seconds (p50/p95/p99) | benchmarks |
 | `capacity/max_seqs`, `capacity/kv_blocks`, `capacity/kv_tokens` | KV-cache capacity | benchmarks |
+| `capacity/kv_bytes_per_block` | bytes one KV block takes (codes + scales for an 8-bit cache) | flows |
+| `capacity/gain` | variant `capacity/max_seqs` / baseline's, at the same fixed budget | flows |
 | `canary/error_rate`, `canary/tpot_p99_s`, `canary/requests` | the canary stage's SLO measurements | flows |
 
 The gate evaluator writes its verdicts under `gate/<gate name>/...` (see `gates.evaluate`).
@@ -34,6 +36,8 @@ SERVE_PREFILL_TPS = "serve/prefill_tps"
 CAPACITY_MAX_SEQS = "capacity/max_seqs"
 CAPACITY_KV_BLOCKS = "capacity/kv_blocks"
 CAPACITY_KV_TOKENS = "capacity/kv_tokens"
+CAPACITY_KV_BYTES_PER_BLOCK = "capacity/kv_bytes_per_block"
+CAPACITY_GAIN = "capacity/gain"
 CANARY_ERROR_RATE = "canary/error_rate"
 CANARY_TPOT_P99_S = "canary/tpot_p99_s"
 CANARY_REQUESTS = "canary/requests"

@@ -32,6 +32,7 @@ class Policy:
     over_refusal_rate_max_rise: float | None = None
     min_weight_reduction: float | None = None
     min_decode_speedup: float | None = None
+    min_capacity_gain: float | None = None
     max_tpot_p99_s: float | None = None
     canary_max_error_rate: float | None = None
     canary_max_tpot_p99_s: float | None = None
@@ -52,6 +53,7 @@ _SCALARS: dict[tuple[str, str], tuple[str, str]] = {
     ("safety", "over_refusal_rate_max_rise"): ("rate", "over_refusal_rate_max_rise"),
     ("weights", "min_reduction"): ("rate", "min_weight_reduction"),
     ("serving", "min_decode_speedup"): ("positive", "min_decode_speedup"),
+    ("serving", "min_capacity_gain"): ("positive", "min_capacity_gain"),
     ("serving", "max_tpot_p99_s"): ("positive", "max_tpot_p99_s"),
     ("canary", "max_error_rate"): ("rate", "canary_max_error_rate"),
     ("canary", "max_tpot_p99_s"): ("positive", "canary_max_tpot_p99_s"),

@@ -16,8 +16,32 @@ from typing import Any
 
 GIB = 1 << 30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-METHOD_ROWS = ("baseline", "int8", "int8wo", "int4wo", "nf4", "fp4")
+METHOD_ROWS = ("baseline", "int8", "int8wo", "int4wo", "nf4", "fp4",
+               "baseline+kv8", "int8wo+kv8", "int4wo+kv8", "int4wo+kvfp8")
 INT4WO_GROUP = 64
+# A variant name's KV suffix -> the engine's kv_cache_dtype; "int4wo+kv8" is int4wo weights, int8 KV cache.
+KV_SUFFIXES = {"kv8": "int8", "kvfp8": "fp8"}
+# kv_cache_dtype -> (bytes per code, bytes of scale per token and KV head); must match serving's cache.
+KV_STORAGE = {"int8": (1, 2), "fp8": (1, 0)}
+
+
+def split_variant(name: str) -> tuple[str, str]:
+    """"int4wo+kv8" (or "int4wo-kv8") -> ("int4wo", "int8"); "int8wo" -> ("int8wo", "auto");
+    "kv8" -> ("baseline", "int8"). No weight method has a '-' in its name, so both separators are safe."""
+    weights, sep, kv = name.replace("-", "+").rpartition("+")
+    if not sep:
+        weights, kv = (("baseline", name) if name in KV_SUFFIXES else (name, ""))
+    if kv and kv not in KV_SUFFIXES:
+        raise ValueError(f"unknown KV suffix {kv!r} in {name!r}; choose one of {', '.join(KV_SUFFIXES)}")
+    if not weights:
+        raise ValueError(f"variant {name!r} names no weights (e.g. int4wo+kv8 or baseline+kv8)")
+    return weights, KV_SUFFIXES.get(kv, "auto")
+
+
+def variant_label(name: str) -> str:
+    """The name a variant is recorded under: MLflow names allow no '+', so "int4wo+kv8" -> "int4wo-kv8"."""
+    return name.replace("+", "-")
+
 
 # A Llama-3-70B-shaped config (80 layers, GQA 64/8, 128k vocab, untied): 70.6B parameters.
 LLAMA_70B: dict[str, Any] = {
@@ -65,8 +89,10 @@ class ModelShape:
         except KeyError as exc:
             raise ValueError(f"config lacks {exc.args[0]!r}: capacity needs a Llama-style decoder config") from None
 
-    def kv_bytes_per_token(self, kv_dtype_bytes: int) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * kv_dtype_bytes
+    def kv_bytes_per_token(self, kv_dtype_bytes: int, kv_cache_dtype: str = "auto") -> int:
+        """K and V of one token over all layers: codes plus scales for an 8-bit cache."""
+        code, scale = KV_STORAGE.get(kv_cache_dtype, (kv_dtype_bytes, 0))
+        return 2 * self.num_layers * self.num_kv_heads * (self.head_dim * code + scale)
 
     def layer_linears(self) -> list[tuple[int, int]]:
         """(out, in) of the projections in one decoder layer: q, k, v, o, gate, up, down."""
@@ -148,12 +174,13 @@ def capacity_row(
     seq_len: int,
     block_size: int = 16,
     kv_dtype_bytes: int = 2,
+    kv_cache_dtype: str = "auto",
     reserve_bytes: int = 0,
     weights_source: str = "config",
 ) -> CapacityRow:
     if seq_len < 1 or block_size < 1:
         raise ValueError("seq_len and block_size must be positive")
-    per_block = block_size * shape.kv_bytes_per_token(kv_dtype_bytes)
+    per_block = block_size * shape.kv_bytes_per_token(kv_dtype_bytes, kv_cache_dtype)
     blocks = kv_blocks(memory_bytes, weight_bytes, per_block, reserve_bytes)
     per_seq = math.ceil(seq_len / block_size)
     return CapacityRow(variant, weight_bytes, weights_source, per_block, blocks, per_seq, blocks // per_seq)
@@ -170,19 +197,21 @@ def capacity_table(
     measured: dict[str, int] | None = None,
     variants: tuple[str, ...] = METHOD_ROWS,
 ) -> list[CapacityRow]:
-    """One row per variant; `dtype` is the baseline's weights, the variants' unquantized parts and the KV cache."""
+    """One row per variant; `dtype` is the baseline's weights, the variants' unquantized parts and the KV cache
+    (unless the name carries a KV suffix: `int4wo+kv8` keeps the cache in int8 codes + scales)."""
     if dtype not in DTYPE_BYTES:
         raise ValueError(f"dtype must be one of {sorted(DTYPE_BYTES)}, got {dtype!r}")
     shape = ModelShape.from_config(config)
     measured = measured or {}
     rows = []
     for variant in variants:
-        if variant in measured:
-            weights, source = measured[variant], "measured"
+        method, kv = split_variant(variant)
+        if method in measured:
+            weights, source = measured[method], "measured"
         else:
-            weights, source = estimate_weight_bytes(shape, variant, DTYPE_BYTES[dtype]), "config"
+            weights, source = estimate_weight_bytes(shape, method, DTYPE_BYTES[dtype]), "config"
         rows.append(capacity_row(variant, shape, weights, memory_bytes, seq_len=seq_len, block_size=block_size,
-                                 kv_dtype_bytes=DTYPE_BYTES[dtype], reserve_bytes=reserve_bytes,
+                                 kv_dtype_bytes=DTYPE_BYTES[dtype], kv_cache_dtype=kv, reserve_bytes=reserve_bytes,
                                  weights_source=source))
     return rows
 
@@ -219,12 +248,12 @@ def format_table(rows: list[CapacityRow], memory_bytes: int, seq_len: int) -> st
     base = next((r for r in rows if r.variant == "baseline"), None)
     lines = [
         f"budget {memory_bytes / GIB:.2f} GiB, sequences of {seq_len} tokens",
-        f"{'variant':<10}{'weights GiB':>12}{'source':>10}{'KV blocks':>12}{'max seqs':>10}{'vs baseline':>13}",
+        f"{'variant':<14}{'weights GiB':>12}{'source':>10}{'KV blocks':>12}{'max seqs':>10}{'vs baseline':>13}",
     ]
     for r in rows:
         ratio = "-" if not base or r is base else ("inf" if base.max_seqs == 0 and r.max_seqs else
                                                    f"{r.max_seqs / base.max_seqs:.2f}x" if base.max_seqs else "-")
-        lines.append(f"{r.variant:<10}{r.weight_bytes / GIB:>12.3f}{r.weights_source:>10}"
+        lines.append(f"{r.variant:<14}{r.weight_bytes / GIB:>12.3f}{r.weights_source:>10}"
                      f"{r.num_blocks:>12}{r.max_seqs:>10}{ratio:>13}")
     return "\n".join(lines)
 

@@ -6,6 +6,13 @@ decode tokens of many sequences together); the per-step `AttentionContext` says 
 which sequence, where their keys/values go in the paged cache (slot mapping) and which blocks each
 sequence reads (block tables). Because the model's own projections run, quantized Linear layers
 (bitsandbytes, torchao, ours) work unchanged.
+
+The cache may hold K/V in 8 bits (`kv_format`): int8 codes with a float16 scale per token and KV head
+(absmax / 127), or fp8 e4m3 codes (stored as uint8 bits, no scale). Codes are written in the step that
+computes K/V; attention reads only the slots it gathers, folding int8 scales into the scores (K) and the
+probabilities (V) rather than dequantizing. A quantized cache also quantizes the step's own K/V before
+attending to them, so a token's attention sees the same values whether its context was computed in this
+step or read from the cache (chunked prefill, prefix hits and recompute after preemption agree).
 """
 
 from __future__ import annotations
@@ -17,6 +24,11 @@ import torch
 import torch.nn.functional as F
 
 ATTN_IMPLEMENTATION = "quantgate_paged"
+KV_FORMATS = ("auto", "int8", "fp8")  # auto: the model's dtype
+INT8_MAX = 127.0
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+SCALE_DTYPE = torch.float16
+SCALE_MIN = 2.0**-24  # smallest float16 (subnormal): an all-zero row still gets a nonzero scale
 
 
 @dataclass
@@ -51,6 +63,9 @@ class AttentionContext:
     slot_mapping: torch.Tensor  # [num_tokens] cache slot each new token's K/V is written to
     prefills: list[PrefillChunk] = field(default_factory=list)  # their rows follow the decode rows
     decode_groups: list[DecodeGroup] = field(default_factory=list)  # rows 0.. are decode tokens, by group
+    kv_format: str = "auto"
+    k_scale: list[torch.Tensor] | None = None  # int8: per layer [kv_heads, num_blocks * block_size]
+    v_scale: list[torch.Tensor] | None = None
 
 
 _local = threading.local()  # per thread: engines stepping on different threads each see their own step
@@ -79,23 +94,19 @@ def paged_attention(
 ) -> tuple[torch.Tensor, None]:
     ctx = get_context()
     layer = module.layer_idx
-    k_cache, v_cache = ctx.k_cache[layer], ctx.v_cache[layer]
     q = query[0].transpose(0, 1)  # [tokens, heads, head_dim]
-    k, v = key[0], value[0]  # [kv_heads, tokens, head_dim]
-    k_cache.index_copy_(1, ctx.slot_mapping, k.to(k_cache.dtype))
-    v_cache.index_copy_(1, ctx.slot_mapping, v.to(v_cache.dtype))
+    k, v = _write(ctx, layer, key[0], value[0])  # [kv_heads, tokens, head_dim], as the cache will return them
 
     gqa = q.shape[1] != k.shape[0]
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5
-    outs = [_decode(q, k_cache, v_cache, ctx.block_size, g, scale) for g in ctx.decode_groups]
+    outs = [_decode(q, ctx, layer, g, scale) for g in ctx.decode_groups]
     for chunk in ctx.prefills:
         rows = slice(chunk.start, chunk.start + chunk.length)
         qs = q[rows].transpose(0, 1)  # [heads, len, dim]
         if chunk.context_slots is None:  # the whole context is in this chunk: plain causal attention
             ks, vs, mask, causal = k[:, rows], v[:, rows], None, True
         else:
-            ks = k_cache.index_select(1, chunk.context_slots).to(q.dtype)
-            vs = v_cache.index_select(1, chunk.context_slots).to(q.dtype)
+            ks, vs = _read(ctx, layer, chunk.context_slots, q.dtype)
             offset = chunk.context_len - chunk.length
             q_pos = torch.arange(chunk.length, device=q.device)[:, None] + offset
             mask, causal = q_pos >= torch.arange(chunk.context_len, device=q.device)[None, :], False
@@ -107,27 +118,92 @@ def paged_attention(
     return out.unsqueeze(0), None  # [1, tokens, heads, dim], viewed by the caller as [1, tokens, heads * dim]
 
 
-def _decode(q, k_cache, v_cache, block_size: int, group: DecodeGroup, scale: float) -> torch.Tensor:
+def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[..., dim] -> int8 codes and a float16 absmax scale per row. The scale is rounded up to float16 and
+    the codes divide by the rounded value, so no code clips and every error is within half a step."""
+    exact = (x.abs().amax(-1).float() / INT8_MAX).clamp_min_(SCALE_MIN)
+    scale = exact.to(SCALE_DTYPE)
+    scale = torch.where(scale.float() < exact, torch.nextafter(scale, scale.new_tensor(float("inf"))), scale)
+    codes = (x.float() / scale.float()[..., None]).round_().clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
+    return codes, scale
+
+
+def encode_fp8(x: torch.Tensor) -> torch.Tensor:
+    return x.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
+
+
+def decode_fp8(bits: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return bits.view(torch.float8_e4m3fn).to(dtype)
+
+
+def _write(ctx: AttentionContext, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Store the step's K/V in their slots; return them as attention will read them back."""
+    slots, dtype = ctx.slot_mapping, k.dtype
+    k_cache, v_cache = ctx.k_cache[layer], ctx.v_cache[layer]
+    if ctx.kv_format == "auto":
+        k_cache.index_copy_(1, slots, k.to(k_cache.dtype))
+        v_cache.index_copy_(1, slots, v.to(v_cache.dtype))
+        return k, v
+    if ctx.kv_format == "fp8":
+        kb, vb = encode_fp8(k), encode_fp8(v)
+        k_cache.index_copy_(1, slots, kb)
+        v_cache.index_copy_(1, slots, vb)
+        return decode_fp8(kb, dtype), decode_fp8(vb, dtype)
+    out = []
+    for x, cache, scales in ((k, k_cache, ctx.k_scale[layer]), (v, v_cache, ctx.v_scale[layer])):
+        codes, scale = quantize_int8(x)
+        cache.index_copy_(1, slots, codes)
+        scales.index_copy_(1, slots, scale)
+        out.append(codes.to(dtype) * scale.to(dtype)[..., None])
+    return out[0], out[1]
+
+
+def _read(ctx: AttentionContext, layer: int, slots: torch.Tensor, dtype: torch.dtype):
+    """A prefill chunk's cached context, dequantized: only the slots it attends to."""
+    ks, vs = ctx.k_cache[layer].index_select(1, slots), ctx.v_cache[layer].index_select(1, slots)
+    if ctx.kv_format == "auto":
+        return ks.to(dtype), vs.to(dtype)
+    if ctx.kv_format == "fp8":
+        return decode_fp8(ks, dtype), decode_fp8(vs, dtype)
+    k_s = ctx.k_scale[layer].index_select(1, slots).to(dtype)[..., None]
+    v_s = ctx.v_scale[layer].index_select(1, slots).to(dtype)[..., None]
+    return ks.to(dtype) * k_s, vs.to(dtype) * v_s
+
+
+def _decode(q, ctx: AttentionContext, layer: int, group: DecodeGroup, scale: float) -> torch.Tensor:
     """One query token per sequence against its paged context, as two batched matmuls per KV head.
 
     index_select copies whole blocks (contiguous rows of the head-major cache) into [kv, n, L, dim].
     The query heads sharing a KV head form the rows of one matmul (GQA without repeating K/V); a
-    single-row SDPA per sequence was ~10x slower on CPU."""
+    single-row SDPA per sequence was ~10x slower on CPU. int8 scales multiply the scores and the
+    probabilities ([kv, n, 1, L]), so the codes only change dtype."""
+    k_cache, v_cache, bs = ctx.k_cache[layer], ctx.v_cache[layer], ctx.block_size
     n, length = group.num_seqs, group.pad.shape[-1]
     kv_heads, head_dim = k_cache.shape[0], k_cache.shape[2]
-    ks = _gather(k_cache, block_size, group.block_tables).view(kv_heads, n, length, head_dim).to(q.dtype)
-    vs = _gather(v_cache, block_size, group.block_tables).view(kv_heads, n, length, head_dim).to(q.dtype)
+    ks = _gather(k_cache, bs, group.block_tables).view(kv_heads, n, length, head_dim)
+    vs = _gather(v_cache, bs, group.block_tables).view(kv_heads, n, length, head_dim)
+    if ctx.kv_format == "fp8":
+        ks, vs = decode_fp8(ks, q.dtype), decode_fp8(vs, q.dtype)
+    else:
+        ks, vs = ks.to(q.dtype), vs.to(q.dtype)
     heads = q.shape[1]
     qg = q[group.start : group.start + n].view(n, kv_heads, heads // kv_heads, head_dim).transpose(0, 1)
     scores = torch.matmul(qg, ks.transpose(-1, -2)).float().mul_(scale)  # [kv, n, group, L]
+    if ctx.kv_format == "int8":
+        scores.mul_(_gather(ctx.k_scale[layer], bs, group.block_tables).view(kv_heads, n, 1, length))
     scores.masked_fill_(group.pad, float("-inf"))
-    out = torch.matmul(scores.softmax(-1).to(q.dtype), vs)  # [kv, n, group, dim]
+    probs = scores.softmax(-1)
+    if ctx.kv_format == "int8":
+        probs.mul_(_gather(ctx.v_scale[layer], bs, group.block_tables).view(kv_heads, n, 1, length))
+    out = torch.matmul(probs.to(q.dtype), vs)  # [kv, n, group, dim]
     return out.transpose(0, 1).reshape(n, heads, head_dim)
 
 
 def _gather(cache: torch.Tensor, block_size: int, block_tables: torch.Tensor) -> torch.Tensor:
-    kv_heads, slots, head_dim = cache.shape
-    return cache.view(kv_heads, slots // block_size, block_size * head_dim).index_select(1, block_tables)
+    """Whole blocks of a [kv_heads, slots, head_dim] cache or a [kv_heads, slots] scale tensor."""
+    kv_heads, slots = cache.shape[:2]
+    row = block_size * (cache.shape[2] if cache.dim() == 3 else 1)
+    return cache.view(kv_heads, slots // block_size, row).index_select(1, block_tables)
 
 
 def register() -> str:

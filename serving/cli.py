@@ -16,6 +16,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--kv-cache-dtype", choices=["auto", "int8", "fp8"], default="auto",
+                   help="KV cache storage: auto (the model's dtype), int8 (codes + a scale per token and head), fp8 e4m3")
     p.add_argument("--scheduler", choices=["continuous", "static"], default="continuous")
     p.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
     p.set_defaults(func=_generate)
@@ -46,7 +48,8 @@ def _generate(args: argparse.Namespace) -> int:
     console = Console()
     with console.status(f"loading {args.model}"):
         engine = LLMEngine.from_pretrained(
-            args.model, device=args.device, dtype=args.dtype, scheduler=args.scheduler
+            args.model, device=args.device, dtype=args.dtype, scheduler=args.scheduler,
+            kv_cache_dtype=args.kv_cache_dtype,
         )
     prompts = args.prompts or DEMO_PROMPTS
     if args.chat:
@@ -102,6 +105,8 @@ def _register_serve(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--dtype", default="auto",
                    help="auto (bf16 where the CPU has AVX-512-BF16/AMX or on CUDA, else fp32), float32, bfloat16, float16")
+    p.add_argument("--kv-cache-dtype", choices=["auto", "int8", "fp8"], default="auto",
+                   help="KV cache storage: auto (the model's dtype), int8 (codes + a scale per token and head), fp8 e4m3")
     p.add_argument("--scheduler", choices=["continuous", "static"], default="continuous")
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
@@ -152,6 +157,7 @@ def _serve(args: argparse.Namespace) -> int:
         args.model, device=args.device, dtype=args.dtype, scheduler=args.scheduler, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, num_kv_blocks=args.num_kv_blocks,
         kv_cache_memory_gb=args.kv_cache_memory_gb, prefix_cache_scope=args.prefix_cache_scope,
+        kv_cache_dtype=args.kv_cache_dtype,
     )
     engine.scheduler.tenant_step_slack = args.tenant_slack
     engine.scheduler.shared_prefill_chunk = args.tenant_prefill_chunk

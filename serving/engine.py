@@ -75,6 +75,7 @@ class LLMEngine:
         prefix_cache_scope: str = "tenant",
         max_model_len: int | None = None,
         model_name: str = "model",
+        kv_cache_dtype: str = "auto",
     ):
         if scheduler not in SCHEDULERS:
             raise ValueError(f"unknown scheduler {scheduler!r}; choose one of {sorted(SCHEDULERS)}")
@@ -91,7 +92,7 @@ class LLMEngine:
         kv_dtype = model.get_input_embeddings().weight.dtype
         if not kv_dtype.is_floating_point:
             kv_dtype = torch.float32
-        shape = KVCacheShape.from_config(model.config, kv_dtype)
+        shape = KVCacheShape.from_config(model.config, kv_dtype, kv_cache_dtype)  # auto | int8 | fp8
         if num_kv_blocks is None:
             num_kv_blocks = self._blocks_for_budget(shape, kv_cache_memory_gb)
             if kv_cache_memory_gb is None:  # never reserve more than every slot at full context could use
@@ -99,7 +100,8 @@ class LLMEngine:
         self.block_manager = BlockManager(num_kv_blocks, block_size, enable_prefix_caching, prefix_cache_scope)
         self.scheduler = SCHEDULERS[scheduler](self.block_manager, max_num_seqs, max_num_batched_tokens)
         self.scheduler_name = scheduler
-        self.runner = ModelRunner(model, self.device, block_size, num_kv_blocks, kv_dtype)
+        self.runner = ModelRunner(model, self.device, block_size, num_kv_blocks, kv_dtype, kv_cache_dtype)
+        self.kv_cache_dtype = kv_cache_dtype
         self.eos_token_ids = _eos_token_ids(model, tokenizer)
         self.sequences: dict[str, Sequence] = {}
         self._inbox: list[Sequence] = []

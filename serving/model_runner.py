@@ -23,23 +23,45 @@ def _decode_first(scheduled: list[ScheduledSeq]) -> list[int]:
     return decodes + [i for i, item in enumerate(scheduled) if item.is_prefill]
 
 
+def check_kv_cache_dtype(name: str) -> str:
+    if name not in attention.KV_FORMATS:
+        raise ValueError(f"unknown kv_cache_dtype {name!r}; choose one of {', '.join(attention.KV_FORMATS)}")
+    if name == "fp8" and not hasattr(torch, "float8_e4m3fn"):
+        raise ValueError("kv_cache_dtype fp8 needs torch.float8_e4m3fn, which this torch lacks")
+    return name
+
+
 @dataclass
 class KVCacheShape:
     num_layers: int
     kv_heads: int
     head_dim: int
-    dtype: torch.dtype
+    dtype: torch.dtype  # the model's dtype: what attention computes in (and stores, for "auto")
+    cache_dtype: str = "auto"  # auto | int8 | fp8
+
+    def __post_init__(self) -> None:
+        check_kv_cache_dtype(self.cache_dtype)
+
+    @property
+    def storage_dtype(self) -> torch.dtype:
+        return {"auto": self.dtype, "int8": torch.int8, "fp8": torch.uint8}[self.cache_dtype]
+
+    @property
+    def scale_bytes(self) -> int:
+        """Per token and KV head, for each of K and V."""
+        return attention.SCALE_DTYPE.itemsize if self.cache_dtype == "int8" else 0
 
     def bytes_per_block(self, block_size: int) -> int:
-        return 2 * self.num_layers * block_size * self.kv_heads * self.head_dim * self.dtype.itemsize
+        per_head = self.head_dim * self.storage_dtype.itemsize + self.scale_bytes
+        return 2 * self.num_layers * block_size * self.kv_heads * per_head
 
     @classmethod
-    def from_config(cls, config, dtype: torch.dtype) -> KVCacheShape:
+    def from_config(cls, config, dtype: torch.dtype, cache_dtype: str = "auto") -> KVCacheShape:
         config = config.get_text_config() if hasattr(config, "get_text_config") else config
         heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
         kv_heads = getattr(config, "num_key_value_heads", None) or heads
-        return cls(config.num_hidden_layers, kv_heads, head_dim, dtype)
+        return cls(config.num_hidden_layers, kv_heads, head_dim, dtype, cache_dtype)
 
 
 @dataclass
@@ -64,19 +86,30 @@ def load_model(model_dir: Path, device: torch.device, dtype: torch.dtype):
 
 
 class ModelRunner:
-    def __init__(self, model, device: torch.device, block_size: int, num_blocks: int, kv_dtype: torch.dtype):
+    def __init__(self, model, device: torch.device, block_size: int, num_blocks: int, kv_dtype: torch.dtype,
+                 kv_cache_dtype: str = "auto"):
         self.model = model
         self.device = device
         self.block_size = block_size
         self.num_blocks = num_blocks
-        self.shape = KVCacheShape.from_config(model.config, kv_dtype)
+        self.shape = shape = KVCacheShape.from_config(model.config, kv_dtype, kv_cache_dtype)
         slots = num_blocks * block_size
         self.k_cache = [
-            torch.zeros(self.shape.kv_heads, slots, self.shape.head_dim, dtype=kv_dtype, device=device)
-            for _ in range(self.shape.num_layers)
+            torch.zeros(shape.kv_heads, slots, shape.head_dim, dtype=shape.storage_dtype, device=device)
+            for _ in range(shape.num_layers)
         ]
         self.v_cache = [torch.zeros_like(k) for k in self.k_cache]
+        self.k_scale = self.v_scale = None
+        if kv_cache_dtype == "int8":
+            self.k_scale = [torch.zeros(shape.kv_heads, slots, dtype=attention.SCALE_DTYPE, device=device)
+                            for _ in range(shape.num_layers)]
+            self.v_scale = [torch.zeros_like(s) for s in self.k_scale]
         self.generators: dict[str, torch.Generator] = {}
+
+    def kv_cache_bytes(self) -> int:
+        """Bytes the cache tensors hold (codes and scales): what `bytes_per_block` promises."""
+        tensors = self.k_cache + self.v_cache + (self.k_scale or []) + (self.v_scale or [])
+        return sum(t.numel() * t.element_size() for t in tensors)
 
     @torch.inference_mode()
     def run(self, scheduled: list[ScheduledSeq]) -> StepResult:
@@ -118,6 +151,9 @@ class ModelRunner:
             torch.tensor(slots, device=self.device),
             prefills,
             self._decode_groups(decode_seqs),
+            kv_format=self.shape.cache_dtype,
+            k_scale=self.k_scale,
+            v_scale=self.v_scale,
         )
         keep_rows = sample_rows + [r for rows in prompt_rows.values() for r in rows]
         attention.set_context(ctx)
