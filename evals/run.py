@@ -54,7 +54,32 @@ def _prepare_out_dir(out_dir: Path) -> Path:
     return staging
 
 
+def _lm_eval_samples(spec: TaskSpec, samples: list[dict]) -> list[SampleResult]:
+    """Per-item rows of a task run with lm-eval's own config: its per-sample metric is the score."""
+    out = []
+    picked = [s for s in samples if s.get("filter", "none") == spec.lm_eval_filter]
+    for s in sorted(picked, key=lambda x: x["doc_id"]):
+        score = float(s[spec.metric])
+        extra: dict = {}
+        if spec.output_type == "multiple_choice":
+            lls = [float(r[0]) for r in s["filtered_resps"]]
+            pred = max(range(len(lls)), key=lls.__getitem__)
+            response = str(s["arguments"][pred][1]).strip() if "arguments" in s else str(pred)
+            extra = {"lls": lls, "pred": pred, **({"acc_norm": float(s["acc_norm"])} if "acc_norm" in s else {})}
+        elif spec.output_type == "loglikelihood":
+            ll, greedy = s["filtered_resps"][0]
+            response, extra = ("(greedy)" if greedy else "(not greedy)"), {"ll": float(ll)}
+        else:
+            response = str(s["filtered_resps"][0])
+            extra = {"raw": str(s["resps"][0][0])[:2000]}
+        out.append(SampleResult(s["doc_id"], str(s["doc"].get("id", s["doc_id"])), target=str(s["target"]),
+                                response=response, score=score, correct=spec.desired(score), extra=extra))
+    return out
+
+
 def _sample_results(spec: TaskSpec, samples: list[dict]) -> list[SampleResult]:
+    if spec.lm_eval is not None:
+        return _lm_eval_samples(spec, samples)
     out = []
     for s in sorted(samples, key=lambda x: x["doc_id"]):
         doc = s["doc"]
@@ -90,11 +115,13 @@ def _task_result(spec: TaskSpec, lm_results: dict, samples: list[dict]) -> TaskR
     if not rows:
         raise ValueError(f"task {spec.name!r} produced no samples (empty task or limit=0)")
     score = aggregate(spec.metric, [r.score for r in rows], [r.weight for r in rows])
-    reported = lm_results.get(f"{spec.metric},none")
+    reported = lm_results.get(f"{spec.metric},{spec.lm_eval_filter}")
     if reported is not None and not math.isclose(score, float(reported), rel_tol=1e-6, abs_tol=1e-9):
         raise RuntimeError(f"{spec.name}: per-sample {spec.metric}={score} disagrees with lm-eval's {reported}")
+    suffix = f",{spec.lm_eval_filter}"
     others = {k.split(",")[0]: float(v) for k, v in lm_results.items()
-              if k.endswith(",none") and "stderr" not in k and not k.startswith(spec.metric + ",")}
+              if k.endswith(suffix) and "stderr" not in k and not k.startswith(spec.metric + ",")
+              and isinstance(v, int | float)}
     return TaskResult(task=spec.name, suite=spec.suite, metric=spec.metric, score=score, n=len(rows),
                       higher_is_better=spec.higher_is_better, binary=spec.binary, chance=spec.chance,
                       chat=spec.chat, num_fewshot=spec.num_fewshot, other_metrics=others, samples=rows)

@@ -67,7 +67,7 @@ def _console():
 def _show(args: argparse.Namespace) -> int:
     from rich.table import Table
 
-    from gates.evaluate import NOT_MEASURED, read_evaluation
+    from gates.evaluate import NOT_MEASURED, UNINFORMATIVE, read_evaluation
     from gates.registry import _version, read_approval, resolve_registered_model
     from gates.tracking import get_client
 
@@ -104,9 +104,15 @@ def _show(args: argparse.Namespace) -> int:
         table.add_column(col, overflow="fold")
     for r in evaluation.results:
         observed = NOT_MEASURED if r.observed is None else f"{r.observed:.4g}"
-        mark = "[green]pass[/]" if r.passed else "[bold red]FAIL[/]"
+        if r.verdict == UNINFORMATIVE:
+            mark = "[bold yellow]UNINFORMATIVE (blocks)[/]" if not r.passed else "[yellow]uninformative[/]"
+        else:
+            mark = "[green]pass[/]" if r.passed else "[bold red]FAIL[/]"
         table.add_row(r.name, r.rule, f"{r.threshold:.4g}", observed, mark, r.reason)
     console.print(table)
+    if evaluation.uninformative:
+        console.print("uninformative (could not have failed at this baseline and sample size): "
+                      + ", ".join(r.name for r in evaluation.uninformative))
     approval = read_approval(name, mv.version)
     console.print(
         f"evaluated {evaluation.evaluated_at} with {evaluation.policy_source}; run {mv.run_id}; "
@@ -117,11 +123,13 @@ def _show(args: argparse.Namespace) -> int:
 
 
 def _evaluate(args: argparse.Namespace) -> int:
-    from gates.evaluate import evaluate_run
+    from gates.evaluate import UNINFORMATIVE, evaluate_run
 
     evaluation = evaluate_run(args.run_id, args.policy, stage=args.stage)
     for r in evaluation.results:
-        print(f"{'PASS' if r.passed else 'FAIL'}  {r.name}: {r.reason}")
+        label = ("UNINF" if r.verdict == UNINFORMATIVE else "PASS") if r.passed else (
+            "UNINF!" if r.verdict == UNINFORMATIVE else "FAIL")
+        print(f"{label:6} {r.name}: {r.reason}")
     print(f"{args.stage} gates: {'PASS' if evaluation.passed else 'FAIL'} (recorded on run {args.run_id})")
     return 0 if evaluation.passed else 1
 

