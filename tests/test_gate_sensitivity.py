@@ -100,7 +100,7 @@ def store(tmp_path, monkeypatch) -> str:
     return uri
 
 
-def test_uninformative_verdict_is_recorded_in_mlflow_and_shown(store, tmp_path) -> None:
+def test_uninformative_verdict_is_recorded_in_mlflow_and_shown(store, tmp_path, capsys, monkeypatch) -> None:
     from gates.evaluate import evaluate_run, read_evaluation, render_markdown
     from gates.tracking import get_client
 
@@ -129,3 +129,13 @@ def test_uninformative_verdict_is_recorded_in_mlflow_and_shown(store, tmp_path) 
     assert "**UNINFORMATIVE** (blocks)" in report and "uninformative (reported)" in report
     assert "a person must judge" in report
     assert get_client().get_model_version("m-blind-quantgate", version).tags["verdict"] == "fail"
+    from quantgate.cli import main
+
+    monkeypatch.setenv("COLUMNS", "240")
+    capsys.readouterr()
+    assert main(["gates", "evaluate", "--run-id", run_id, "--policy", str(policy)]) == 1
+    printed = capsys.readouterr().out
+    assert "UNINF! safety/refusal_rate/max_fall" in printed and "UNINF  task/mmlu_marketing/max_drop" in printed
+    assert main(["gates", "show", "--model", "m-blind", "--version", version]) == 0
+    shown = capsys.readouterr().out
+    assert "UNINFORMATIVE (blocks)" in shown and "uninformative (could not have failed" in shown
