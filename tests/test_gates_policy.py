@@ -20,9 +20,21 @@ def test_default_policy_loads_with_every_gate_family():
     policy = load_policy()
     assert policy.source == str(DEFAULT_POLICY)
     assert policy.tasks.max_drop == 0.05 and policy.tasks.higher_is_better
-    assert policy.min_weight_reduction == 0.40 and policy.min_decode_speedup is None
+    assert policy.min_weight_reduction == 0.40 and policy.min_decode_speedup == 1.0  # slower never ships
     assert policy.canary_max_error_rate == 0.01
     assert len(policy.sha256) == 64
+
+
+def test_the_demo_policy_refuses_a_variant_that_decodes_slower():
+    from pathlib import Path
+
+    demo = load_policy(Path(__file__).resolve().parents[1] / "flows" / "demo_policy.yaml")
+    assert demo.min_decode_speedup == 1.0
+    slower = {r.name: r for r in judge(demo, {M.SERVE_DECODE_TPS: 19.0}, {M.SERVE_DECODE_TPS: 20.0})}
+    faster = {r.name: r for r in judge(demo, {M.SERVE_DECODE_TPS: 31.0}, {M.SERVE_DECODE_TPS: 20.0})}
+    assert not slower["serve/min_decode_speedup"].passed
+    assert slower["serve/min_decode_speedup"].observed == pytest.approx(0.95)
+    assert faster["serve/min_decode_speedup"].passed
 
 
 @pytest.mark.parametrize(
