@@ -61,11 +61,25 @@ def decide(candidates: list[str], answer: ApprovalInput) -> Decision:
     return Decision({v: answer.approve and v in chosen for v in candidates}, by, answer.comment)
 
 
+UNINFORMATIVE_BANNER = ("> **Some gates could not have failed** at this baseline and sample size (`uninformative` "
+                        "below): they are no evidence either way. Judge those yourself before approving.\n\n")
+
+
+def form_description(report_markdown: str) -> str:
+    """The resume form's text: the gate report, led by a warning when any gate was uninformative."""
+    from gates.evaluate import UNINFORMATIVE
+
+    if f"**{UNINFORMATIVE.upper()}**" in report_markdown or f"{UNINFORMATIVE} (reported)" in report_markdown:
+        return UNINFORMATIVE_BANNER + report_markdown
+    return report_markdown
+
+
 def wait_for_decision(report_markdown: str, candidates: list[str], timeout_s: int, poll_interval_s: int = 2) -> Decision:
     """Pause the running flow until someone approves or rejects; FlowPauseTimeout when nobody does."""
     from prefect import pause_flow_run
 
-    form = ApprovalInput.with_initial_data(description=report_markdown, approve=True, variants=list(candidates))
+    form = ApprovalInput.with_initial_data(description=form_description(report_markdown), approve=True,
+                                           variants=list(candidates))
     answer = pause_flow_run(wait_for_input=form, timeout=timeout_s, poll_interval=poll_interval_s)
     return decide(candidates, answer)
 

@@ -128,6 +128,10 @@ def test_uninformative_verdict_is_recorded_in_mlflow_and_shown(store, tmp_path, 
     report = render_markdown(back, "int8")
     assert "**UNINFORMATIVE** (blocks)" in report and "uninformative (reported)" in report
     assert "a person must judge" in report
+    from flows.approval import UNINFORMATIVE_BANNER, form_description
+
+    assert form_description(report).startswith(UNINFORMATIVE_BANNER)  # the approval form leads with it
+    assert form_description("| `weights/min_reduction` | ... | pass |") == "| `weights/min_reduction` | ... | pass |"
     assert get_client().get_model_version("m-blind-quantgate", version).tags["verdict"] == "fail"
     from quantgate.cli import main
 
