@@ -1,12 +1,15 @@
 """What each variant buys, through our engine: baseline vs int8wo / int4wo / bitsandbytes int8 / nf4 on
-one model, one run, in the engine's dtype (auto: bf16 on CPUs with native bf16, else fp32).
+one model, one run, in the engine's dtype (auto: bf16 on CPUs with native bf16, else fp32). A variant
+name may carry a KV-cache suffix: `int4wo+kv8` is int4wo weights served with an int8 KV cache,
+`baseline+kvfp8` the source weights with an fp8 (e4m3) cache.
 
 Per variant: weight bytes (as served: parameters and buffers in memory), engine load time, prefill tokens/s, decode
-tokens/s at batch 1 and 32, top-1 agreement of next-token predictions with the baseline on a fixed
-text (the engine's prompt logprobs), and max concurrent sequences of --seq-len tokens at a fixed
---memory-gb budget. Prints ratios to the baseline side by side, writes JSON and a PNG bar chart.
+tokens/s at batch 1 and 32 (at high batch the KV reads dominate), top-1 agreement of next-token
+predictions with the baseline and bits per byte on a fixed text (the engine's prompt logprobs), KV bytes
+per block, and max concurrent sequences of --seq-len tokens at a fixed --memory-gb budget. Prints ratios
+to the baseline side by side, writes JSON and a PNG bar chart.
 
-    python benchmarks/variants.py [--model smollm2-135m] [--variants baseline,int8wo,int4wo,int8,nf4]
+    python benchmarks/variants.py [--model smollm2-135m] [--variants baseline,int8wo,int4wo,int8,nf4,int4wo+kv8]
         [--dtype auto] [--memory-gb 2] [--decode-tokens 32] [--batches 1,16,32] [--repeats 2] [--threads N]
 """
 
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import math
 import random
 import sys
 import time
@@ -47,11 +51,17 @@ class VariantResult:
     top1_agreement: float | None
     kv_blocks: int
     max_seqs: int
+    kv_cache_dtype: str = "auto"
+    kv_bytes_per_block: int = 0
+    bits_per_byte: float | None = None
 
 
 def variant_dir(model: str, name: str) -> Path:
+    """The weights of `name` (its KV suffix, if any, does not change them)."""
     from quantgate.models import resolve_model
+    from quantize.capacity import split_variant
 
+    name = split_variant(name)[0]
     if name == "baseline":
         return resolve_model(model)
     import quantize
@@ -73,15 +83,15 @@ def time_prefill(engine, vocab: int, prompt_len: int, n: int, repeats: int, seed
     return n * prompt_len / best
 
 
-def time_decode(engine, vocab: int, batch: int, tokens: int, repeats: int, seed: int) -> float:
-    """Output tokens/s once every sequence of the batch is past its prefill."""
+def time_decode(engine, vocab: int, batch: int, tokens: int, repeats: int, seed: int, context: int = 16) -> float:
+    """Output tokens/s once every sequence of the batch (prompts of `context` tokens) is past its prefill."""
     from serving import SamplingParams
 
     rng = random.Random(seed)
     params = SamplingParams(max_tokens=tokens + 1, temperature=0, ignore_eos=True)
     best = 0.0
     for _ in range(repeats):
-        prompts = [[rng.randrange(1000, vocab) for _ in range(16)] for _ in range(batch)]
+        prompts = [[rng.randrange(1000, vocab) for _ in range(context)] for _ in range(batch)]
         outs = engine.generate(prompts, params)
         start = max(o.metrics.token_times[0] for o in outs)
         end = max(o.metrics.token_times[-1] for o in outs)
@@ -90,40 +100,45 @@ def time_decode(engine, vocab: int, batch: int, tokens: int, repeats: int, seed:
     return best
 
 
-def top1_predictions(engine, token_ids: list[int]) -> list[int]:
+def score_text(engine, token_ids: list[int], text_bytes: int) -> tuple[list[int], float]:
+    """Top-1 next-token predictions along the text, and its bits per byte (tokens after the first)."""
     from serving import SamplingParams
 
     out = engine.generate([token_ids], SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=1))[0]
-    return [lp.top[0][0] for lp in out.prompt_logprobs[1:]]
+    lps = out.prompt_logprobs[1:]
+    bits = -sum(lp.logprob for lp in lps) / math.log(2)
+    return [lp.top[0][0] for lp in lps], bits / text_bytes
 
 
 def run_variant(name: str, args, baseline_top1: list[int] | None, text_ids: list[int]) -> tuple[VariantResult, list[int]]:
-    import torch
-
     from quantgate.loading import resident_bytes
-    from quantize.capacity import ModelShape, capacity_row
+    from quantize.capacity import ModelShape, capacity_row, split_variant
     from serving import LLMEngine
 
     directory = variant_dir(args.model, name)
+    kv = split_variant(name)[1]
     start = time.perf_counter()
-    engine = LLMEngine.from_pretrained(str(directory), device=args.device, dtype=args.dtype,
+    engine = LLMEngine.from_pretrained(str(directory), device=args.device, dtype=args.dtype, kv_cache_dtype=kv,
                                        enable_prefix_caching=False, max_num_seqs=max(args.batches))
     load_s = time.perf_counter() - start
     weights = resident_bytes(engine.model)
     vocab = engine.vocab_size
     prefill = time_prefill(engine, vocab, args.prompt_len, 4, args.repeats, args.seed)
-    decode = {b: time_decode(engine, vocab, b, args.decode_tokens, args.repeats, args.seed) for b in args.batches}
-    top1 = top1_predictions(engine, text_ids)
+    decode = {b: time_decode(engine, vocab, b, args.decode_tokens, args.repeats, args.seed, args.decode_context)
+              for b in args.batches}
+    top1, bpb = score_text(engine, text_ids, len(FIXED_TEXT.encode()))
     agreement = None
     if baseline_top1 is not None:
         agreement = sum(a == b for a, b in zip(top1, baseline_top1, strict=True)) / len(top1)
-    kv_dtype = engine.runner.k_cache[0].dtype
     shape = ModelShape.from_config(engine.model.config.to_dict())
     row = capacity_row(name, shape, weights, int(args.memory_gb * 2**30), seq_len=args.seq_len,
-                       block_size=engine.block_size, kv_dtype_bytes=torch.empty(0, dtype=kv_dtype).element_size())
+                       block_size=engine.block_size, kv_dtype_bytes=engine.runner.shape.dtype.itemsize,
+                       kv_cache_dtype=kv)
+    assert row.kv_bytes_per_block == engine.runner.shape.bytes_per_block(engine.block_size)
     del engine
     gc.collect()
-    result = VariantResult(name, str(directory), weights, load_s, prefill, decode, agreement, row.num_blocks, row.max_seqs)
+    result = VariantResult(name, str(directory), weights, load_s, prefill, decode, agreement, row.num_blocks,
+                           row.max_seqs, kv, row.kv_bytes_per_block, bpb)
     return result, top1
 
 
@@ -134,11 +149,13 @@ def plot(results: list[VariantResult], batches: list[int], path: Path) -> Path:
                ("prefill tokens/s", [r.prefill_tokens_per_s for r in results])]
     metrics += [(f"decode tokens/s, batch {b}", [r.decode_tokens_per_s[b] for r in results]) for b in batches]
     metrics += [("top-1 agreement", [r.top1_agreement or 1.0 for r in results]),
+                ("bits per byte", [r.bits_per_byte or 0.0 for r in results]),
                 ("max concurrent seqs", [r.max_seqs for r in results])]
     fig, axes = plt.subplots(1, len(metrics), figsize=(3.0 * len(metrics), 3.4))
     names = [r.variant for r in results]
     for ax, (title, values) in zip(axes, metrics, strict=True):
-        ax.bar(names, values, color=["#777777"] + ["#3b75af", "#e1812c", "#3a923a", "#c03d3e"][: len(names) - 1])
+        palette = ["#3b75af", "#e1812c", "#3a923a", "#c03d3e", "#8e6bb8", "#8c564b", "#d17ab8", "#7f7f7f"]
+        ax.bar(names, values, color=["#777777"] + [palette[i % len(palette)] for i in range(len(names) - 1)])
         ax.set_title(title, fontsize=9)
         ax.tick_params(axis="x", labelsize=8, rotation=30)
     return save_figure(fig, path)
@@ -154,6 +171,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--decode-tokens", type=int, default=32)
     parser.add_argument("--batches", default="1,16,32")
+    parser.add_argument("--decode-context", type=int, default=16,
+                        help="prompt tokens before decode timing (long contexts make KV reads dominate)")
     parser.add_argument("--repeats", type=int, default=2, help="best of N for each timing")
     parser.add_argument("--memory-gb", type=float, default=2.0, help="fixed budget for the capacity column")
     parser.add_argument("--seq-len", type=int, default=1024)
@@ -186,8 +205,8 @@ def main(argv: list[str] | None = None) -> dict:
         results.append(result)
 
     base = results[0]
-    header = f"{'variant':<10}{'MiB':>8}{'load s':>8}{'prefill t/s':>13}" + "".join(
-        f"{f'decode b{b} t/s':>16}" for b in args.batches) + f"{'top-1':>8}{'max seqs':>10}"
+    header = f"{'variant':<15}{'MiB':>8}{'load s':>8}{'prefill t/s':>13}" + "".join(
+        f"{f'decode b{b} t/s':>16}" for b in args.batches) + f"{'top-1':>8}{'bpb':>7}{'KV B/blk':>10}{'max seqs':>11}"
     print(f"\n{args.model} on {args.device}: {len(text_ids)}-token fixed text, budget {args.memory_gb} GiB, "
           f"sequences of {args.seq_len} tokens\n{header}")
     for r in results:
@@ -195,8 +214,9 @@ def main(argv: list[str] | None = None) -> dict:
                  f"{r.prefill_tokens_per_s:>7.0f} {r.prefill_tokens_per_s / base.prefill_tokens_per_s:>4.2f}x"]
         cells += [f"{r.decode_tokens_per_s[b]:>9.1f} {r.decode_tokens_per_s[b] / base.decode_tokens_per_s[b]:>4.2f}x"
                   for b in args.batches]
-        cells += [f"{fmt(r.top1_agreement):>8}", f"{r.max_seqs:>5} {r.max_seqs / max(base.max_seqs, 1):>3.1f}x"]
-        print(f"{r.variant:<10}" + "".join(cells))
+        cells += [f"{fmt(r.top1_agreement):>8}", f"{r.bits_per_byte:>7.3f}", f"{r.kv_bytes_per_block:>10}",
+                  f"{r.max_seqs:>6} {r.max_seqs / max(base.max_seqs, 1):>3.2f}x"]
+        print(f"{r.variant:<15}" + "".join(cells))
 
     out = output_dir(args.out_dir, "variants")
     report = {"model": args.model, "device": args.device, "machine": machine(), "args": vars(args),
@@ -205,7 +225,8 @@ def main(argv: list[str] | None = None) -> dict:
                   "weight_bytes": r.weight_bytes / base.weight_bytes,
                   "prefill": r.prefill_tokens_per_s / base.prefill_tokens_per_s,
                   **{f"decode_b{b}": r.decode_tokens_per_s[b] / base.decode_tokens_per_s[b] for b in args.batches},
-                  "max_seqs": r.max_seqs / max(base.max_seqs, 1)} for r in results}}
+                  "max_seqs": r.max_seqs / max(base.max_seqs, 1),
+                  "bits_per_byte_delta": r.bits_per_byte - base.bits_per_byte} for r in results}}
     print(f"\nwrote {write_json(out / 'variants.json', report)} and {plot(results, args.batches, out / 'variants.png')}")
     return report
 
