@@ -18,7 +18,7 @@ GIB = 1 << 30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 METHOD_ROWS = ("baseline", "int8", "int8wo", "int4wo", "nf4", "fp4",
                "baseline+kv8", "int8wo+kv8", "int4wo+kv8", "int4wo+kvfp8")
-INT4WO_GROUP = 64
+INT4WO_GROUP = 32
 # A variant name's KV suffix -> the engine's kv_cache_dtype; "int4wo+kv8" is int4wo weights, int8 KV cache.
 KV_SUFFIXES = {"kv8": "int8", "kvfp8": "fp8"}
 # kv_cache_dtype -> (bytes per code, bytes of scale per token and KV head); must match serving's cache.
@@ -113,8 +113,8 @@ def linear_bytes(method: str, out_features: int, in_features: int, dtype_bytes: 
         return n * dtype_bytes
     if method in ("int8", "int8wo"):
         return n + 4 * out_features + (1 if method == "int8" else 0)  # int8 codes + fp32 row scale (+ format byte)
-    if method == "int4wo":  # nibbles + an fp32 scale and zero per group of 64 inputs
-        return n // 2 + 8 * out_features * (in_features // INT4WO_GROUP)
+    if method == "int4wo":  # nibbles + a bf16 scale and zero per group of 32 inputs
+        return n // 2 + 4 * out_features * (in_features // INT4WO_GROUP)
     if method in ("nf4", "fp4"):
         blocks = math.ceil(n / 64)
         # packed nibbles + int8 absmax per block of 64 + fp32 absmax per 256 blocks + code tables + state json

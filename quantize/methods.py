@@ -182,9 +182,9 @@ METHODS: dict[str, Method] = {
     ),
     "int4wo": Method(
         "int4wo", 4, "quantgate",
-        "weight-only int4, groups of 64 with a scale and zero each (gpt-fast style); fast CPU decode",
-        64, *_weight_only("int4wo"),
-        defaults={"quantize_lm_head": True, "quantize_embeddings": True, "dtype": "float32", "group_size": 64},
+        "weight-only int4, groups of 32 with a bf16 scale and zero each (gpt-fast style); fast CPU decode",
+        32, *_weight_only("int4wo"),
+        defaults={"quantize_lm_head": True, "quantize_embeddings": True, "dtype": "float32", "group_size": 32},
         weight_files=("int4wo.safetensors",),
     ),
 }

@@ -153,7 +153,8 @@ def quantize_model(model: nn.Module, quantize_lm_head: bool = True, quantize_emb
     tied = head is not None and isinstance(embed, nn.Embedding) and head.weight is embed.weight
     skip = set() if quantize_lm_head else {_module_name(model, head)} - {None}
     swapped = replace_linears(model, from_weights=True, skip=skip, group_size=group_size)
-    if quantize_embeddings and isinstance(embed, nn.Embedding):
+    fits = group_size is None or embed.weight.shape[1] % group_size == 0
+    if quantize_embeddings and isinstance(embed, nn.Embedding) and fits:
         new_head = model.get_output_embeddings()
         if tied and isinstance(new_head, Int8WeightOnlyLinear | Int4WeightOnlyLinear):
             new_embed = type_of_embedding(new_head).sharing(new_head, embed.weight.dtype)
@@ -168,7 +169,9 @@ def quantize_model(model: nn.Module, quantize_lm_head: bool = True, quantize_emb
 
 
 def int4_fits(linear: nn.Linear, group_size: int) -> bool:
-    return linear.in_features % group_size == 0 and linear.out_features % 16 == 0
+    from quantize.int4 import KERNEL_ROWS
+
+    return linear.in_features % group_size == 0 and linear.out_features % KERNEL_ROWS == 0
 
 
 def type_of_embedding(linear: nn.Module) -> type[nn.Module]:
