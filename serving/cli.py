@@ -109,7 +109,7 @@ def _register_serve(subparsers: argparse._SubParsersAction) -> None:
                    help="KV cache storage: auto (the model's dtype), int8 (codes + a scale per token and head), fp8 e4m3")
     p.add_argument("--scheduler", choices=["continuous", "static"], default="continuous")
     p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=int, default=512)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="tokens per engine step (default 2048)")
     p.add_argument("--num-kv-blocks", type=int, default=None)
     p.add_argument("--kv-cache-memory-gb", type=float, default=None)
     p.add_argument("--max-waiting", type=int, default=256, help="queued requests before 429s (whole server)")

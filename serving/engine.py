@@ -16,7 +16,7 @@ from serving.device import default_device, resolve_dtype
 from serving.model_runner import KVCacheShape, ModelRunner, load_model
 from serving.sampler import NO_TOKEN
 from serving.sampling_params import SamplingParams
-from serving.scheduler import SCHEDULERS
+from serving.scheduler import MAX_NUM_BATCHED_TOKENS, SCHEDULERS
 from serving.sequence import RequestMetrics, Sequence, SequenceStatus, TokenLogprob
 
 DEFAULT_CPU_KV_GB = 2.0
@@ -70,7 +70,7 @@ class LLMEngine:
         kv_cache_memory_gb: float | None = None,
         scheduler: str = "continuous",
         max_num_seqs: int = 64,
-        max_num_batched_tokens: int = 512,
+        max_num_batched_tokens: int = MAX_NUM_BATCHED_TOKENS,
         enable_prefix_caching: bool = True,
         prefix_cache_scope: str = "tenant",
         max_model_len: int | None = None,
