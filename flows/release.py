@@ -95,6 +95,7 @@ class VariantResult:
     gates_passed: bool | None = None
     gates_total: int = 0
     gates_failed: list[str] = field(default_factory=list)
+    gates_uninformative: list[str] = field(default_factory=list)  # could not have failed: no evidence
     decision: str = ""
 
 
@@ -327,6 +328,7 @@ def release_flow(
             summary.rows.append(VariantResult(
                 m.variant.name, m.variant.method, run_id, version, m.metrics.get(measuring.WEIGHTS_BYTES),
                 gates_passed=ev.passed, gates_total=len(ev.results), gates_failed=[r.name for r in ev.failed],
+                gates_uninformative=[r.name for r in ev.uninformative],
             ))
         records.log_comparison(release_id)
         champion = records.champion_or_baseline(summary, source)  # the first release makes the baseline champion

@@ -14,8 +14,10 @@ def ui_command(tracking_uri: str) -> str:
 def _gates(row: dict[str, Any]) -> str:
     if row["gates_passed"] is None:
         return "—"
-    passed = row["gates_total"] - len(row["gates_failed"])
-    return f"{passed}/{row['gates_total']} passed"
+    blind = [g for g in row.get("gates_uninformative", []) if g not in row["gates_failed"]]
+    passed = row["gates_total"] - len(row["gates_failed"]) - len(blind)
+    text = f"{passed}/{row['gates_total']} passed"
+    return text + (f", {len(blind)} uninformative" if blind else "")
 
 
 def _mb(value: float | None) -> str:

@@ -1,0 +1,15 @@
+"""The release summary never counts a gate that could not have failed as a pass."""
+
+from __future__ import annotations
+
+from flows.summary import _gates
+
+
+def test_uninformative_gates_are_counted_apart_from_passes():
+    row = {"gates_passed": True, "gates_total": 15, "gates_failed": [],
+           "gates_uninformative": ["safety/refusal_rate/max_fall", "task/harmbench/max_drop", "task/advbench/max_drop"]}
+    assert _gates(row) == "12/15 passed, 3 uninformative"
+    blocked = {**row, "gates_passed": False, "gates_failed": ["task/harmbench/max_drop", "task/arith/max_drop"]}
+    assert _gates(blocked) == "11/15 passed, 2 uninformative"  # a blocking one is a failure, not both
+    assert _gates({"gates_passed": True, "gates_total": 4, "gates_failed": []}) == "4/4 passed"
+    assert _gates({"gates_passed": None, "gates_total": 0, "gates_failed": []}) == "—"
