@@ -51,11 +51,14 @@ def version_stats(records: list[dict]) -> dict:
 class Canary:
     """Champion and challenger servers plus the router, up for the duration of a `with` block."""
 
-    def __init__(self, champion_dir: Path, challenger_dir: Path, share: float, decisions_log: Path):
+    def __init__(self, champion_dir: Path, challenger_dir: Path, share: float, decisions_log: Path,
+                 kv_cache_dtypes: dict[str, str] | None = None):
         if not 0.0 < share < 1.0:
             raise ValueError(f"canary share must be between 0 and 1 (exclusive), got {share}")
         self.dirs = {CHAMPION: Path(champion_dir), CHALLENGER: Path(challenger_dir)}
         self.share = share
+        self.kv_cache_dtypes = {v: (kv_cache_dtypes or {}).get(v, "auto") for v in self.dirs}
+        self.served_kv: dict[str, str] = {}  # what each engine really allocated
         self.decisions_log = decisions_log
         self.admin_key = secrets.token_hex(16)
         self._stack = ExitStack()
@@ -69,7 +72,9 @@ class Canary:
         try:
             backends = {}
             for version, path in self.dirs.items():
-                engine = LLMEngine.from_pretrained(str(path), device="cpu", kv_cache_memory_gb=CANARY_KV_GB)
+                engine = LLMEngine.from_pretrained(str(path), device="cpu", kv_cache_memory_gb=CANARY_KV_GB,
+                                                   kv_cache_dtype=self.kv_cache_dtypes[version])
+                self.served_kv[version] = engine.kv_cache_dtype
                 server = self._stack.enter_context(ServerThread(build_app(engine, served_model_name=version,
                                                                           version=version)))
                 backends[version] = server.url
@@ -155,16 +160,19 @@ async def _stream_one(client, url: str, i: int, item: dict) -> dict:
 
 
 def run_canary(champion_dir: Path, challenger_dir: Path, n: int, share: float, out: Path,
-               advance: Callable[[int], None], judge: Callable[[dict], tuple[bool, str]]) -> dict:
+               advance: Callable[[int], None], judge: Callable[[dict], tuple[bool, str]],
+               kv_cache_dtypes: dict[str, str] | None = None) -> dict:
     """Serve both, replay `n` requests through the router, judge, tell the router; returns the numbers."""
     if n < 2:
         raise ValueError(f"a canary needs at least 2 requests, got {n}")
     out.mkdir(parents=True, exist_ok=True)
     decisions = out / "router_decisions.jsonl"
-    with Canary(champion_dir, challenger_dir, share, decisions) as canary:
+    with Canary(champion_dir, challenger_dir, share, decisions, kv_cache_dtypes) as canary:
         records = canary.replay(traffic(n), advance)
         unrouted = [r for r in records if r["version"] not in (CHAMPION, CHALLENGER)]
         result: dict = {v: version_stats([r for r in records if r["version"] == v]) for v in (CHAMPION, CHALLENGER)}
+        for v in (CHAMPION, CHALLENGER):
+            result[v]["kv_cache_dtype"] = canary.served_kv[v]
         if unrouted:
             result["unrouted"] = len(unrouted)
         if result[CHALLENGER]["requests"] == 0:
@@ -181,5 +189,7 @@ def run_canary(champion_dir: Path, challenger_dir: Path, n: int, share: float, o
         "challenger_error_rate": result[CHALLENGER]["error_rate"],
         "challenger_tpot_p99_s": result[CHALLENGER]["tpot_p99_s"],
         "champion_tpot_p99_s": result[CHAMPION]["tpot_p99_s"],
+        "challenger_kv_cache_dtype": result[CHALLENGER]["kv_cache_dtype"],
+        "champion_kv_cache_dtype": result[CHAMPION]["kv_cache_dtype"],
     }
     return result

@@ -76,6 +76,19 @@ def version_source(model: str, version: str) -> Path:
     return path
 
 
+def version_kv_cache_dtype(model: str, version: str) -> str:
+    """The KV-cache dtype a registered version was measured with (its run's `kv_cache_dtype` param): a
+    version is its weights *and* its cache, so the canary serves it with the same cache."""
+    from gates.registry import resolve_registered_model
+    from gates.tracking import get_client
+
+    client = get_client()
+    mv = client.get_model_version(resolve_registered_model(model, client), str(version))
+    if not mv.run_id:
+        return "auto"
+    return client.get_run(mv.run_id).data.params.get("kv_cache_dtype", "auto")
+
+
 def champion_or_baseline(summary: ReleaseSummary, source: Source) -> tuple[str, Path]:
     """The current champion; with none yet, register this release's baseline and make it champion."""
     from gates.registry import CHAMPION, aliases, set_initial_champion

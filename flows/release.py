@@ -257,7 +257,7 @@ def evaluate_gates(run_id: str, policy: str | None, stage_name: str = "release")
 
 @task(name="canary", cache_policy=NO_CACHE)
 def canary(champion_dir: str, challenger_dir: str, requests: int, share: float, out: str, release_run_id: str,
-           challenger_run_id: str, policy: str | None) -> dict:
+           challenger_run_id: str, policy: str | None, kv_cache_dtypes: dict[str, str] | None = None) -> dict:
     """Replay traffic through the router; the challenger's numbers go to MLflow and are judged there
     (canary gates) before the router is told to promote or roll back."""
     from gates.evaluate import evaluate_run
@@ -272,7 +272,7 @@ def canary(champion_dir: str, challenger_dir: str, requests: int, share: float, 
 
     with stage(f"canary: {requests} replayed requests, {share:.0%} to the challenger", total=requests) as advance:
         result = canary_stage.run_canary(Path(champion_dir), Path(challenger_dir), requests, share, Path(out),
-                                         advance, judge)
+                                         advance, judge, kv_cache_dtypes)
     records.log_canary_artifacts(challenger_run_id, result)
     return result
 
@@ -435,9 +435,11 @@ def _canary_stage(summary: ReleaseSummary, source: Source, chosen: VariantResult
 
     champion_version, champion_dir = champion
     challenger_dir = records.version_source(source.name, chosen.version)
+    kv = {canary_stage.CHAMPION: records.version_kv_cache_dtype(source.name, champion_version),
+          canary_stage.CHALLENGER: records.version_kv_cache_dtype(source.name, chosen.version)}
     out = work_dir("canary", summary.release_run_id)
     result = canary(str(champion_dir), str(challenger_dir), requests, share, str(out), summary.release_run_id,
-                    chosen.run_id, policy)
+                    chosen.run_id, policy, kv)
     passed, failed = result["gates"]["passed"], result["gates"]["failed"]
     summary.canary = {"champion_version": champion_version, **result["summary"], "passed": passed, "failed": failed}
     if passed:

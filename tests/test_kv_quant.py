@@ -200,6 +200,8 @@ def test_a_release_with_a_kv_variant_records_and_gates_its_capacity(tiny_model_d
     assert list(rows) == ["baseline", "int8wo", "int8wo-kv8"]  # MLflow names allow no '+'
     assert rows["int8wo"]["gates_failed"] == ["capacity/min_gain"] and rows["int8wo-kv8"]["gates_passed"] is True
     assert s["chosen"] == "int8wo-kv8" and rows["int8wo-kv8"]["version"] is not None
+    # the canary serves each version with the cache it was measured with
+    assert (s["canary"]["challenger_kv_cache_dtype"], s["canary"]["champion_kv_cache_dtype"]) == ("int8", "auto")
     client = get_client()
     base, plain, kv = (get_run(rows[n]["run_id"], client).data for n in ("baseline", "int8wo", "int8wo-kv8"))
     assert kv.params["kv_cache_dtype"] == "int8" and plain.params["kv_cache_dtype"] == "auto"
