@@ -289,4 +289,6 @@ class StaticScheduler(Scheduler):
         return True  # the whole batch is admitted at once; its prefill is chunked over the next steps
 
 
-SCHEDULERS: dict[str, type[Scheduler]] = {"continuous": Scheduler, "static": StaticScheduler}
+from serving.dynamic_batching import DynamicBatchScheduler  # noqa: E402 (it subclasses StaticScheduler)
+
+SCHEDULERS: dict[str, type[Scheduler]] = {"continuous": Scheduler, "static": StaticScheduler, "dynamic": DynamicBatchScheduler}
