@@ -18,11 +18,33 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--kv-cache-dtype", choices=["auto", "int8", "fp8"], default="auto",
                    help="KV cache storage: auto (the model's dtype), int8 (codes + a scale per token and head), fp8 e4m3")
-    p.add_argument("--scheduler", choices=["continuous", "static"], default="continuous")
+    p.add_argument("--scheduler", choices=["continuous", "static", "dynamic"], default="continuous")
+    _dynamic_args(p)
     p.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
     p.set_defaults(func=_generate)
     _register_serve(subparsers)
     _register_route(subparsers)
+
+
+def _dynamic_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-batch-size", type=int, default=None,
+                   help="--scheduler dynamic: a batch closes when this many requests wait (its max_num_seqs)")
+    p.add_argument("--batch-timeout-ms", type=float, default=50.0,
+                   help="--scheduler dynamic: ... or when the oldest has waited this long (default 50 ms)")
+
+
+def _batch_options(args: argparse.Namespace, default_seqs: int) -> int:
+    """max_num_seqs for the engine; --max-batch-size is the dynamic policy's name for it."""
+    if args.max_batch_size is not None and args.scheduler != "dynamic":
+        raise ValueError("--max-batch-size is the dynamic scheduler's batch size; use --scheduler dynamic")
+    if args.batch_timeout_ms < 0:
+        raise ValueError("--batch-timeout-ms must be >= 0")
+    return args.max_batch_size or default_seqs
+
+
+def _configure_dynamic(engine, args: argparse.Namespace) -> None:
+    if args.scheduler == "dynamic":
+        engine.scheduler.batch_timeout_s = args.batch_timeout_ms / 1000
 
 
 DEMO_PROMPTS = [
@@ -49,8 +71,9 @@ def _generate(args: argparse.Namespace) -> int:
     with console.status(f"loading {args.model}"):
         engine = LLMEngine.from_pretrained(
             args.model, device=args.device, dtype=args.dtype, scheduler=args.scheduler,
-            kv_cache_dtype=args.kv_cache_dtype,
+            kv_cache_dtype=args.kv_cache_dtype, max_num_seqs=_batch_options(args, 64),
         )
+    _configure_dynamic(engine, args)
     prompts = args.prompts or DEMO_PROMPTS
     if args.chat:
         prompts = [
@@ -107,7 +130,8 @@ def _register_serve(subparsers: argparse._SubParsersAction) -> None:
                    help="auto (bf16 where the CPU has AVX-512-BF16/AMX or on CUDA, else fp32), float32, bfloat16, float16")
     p.add_argument("--kv-cache-dtype", choices=["auto", "int8", "fp8"], default="auto",
                    help="KV cache storage: auto (the model's dtype), int8 (codes + a scale per token and head), fp8 e4m3")
-    p.add_argument("--scheduler", choices=["continuous", "static"], default="continuous")
+    p.add_argument("--scheduler", choices=["continuous", "static", "dynamic"], default="continuous")
+    _dynamic_args(p)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="tokens per engine step (default 2048)")
     p.add_argument("--num-kv-blocks", type=int, default=None)
@@ -154,11 +178,13 @@ def _serve(args: argparse.Namespace) -> int:
     from serving.server import build_app
 
     engine = LLMEngine.from_pretrained(
-        args.model, device=args.device, dtype=args.dtype, scheduler=args.scheduler, max_num_seqs=args.max_num_seqs,
+        args.model, device=args.device, dtype=args.dtype, scheduler=args.scheduler,
+        max_num_seqs=_batch_options(args, args.max_num_seqs),
         max_num_batched_tokens=args.max_num_batched_tokens, num_kv_blocks=args.num_kv_blocks,
         kv_cache_memory_gb=args.kv_cache_memory_gb, prefix_cache_scope=args.prefix_cache_scope,
         kv_cache_dtype=args.kv_cache_dtype,
     )
+    _configure_dynamic(engine, args)
     engine.scheduler.tenant_step_slack = args.tenant_slack
     engine.scheduler.shared_prefill_chunk = args.tenant_prefill_chunk
     app = build_app(engine, served_model_name=args.served_model_name, version=args.model_version,
