@@ -40,13 +40,13 @@ from urllib.parse import urlparse
 
 import httpx
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from quantgate.files import read_yaml
 from serving.http_body import parse_json_object, read_body
+from serving.http_errors import install_error_handlers
 from serving.metrics import CONTENT_TYPE, LATENCY_BUCKETS
 from serving.protocol import APIError, error_body
 
@@ -326,21 +326,7 @@ def build_router_app(config: RouterConfig) -> FastAPI:
     app = FastAPI(title="quantgate router", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.router = state
 
-    @app.exception_handler(APIError)
-    async def _api_error(request: Request, exc: APIError):
-        return JSONResponse(error_body(exc.status, exc.message, exc.code), exc.status, headers=exc.headers)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(request: Request, exc: StarletteHTTPException):
-        message = {404: f"no route {request.url.path}",
-                   405: f"method {request.method} is not allowed on {request.url.path}"}.get(exc.status_code,
-                                                                                           str(exc.detail))
-        return JSONResponse(error_body(exc.status_code, message), exc.status_code)
-
-    @app.exception_handler(Exception)
-    async def _unexpected(request: Request, exc: Exception):
-        log.exception("unhandled error on %s", request.url.path)
-        return JSONResponse(error_body(500, f"internal error: {type(exc).__name__}"), 500)
+    install_error_handlers(app, log)
 
     def check_admin(request: Request) -> None:
         scheme, _, key = request.headers.get("authorization", "").partition(" ")
