@@ -1,4 +1,4 @@
-"""`quantgate bench hol|serve|kv-waste|sweep|tenants|tenant-leak|throughput|variants|peers`: the benchmarks, each printing a table and writing JSON (+ PNGs)."""
+"""`quantgate bench hol|dynamic|serve|kv-waste|sweep|tenants|tenant-leak|throughput|variants|peers`: the benchmarks, each printing a table and writing JSON (+ PNGs)."""
 
 from __future__ import annotations
 
@@ -24,7 +24,21 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--short-fraction", type=float, default=0.8)
     p.add_argument("--num-kv-blocks", type=int, default=None, help="default: enough that no request is preempted")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--batch-timeout-ms", type=float, default=100.0, help="the dynamic column's batch timeout")
     p.set_defaults(func=_hol)
+
+    p = verbs.add_parser("dynamic", help="dynamic batching: short-request p99 and padding waste over batch size × timeout")
+    _engine_args(p)
+    p.add_argument("--batch-sizes", type=_ints, default=(1, 2, 4, 8, 16), metavar="B,B,...")
+    p.add_argument("--timeouts-ms", type=_floats, default=(10.0, 100.0, 500.0), metavar="T,T,...")
+    p.add_argument("--num-requests", type=int, default=32)
+    p.add_argument("--steps-per-arrival", type=float, default=4.0,
+                   help="one request every N decode steps of the largest batch (timed at warm-up)")
+    p.add_argument("--short-tokens", type=_range, default=(8, 32), metavar="LO-HI")
+    p.add_argument("--long-tokens", type=_range, default=(128, 256), metavar="LO-HI")
+    p.add_argument("--short-fraction", type=float, default=0.8)
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=_dynamic)
 
     p = verbs.add_parser("serve", help="async load generator against an OpenAI-compatible server")
     target = p.add_mutually_exclusive_group(required=True)
@@ -129,6 +143,13 @@ def _ints(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
 
 
+def _floats(text: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
+
+
 def _budgets(text: str) -> tuple[int | None, ...]:
     try:
         return tuple(None if x.strip() == "auto" else int(x) for x in text.split(",") if x.strip())
@@ -144,7 +165,21 @@ def _hol(args: argparse.Namespace) -> int:
         args.model, num_requests=args.num_requests, max_num_seqs=args.max_num_seqs, rate=rate,
         steps_per_arrival=args.steps_per_arrival, seed=args.seed, device=args.device, dtype=args.dtype,
         num_kv_blocks=args.num_kv_blocks, short_tokens=args.short_tokens, long_tokens=args.long_tokens,
-        short_fraction=args.short_fraction, out_dir=args.out_dir, plots=args.plots,
+        short_fraction=args.short_fraction, batch_timeout_ms=args.batch_timeout_ms, out_dir=args.out_dir,
+        plots=args.plots,
+    )
+    print_report(report)
+    return 0
+
+
+def _dynamic(args: argparse.Namespace) -> int:
+    from benchmarks.dynamic import print_report, run_dynamic_sweep
+
+    report = run_dynamic_sweep(
+        args.model, batch_sizes=args.batch_sizes, timeouts_ms=args.timeouts_ms, num_requests=args.num_requests,
+        steps_per_arrival=args.steps_per_arrival, short_tokens=args.short_tokens, long_tokens=args.long_tokens,
+        short_fraction=args.short_fraction, seed=args.seed, device=args.device, dtype=args.dtype,
+        out_dir=args.out_dir, plots=args.plots,
     )
     print_report(report)
     return 0

@@ -34,8 +34,9 @@ from benchmarks.common import (
     write_json,
 )
 
-SCHEDULERS = ("static", "continuous")
-COLORS = {"short": "#1f77b4", "long": "#ff7f0e", "static": "#d62728", "continuous": "#2ca02c"}
+SCHEDULERS = ("static", "continuous", "dynamic")
+COLORS = {"short": "#1f77b4", "long": "#ff7f0e", "static": "#d62728", "continuous": "#2ca02c",
+          "dynamic": "#9467bd"}
 
 
 @dataclass
@@ -70,6 +71,7 @@ class RunResult:
     num_steps: int
     num_preemptions: int
     step_batch_sizes: list[int] = field(default_factory=list)
+    padding_waste: float | None = None  # dynamic batching: padded token slots / useful ones
 
 
 def make_workload(
@@ -233,6 +235,7 @@ def summarize_run(run: RunResult) -> dict[str, Any]:
         "num_steps": run.num_steps,
         "mean_batch_size": ratio(sum(run.step_batch_sizes), len(run.step_batch_sizes)),
         "num_preemptions": run.num_preemptions,
+        "padding_waste": run.padding_waste,
     }
 
 
@@ -267,6 +270,7 @@ def run_hol_lab(
     short_tokens: tuple[int, int] = (8, 32),
     long_tokens: tuple[int, int] = (256, 512),
     short_fraction: float = 0.8,
+    batch_timeout_ms: float = 100.0,
     out_dir: str | Path | None = None,
     plots: bool = True,
     progress: bool = True,
@@ -296,12 +300,17 @@ def run_hol_lab(
             num_kv_blocks=blocks, max_num_batched_tokens=max_num_batched_tokens, model_name=str(model),
         )
         measured = full_batch_step_time(engine, max_num_seqs)
+        if name == "dynamic":  # batches of max_num_seqs that also close when the oldest waited the timeout
+            engine.scheduler.batch_timeout_s = batch_timeout_ms / 1000
+            engine.scheduler.batches.clear()  # the warm-up's
         if step_time is None:  # the first engine fixes the workload; both run exactly the same one
             step_time = measured
             if rate == "auto":
                 rate = 1.0 / (steps_per_arrival * step_time)
             workload = make_workload(num_requests, rate=rate, **shape)
         runs[name] = run_workload(engine, workload, label=f"{name:>10}", progress=progress)
+        if name == "dynamic":
+            runs[name].padding_waste = engine.scheduler.padding_waste()
         del engine
         gc.collect()
     summaries = {name: summarize_run(run) for name, run in runs.items()}
@@ -325,6 +334,7 @@ def run_hol_lab(
             "max_num_batched_tokens": max_num_batched_tokens,
             "num_kv_blocks": blocks,
             "block_size": base.block_size,
+            "batch_timeout_ms": batch_timeout_ms,
         },
         "machine": machine(),
         "schedulers": summaries,
@@ -426,12 +436,16 @@ def print_report(report: dict[str, Any]) -> None:
 
     console = Console()
     cfg = report["config"]
-    s, c = report["schedulers"]["static"], report["schedulers"]["continuous"]
+    runs = report["schedulers"]
+    s, c = runs["static"], runs["continuous"]
+    d = runs.get("dynamic")  # reports saved before the dynamic policy have two columns
+    names = [n for n in SCHEDULERS if n in runs]
     table = Table(title=f"HOL lab: {cfg['num_requests']} requests ({cfg['arrivals']}), "
                         f"batch {cfg['max_num_seqs']}, {cfg['model']} on {cfg['device']}")
     table.add_column("metric")
-    table.add_column("static", justify="right")
-    table.add_column("continuous", justify="right")
+    for name in names:
+        title = f"dynamic ({fmt(cfg.get('batch_timeout_ms'), 0)} ms)" if name == "dynamic" else name
+        table.add_column(title, justify="right")
     table.add_column("static / continuous", justify="right")
     rows = [
         ("short completion p50 (s)", "completion_short_s", "p50"),
@@ -446,14 +460,19 @@ def print_report(report: dict[str, Any]) -> None:
     ]
     for label, key, stat in rows:
         scale = 1000 if "ms" in label else 1
-        sv, cv = s[key][stat], c[key][stat]
-        table.add_row(label, fmt(sv and sv * scale, 2), fmt(cv and cv * scale, 2), fmt(ratio(sv, cv), 2) + "×")
-    table.add_row("throughput (tok/s)", fmt(s["throughput_tokens_per_s"], 1), fmt(c["throughput_tokens_per_s"], 1),
-                  fmt(ratio(s["throughput_tokens_per_s"], c["throughput_tokens_per_s"]), 2) + "×")
-    table.add_row("short completion p99 (steps)", fmt(s["completion_short_steps"]["p99"], 0),
-                  fmt(c["completion_short_steps"]["p99"], 0), fmt(report["short_p99_speedup_steps"], 2) + "×")
-    table.add_row("makespan (s)", fmt(s["makespan_s"], 1), fmt(c["makespan_s"], 1), "")
-    table.add_row("mean batch size", fmt(s["mean_batch_size"], 1), fmt(c["mean_batch_size"], 1), "")
+        values = [runs[n][key][stat] for n in names]
+        table.add_row(label, *(fmt(v and v * scale, 2) for v in values),
+                      fmt(ratio(s[key][stat], c[key][stat]), 2) + "×")
+    plain = [("throughput (tok/s)", "throughput_tokens_per_s", 1), ("makespan (s)", "makespan_s", 1),
+             ("mean batch size", "mean_batch_size", 1)]
+    for label, key, digits in plain:
+        ratio_text = fmt(ratio(s[key], c[key]), 2) + "×" if key == "throughput_tokens_per_s" else ""
+        table.add_row(label, *(fmt(runs[n][key], digits) for n in names), ratio_text)
+    table.add_row("short completion p99 (steps)", *(fmt(runs[n]["completion_short_steps"]["p99"], 0) for n in names),
+                  fmt(report["short_p99_speedup_steps"], 2) + "×")
+    if d is not None:
+        table.add_row("padding waste (padded / useful slots)", *("" for _ in names[:-1]),
+                      fmt(d.get("padding_waste"), 2), "")
     console.print(table)
     console.print(
         f"short-request p99: continuous/static = {fmt(report['short_p99_continuous_over_static'], 3)} → "

@@ -53,8 +53,9 @@ def test_hol_lab_static_blocks_short_requests(tiny_model_dir, tmp_path):
         assert s["throughput_tokens_per_s"] > 0
     # every request got exactly its forced number of tokens under both schedulers
     workload = {r.request_id: r.max_tokens for r in make_workload(10, seed=1, short_tokens=(2, 4), long_tokens=(24, 32))}
-    for name in ("static", "continuous"):
+    for name in ("static", "continuous", "dynamic"):
         assert {d["request_id"]: d["output_tokens"] for d in report["runs"][name]["requests"]} == workload
+    assert report["schedulers"]["dynamic"]["padding_waste"] > 0  # batches of 3 mixed lengths pad
     # head-of-line blocking: in engine steps (deterministic) and in seconds
     assert static["completion_short_steps"]["p99"] > 1.5 * cont["completion_short_steps"]["p99"]
     assert report["short_p99_speedup_steps"] > 1.5
@@ -63,7 +64,7 @@ def test_hol_lab_static_blocks_short_requests(tiny_model_dir, tmp_path):
         static["completion_short_s"]["p99"] / cont["completion_short_s"]["p99"])
     assert report["short_p99_continuous_over_static"] < 1
     # the Gantt data: slots within the batch size, never two requests in one slot at once
-    for name in ("static", "continuous"):
+    for name in ("static", "continuous", "dynamic"):
         intervals = report["runs"][name]["intervals"]
         assert {iv["request_id"] for iv in intervals} == set(workload)
         assert all(0 <= iv["slot"] < 3 and iv["start"] < iv["end"] for iv in intervals)

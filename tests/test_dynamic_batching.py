@@ -113,3 +113,23 @@ def test_dynamic_engine_matches_hf_greedy_and_closes_on_size_then_timeout(tiny_m
     assert batches[2].oldest_wait_s >= 0.02
     assert engine.scheduler.padding_waste() > 0
     assert_no_leak(engine)
+
+
+def test_bench_dynamic_sweep_writes_curves(tiny_model_dir, tmp_path):
+    import json
+
+    from benchmarks.dynamic import run_dynamic_sweep
+
+    report = run_dynamic_sweep(str(tiny_model_dir), batch_sizes=(1, 4), timeouts_ms=(0.0, 1000.0), num_requests=8,
+                               short_tokens=(2, 4), long_tokens=(16, 24), seed=2, out_dir=tmp_path, progress=False)
+    points = {(p["batch_size"], p["timeout_ms"]): p for p in report["points"]}
+    assert set(points) == {(1, 0.0), (4, 0.0), (1, 1000.0), (4, 1000.0)}
+    for (b, _), p in points.items():
+        assert p["mean_closed_batch_size"] <= b and p["short_p99_s"] > 0
+    assert points[(1, 0.0)]["padding_waste"] == 0 and points[(1, 1000.0)]["padding_waste"] == 0  # nothing to pad
+    assert points[(4, 1000.0)]["padding_waste"] > 0  # four mixed lengths in each batch
+    assert points[(4, 1000.0)]["mean_closed_batch_size"] >= points[(4, 0.0)]["mean_closed_batch_size"]
+    assert points[(1, 0.0)]["closed_on_timeout"] == 0  # a batch of one is full as soon as one waits
+    saved = json.loads((tmp_path / "dynamic.json").read_text())
+    assert saved["points"] == report["points"]
+    assert open(report["plots"]["sweep"], "rb").read(8) == b"\x89PNG\r\n\x1a\n"
