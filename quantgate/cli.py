@@ -16,6 +16,7 @@ from quantgate.env import apply_defaults
 # Layer packages that contribute verbs, lowest layer first.
 COMMAND_MODULES = [
     "serving.cli",
+    "fleet.cli",
     "quantize.cli",
     "evals.cli",
     "gates.cli",
