@@ -1,6 +1,8 @@
 """Release-manager approval: the flow pauses showing the gate report; a person resumes it with a decision.
 
-In the flow: `wait_for_decision(report, candidates)` pauses with `pause_flow_run(wait_for_input=...)`.
+In the flow: `wait_for_decision(report, candidates, offered=...)` pauses with `pause_flow_run(wait_for_input=...)`.
+`offered` are variants stopped only by `uninformative` gates (`offers`): never auto-approved, shown first in
+the form with each blind gate's reason, approved only when the release manager names them.
 From anywhere that reaches the same Prefect API: the Prefect UI's resume form, or
 `quantgate approve RUN_ID [--reject] --comment ...` which calls `submit_decision`. The flow records the
 decision in MLflow (`gates.registry.record_approval`) once it resumes, whichever way it was resumed.
@@ -11,7 +13,9 @@ from __future__ import annotations
 import getpass
 import os
 import time
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
 from uuid import UUID
 
 from flows.runtime import prepare
@@ -40,6 +44,68 @@ class Decision:
     comment: str
 
 
+@dataclass(frozen=True)
+class Offer:
+    """A variant stopped only by `uninformative` gates: never auto-approved, offered to a person."""
+
+    variant: str
+    gates: dict[str, str] = field(default_factory=dict)  # blocking blind gate -> why it could not have failed
+
+
+NOT_ELIGIBLE = "not eligible (gates failed)"
+
+
+def blind_blockers(row: Any) -> list[str]:
+    """The gates stopping a variant when every one of them is uninformative (else [])."""
+    failed = list(getattr(row, "gates_failed", None) or [])
+    blind = set(getattr(row, "gates_uninformative", None) or [])
+    if getattr(row, "gates_passed", None) is not False or not failed or not set(failed) <= blind:
+        return []
+    return failed
+
+
+def recorded_reasons(run_id: str) -> dict[str, str]:
+    """Each gate's recorded reason on a variant's MLflow run (what `gates.md` shows)."""
+    from gates.evaluate import read_evaluation
+
+    evaluation = read_evaluation(run_id, "release")
+    return {} if evaluation is None else {r.name: r.reason for r in evaluation.results}
+
+
+def offers(rows: Iterable[Any], reasons: Callable[[str], dict[str, str]] = recorded_reasons) -> list[Offer]:
+    """The variants a release manager may still approve although their gates did not all pass."""
+    out = []
+    for row in rows:
+        gates = blind_blockers(row)
+        if gates:
+            why = reasons(row.run_id)
+            out.append(Offer(row.name, {g: why.get(g, "could not have failed at this baseline and n") for g in gates}))
+    return out
+
+
+def undecided(row: Any) -> str:
+    """The decision text of a variant nobody approved: failed, or blind and waiting for a person."""
+    gates = blind_blockers(row)
+    if not gates:
+        return NOT_ELIGIBLE
+    return (f"not auto-approved: blocked only by uninformative {', '.join(gates)}; a person decides "
+            "(--approve manual offers it) or a rerun with more items")
+
+
+def offer_section(offered: Sequence[Offer]) -> str:
+    """The form's lead when some variant is offered although blind gates stopped it."""
+    if not offered:
+        return ""
+    lines = ["> **Offered for a decision although gates stopped them**: each of these was blocked only by gates",
+             "> that could not have failed (`uninformative`), so nothing was measured against it. Approving one",
+             "> waives those gates on your judgement (recorded with your name); it is approved only if you",
+             "> name it in `variants` (`quantgate approve RUN_ID --variant NAME --comment ...`).", ">"]
+    for o in offered:
+        lines.append(f"> - `{o.variant}`:")
+        lines += [f">   - `{gate}`: {why}" for gate, why in o.gates.items()]
+    return "\n".join(lines) + "\n\n"
+
+
 def current_user() -> str:
     return os.environ.get("QUANTGATE_USER") or getpass.getuser()
 
@@ -49,14 +115,20 @@ def auto_decision(candidates: list[str]) -> Decision:
     return Decision({v: True for v in candidates}, AUTO_APPROVER, "auto-approved: every release gate passed")
 
 
-def decide(candidates: list[str], answer: ApprovalInput) -> Decision:
-    """Turn the resume form into a per-candidate decision; naming a non-candidate is an error."""
-    unknown = sorted(set(answer.variants) - set(candidates))
+def decide(candidates: list[str], answer: ApprovalInput, offered: Sequence[Offer] = ()) -> Decision:
+    """Turn the resume form into a per-candidate decision; naming a non-candidate is an error.
+
+    A variant offered only because its blocking gates were blind (`offered`) is approved only when the
+    form names it: a blanket "approve" never waives a gate that saw nothing."""
+    blind = [o.variant for o in offered]
+    everyone = [*candidates, *(v for v in blind if v not in candidates)]
+    unknown = sorted(set(answer.variants) - set(everyone))
     if unknown:
         raise ValueError(
-            f"cannot decide on {', '.join(unknown)}: not a candidate (candidates: {', '.join(candidates) or 'none'})"
+            f"cannot decide on {', '.join(unknown)}: not a candidate (candidates: {', '.join(everyone) or 'none'})"
         )
     chosen = set(answer.variants or candidates)
+    candidates = everyone
     by = answer.by.strip() or "unknown (resumed without a name)"
     return Decision({v: answer.approve and v in chosen for v in candidates}, by, answer.comment)
 
@@ -74,14 +146,21 @@ def form_description(report_markdown: str) -> str:
     return report_markdown
 
 
-def wait_for_decision(report_markdown: str, candidates: list[str], timeout_s: int, poll_interval_s: int = 2) -> Decision:
-    """Pause the running flow until someone approves or rejects; FlowPauseTimeout when nobody does."""
+def approval_form(report_markdown: str, candidates: list[str], offered: Sequence[Offer] = ()):
+    """The resume form: offered variants and blind gates first, then the gate report."""
+    return ApprovalInput.with_initial_data(description=offer_section(offered) + form_description(report_markdown),
+                                           approve=True, variants=list(candidates))
+
+
+def wait_for_decision(report_markdown: str, candidates: list[str], timeout_s: int, poll_interval_s: int = 2,
+                      offered: Sequence[Offer] = ()) -> Decision:
+    """Pause the running flow until someone approves or rejects; FlowPauseTimeout when nobody does.
+    The form is prefilled with the clean candidates only; an offered variant must be added by name."""
     from prefect import pause_flow_run
 
-    form = ApprovalInput.with_initial_data(description=form_description(report_markdown), approve=True,
-                                           variants=list(candidates))
+    form = approval_form(report_markdown, candidates, offered)
     answer = pause_flow_run(wait_for_input=form, timeout=timeout_s, poll_interval=poll_interval_s)
-    return decide(candidates, answer)
+    return decide(candidates, answer, offered)
 
 
 def _parse_run_id(run_id: str) -> UUID:

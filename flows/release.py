@@ -23,7 +23,7 @@ from prefect.cache_policies import NO_CACHE  # noqa: E402
 
 from flows import canary as canary_stage  # noqa: E402
 from flows import measuring, records  # noqa: E402
-from flows.approval import APPROVE_MODES, Decision, auto_decision, wait_for_decision  # noqa: E402
+from flows.approval import APPROVE_MODES, Decision, auto_decision, offers, undecided, wait_for_decision  # noqa: E402
 from flows.progress import note, stage  # noqa: E402
 from quantgate.models import DEFAULT_MODEL  # noqa: E402
 
@@ -397,17 +397,18 @@ def _approval(summary: ReleaseSummary, candidates: list[str], mode: str, timeout
     from gates import registry
 
     rows = {r.name: r for r in summary.rows}
-    if not candidates:
+    offered = offers(summary.rows[1:]) if mode == "manual" else []  # blocked only by blind gates: a person decides
+    if not candidates and not offered:
         for r in summary.rows[1:]:
-            r.decision = "not eligible (gates failed)"
+            r.decision = undecided(r)
         return Decision({}, "", "")
     if mode == "auto":
         decision = auto_decision(candidates)
     else:
-        with stage(f"waiting for approval of {', '.join(candidates)}"):
+        with stage(f"waiting for approval of {', '.join(candidates + [o.variant for o in offered])}"):
             report = records.approval_report(summary)
             note(f"paused for approval: quantgate approve {summary.flow_run_id} [--reject] --comment '...'")
-            decision = wait_for_decision(report, candidates, timeout_s)
+            decision = wait_for_decision(report, candidates, timeout_s, offered=offered)
     for name, approved in decision.approved.items():
         verdict = "approved" if approved else "rejected"
         registry.record_approval(summary.model, rows[name].version, by=decision.by, decision=verdict,
@@ -415,7 +416,7 @@ def _approval(summary: ReleaseSummary, candidates: list[str], mode: str, timeout
         rows[name].decision = f"{verdict} by {decision.by}"
     for r in summary.rows[1:]:
         if not r.decision:
-            r.decision = "not eligible (gates failed)"
+            r.decision = undecided(r)
     records.tag_release(summary.release_run_id, {"approval.mode": mode, "approval.by": decision.by,
                                                 "approval.comment": decision.comment[:5000]})
     return decision

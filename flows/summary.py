@@ -14,10 +14,24 @@ def ui_command(tracking_uri: str) -> str:
 def _gates(row: dict[str, Any]) -> str:
     if row["gates_passed"] is None:
         return "—"
-    blind = [g for g in row.get("gates_uninformative", []) if g not in row["gates_failed"]]
-    passed = row["gates_total"] - len(row["gates_failed"]) - len(blind)
+    blind = list(row.get("gates_uninformative", []))
+    blocking = [g for g in blind if g in row["gates_failed"]]
+    passed = row["gates_total"] - len(row["gates_failed"]) - (len(blind) - len(blocking))
     text = f"{passed}/{row['gates_total']} passed"
-    return text + (f", {len(blind)} uninformative" if blind else "")
+    return text + (f", {len(blind)} uninformative" if blind else "") + (f" ({len(blocking)} blocking)" if blocking else "")
+
+
+def _stopped_by(row: dict[str, Any]) -> tuple[list[str], list[str]]:
+    """(real failures, blocking gates that could not have failed) of a row."""
+    blind = set(row.get("gates_uninformative", []))
+    return ([g for g in row["gates_failed"] if g not in blind], [g for g in row["gates_failed"] if g in blind])
+
+
+def _stopped_text(row: dict[str, Any]) -> str:
+    failed, blind = _stopped_by(row)
+    parts = ([f"failed: {', '.join(failed)}"] if failed else []) + (
+        [f"blocked as uninformative: {', '.join(blind)}"] if blind else [])
+    return "; ".join(parts)
 
 
 def _mb(value: float | None) -> str:
@@ -47,7 +61,7 @@ def print_summary(summary: dict[str, Any], console=None) -> None:
     console.print(render_table(summary))
     for row in summary["rows"]:
         if row["gates_failed"]:
-            console.print(f"[red]{row['name']}[/red] failed: {', '.join(row['gates_failed'])}")
+            console.print(f"[red]{row['name']}[/red] {_stopped_text(row)}")
     console.print(f"[bold]outcome:[/bold] {summary['outcome']}")
     if summary.get("canary"):
         c = summary["canary"]
@@ -76,7 +90,7 @@ def render_markdown(summary) -> str:
     ]
     for row in data["rows"]:
         version = f"v{row['version']}" if row["version"] else "—"
-        gates = _gates(row) + (f" (failed: {', '.join(row['gates_failed'])})" if row["gates_failed"] else "")
+        gates = _gates(row) + (f" ({_stopped_text(row)})" if row["gates_failed"] else "")
         lines.append(f"| {row['name']} | {version} | {_mb(row['weight_bytes'])} | {gates} | {row['decision']} "
                      f"| `{row['run_id']}` |")
     if data.get("canary"):

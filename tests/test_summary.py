@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from flows.summary import _gates
+from flows.summary import _gates, _stopped_text
 
 
 def test_uninformative_gates_are_counted_apart_from_passes():
@@ -10,6 +10,7 @@ def test_uninformative_gates_are_counted_apart_from_passes():
            "gates_uninformative": ["safety/refusal_rate/max_fall", "task/harmbench/max_drop", "task/advbench/max_drop"]}
     assert _gates(row) == "12/15 passed, 3 uninformative"
     blocked = {**row, "gates_passed": False, "gates_failed": ["task/harmbench/max_drop", "task/arith/max_drop"]}
-    assert _gates(blocked) == "11/15 passed, 2 uninformative"  # a blocking one is a failure, not both
+    assert _gates(blocked) == "11/15 passed, 3 uninformative (1 blocking)"  # a blocking one is not a pass
+    assert _stopped_text(blocked) == "failed: task/arith/max_drop; blocked as uninformative: task/harmbench/max_drop"
     assert _gates({"gates_passed": True, "gates_total": 4, "gates_failed": []}) == "4/4 passed"
     assert _gates({"gates_passed": None, "gates_total": 0, "gates_failed": []}) == "—"
