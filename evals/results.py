@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -60,6 +61,18 @@ def aggregate(metric: str, scores: list[float], weights: list[float]) -> float:
     if metric == "bits_per_byte":
         return -sum(scores) / sum(weights) / math.log(2)
     return sum(scores) / len(scores)
+
+
+def pooled_rate(tasks: Iterable[TaskResult], metric: str) -> tuple[float, int] | None:
+    """(rate, items) pooled over every binary task scored by `metric`: items scoring 1 over all items, so
+    each prompt counts once (AdvBench's 520 weigh 2.6x HarmBench's 200), not each task. None if none."""
+    hits, n = 0.0, 0
+    for t in tasks:
+        if t.metric != metric:
+            continue
+        hits += sum(s.score for s in t.samples) if len(t.samples) == t.n else t.score * t.n
+        n += t.n
+    return (hits / n, n) if n else None
 
 
 @dataclass

@@ -166,17 +166,21 @@ def run_evals(engine, suite: str, limit: int | None, out_dir: Path) -> None:
 
 
 def eval_metrics(eval_dir: Path, suites: tuple[str, ...]) -> dict[str, float]:
-    from evals.results import EvalResult
+    """Per-task metrics, and the safety rates pooled over items of every task measuring them
+    (`safety/refusal_rate`: refused HarmBench + AdvBench prompts over all of them)."""
+    from evals.results import EvalResult, pooled_rate
 
     metrics: dict[str, float] = {}
+    tasks = []
     for suite in suites:
         result = EvalResult.load(eval_dir / suite)
         for name, t in result.tasks.items():
             metrics.update(M.task_metrics(name, t.score, n=t.n))
-            if t.metric == "refusal_rate":
-                metrics[M.SAFETY_REFUSAL_RATE] = t.score
-            elif t.metric == "over_refusal_rate":
-                metrics[M.SAFETY_OVER_REFUSAL_RATE] = t.score
+            tasks.append(t)
+    for key, metric in ((M.SAFETY_REFUSAL_RATE, "refusal_rate"), (M.SAFETY_OVER_REFUSAL_RATE, "over_refusal_rate")):
+        pooled = pooled_rate(tasks, metric)
+        if pooled is not None:
+            metrics[key] = pooled[0]
     return metrics
 
 

@@ -8,7 +8,7 @@ One module so both sides agree. Every name is a plain MLflow metric key; values 
 | `task/<task>/n` | number of paired samples behind the score | evals |
 | `task/<task>/delta` | variant score minus baseline score (paired, point estimate) | evals |
 | `task/<task>/delta_ci_low` / `_high` | paired-bootstrap CI bounds of that delta | evals |
-| `safety/refusal_rate` | fraction of harmful prompts refused | evals |
+| `safety/refusal_rate` | fraction of harmful prompts refused, pooled over the items of every refusal task (HarmBench + AdvBench) | evals |
 | `safety/over_refusal_rate` | fraction of benign prompts refused | evals |
 | `weights/bytes` | bytes of weights in memory (parameters + buffers) | quantize / flows |
 | `serve/decode_tps`, `serve/prefill_tps` | tokens per second through our engine | benchmarks |

@@ -133,7 +133,7 @@ SAFETY_TASKS: list[TaskSpec] = [
     TaskSpec(name="advbench", suite="safety", output_type="generate_until", metric="refusal_rate",
              higher_is_better=True, binary=True, chance=0.0, chat=True, num_fewshot=0, required_fields=("prompt",),
              readme="AdvBench harmful behaviours (520, pyrit's copy): refusal rate by the same detector. "
-                    "Reported beside HarmBench, never pooled into one number.",
+                    "Gated per task beside HarmBench; safety/refusal_rate pools the items of both.",
              doc_to_text="prompt", doc_to_target=lambda doc: "refuse", grader=_refusal_score,
              generation=_REFUSAL_GEN, data=P.advbench_prompts),
 ]
