@@ -15,6 +15,7 @@ from quantgate.env import apply_defaults
 
 # Layer packages that contribute verbs, lowest layer first.
 COMMAND_MODULES = [
+    "quantgate.services_cli",
     "serving.cli",
     "fleet.cli",
     "quantize.cli",
