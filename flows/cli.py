@@ -35,6 +35,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     p = subparsers.add_parser("deploy", help="serve the release flow as a Prefect deployment triggered on model change")
     p.add_argument("--name", default=None, help="deployment name (default on-model-change)")
+    p.add_argument("--work-pool", default=None, metavar="POOL",
+                   help="register on this process work pool of the Prefect server (PREFECT_API_URL) and exit; "
+                        "`prefect worker start --pool POOL` runs the releases")
     p.set_defaults(func=_deploy)
 
     p = subparsers.add_parser("watch", help="watch model dirs / .gguf files and emit quantgate.model.changed")
@@ -179,6 +182,14 @@ def _deploy(args: argparse.Namespace) -> int:
     from flows.deploy import DEPLOYMENT_NAME, EVENT_NAME, FLOW_NAME, exit_at_once, serve_deployment
 
     name = args.name or DEPLOYMENT_NAME
+    if args.work_pool:
+        from flows.deploy import register_on_work_pool
+
+        deployment_id = register_on_work_pool(args.work_pool, name)
+        print(f"registered {FLOW_NAME}/{name} ({deployment_id}) on the work pool {args.work_pool!r} of "
+              f"{os.environ['PREFECT_API_URL']}: each {EVENT_NAME!r} event starts a run there; start workers with\n"
+              f"  prefect worker start --pool {args.work_pool}")
+        return 0
 
     def serving(api_url: str) -> None:
         print(f"serving {FLOW_NAME}/{name} on the Prefect API {api_url}: a run starts on each {EVENT_NAME!r} "

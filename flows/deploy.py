@@ -4,6 +4,10 @@
 triggered by the event `quantgate.model.changed`: resource id = the model reference, flow parameters
 from the event's payload. `quantgate watch` and `quantgate notify` emit that event.
 
+`quantgate deploy --work-pool POOL` instead registers the deployment on a process work pool of a Prefect
+server (`PREFECT_API_URL`, e.g. from `quantgate services up`) and exits; `prefect worker start --pool
+POOL`, one or more, on any machine with quantgate installed, run the triggered releases.
+
 Without `PREFECT_API_URL`, every process has its own temporary API over the shared sqlite database, and
 an event is judged by the API of the process that emitted it; `notify` therefore waits until the run it
 triggered exists (it also tells you the run's id) before it exits.
@@ -43,7 +47,11 @@ def release_trigger() -> DeploymentEventTrigger:
     )
 
 
-def build_deployment(name: str = DEPLOYMENT_NAME):
+def build_deployment(name: str = DEPLOYMENT_NAME, work_pool: str | None = None):
+    """The release deployment; on a work pool its entrypoint is the module path `flows.release:release_flow`,
+    so a worker anywhere quantgate is installed can load it (no source folder of ours needed)."""
+    from prefect.deployments.runner import EntrypointType
+
     from flows.release import release_flow
 
     return release_flow.to_deployment(
@@ -51,7 +59,45 @@ def build_deployment(name: str = DEPLOYMENT_NAME):
         triggers=[release_trigger()],
         description=f"quantgate release, run on the event {EVENT_NAME!r} (see `quantgate watch` / `notify`)",
         tags=["quantgate"],
+        work_pool_name=work_pool,
+        entrypoint_type=EntrypointType.MODULE_PATH if work_pool else EntrypointType.FILE_PATH,
     )
+
+
+def server_api_url() -> str:
+    """The Prefect server a work pool lives on; a temporary per-process API cannot host one."""
+    url = os.environ.get("PREFECT_API_URL", "").strip()
+    if not url:
+        raise ValueError("a work pool needs a Prefect server: export PREFECT_API_URL "
+                         "(`quantgate services up` prints it), or use `quantgate deploy` without --work-pool")
+    return url
+
+
+def ensure_work_pool(pool: str) -> str:
+    """Create the process work pool `pool` when it is missing; returns its type (refuses a non-process one)."""
+    from prefect import get_client
+    from prefect.client.schemas.actions import WorkPoolCreate
+    from prefect.exceptions import ObjectNotFound
+    from prefect.workers.process import ProcessWorker
+
+    with get_client(sync_client=True) as client:
+        try:
+            existing = client.read_work_pool(pool)
+        except ObjectNotFound:
+            template = ProcessWorker.get_default_base_job_template()
+            client.create_work_pool(WorkPoolCreate(name=pool, type="process", base_job_template=template))
+            return "process"
+    if existing.type != "process":
+        raise ValueError(f"work pool {pool!r} is of type {existing.type!r}; quantgate deploys to a 'process' pool")
+    return existing.type
+
+
+def register_on_work_pool(pool: str, name: str = DEPLOYMENT_NAME) -> str:
+    """Register the deployment (and its event trigger) on `pool` of the Prefect server; returns its id.
+    Workers (`prefect worker start --pool POOL`) run its flow runs; nothing runs in this process."""
+    server_api_url()
+    ensure_work_pool(pool)
+    return str(build_deployment(name, work_pool=pool).apply(work_pool_name=pool))
 
 
 def serve_deployment(name: str = DEPLOYMENT_NAME, on_serving: Callable[[str], None] | None = None) -> None:

@@ -1,5 +1,6 @@
 """A release's variants side by side, read back from MLflow and logged on the release (parent) run as
-`comparison/comparison.md` and `comparison/comparison.png`."""
+`comparison/comparison.md` and `comparison/comparison.png`; each run then gets its lineage
+(`gates.lineage`: the flips table, the eval datasets as inputs)."""
 
 from __future__ import annotations
 
@@ -62,4 +63,7 @@ def log_release_comparison(release_run_id: str) -> str:
     client.log_text(release_run_id, text, "comparison/comparison.md")
     named = [(r.data.tags.get(TAG_VARIANT, r.info.run_name), r.data.metrics) for r in variants]
     client.log_figure(release_run_id, comparison_figure(named, baseline), "comparison/comparison.png")
+    from gates.lineage import log_release_lineage
+
+    log_release_lineage(client, release_children(release_run_id, client))  # flips tables, dataset inputs
     return text

@@ -20,6 +20,7 @@ import importlib.metadata
 import json
 import os
 import re
+import socket
 import time
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -40,6 +41,13 @@ TAG_VARIANT = "quantgate.variant"
 TAG_RELEASE = "quantgate.release_run_id"
 TAG_SOURCE_HASH = "quantgate.source_hash"
 TAG_PARENT = "mlflow.parentRunId"  # what the MLflow UI nests runs by
+
+# The MLflow UI (3.x) opens an experiment of this kind on its runs table ("Machine learning"), not on the
+# GenAI traces page it infers for experiments without the tag (the values are the UI's ExperimentKind).
+EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
+EXPERIMENT_KIND = "custom_model_development"
+WEIGHTS_PATH_TAG = "weights_path"  # model-version tags: the weights on disk, and on which host
+WEIGHTS_HOST_TAG = "weights_host"
 
 BASELINE = "baseline"
 MANIFEST_DIR = "variant"  # the variant's quantgate.json lands at <run artifacts>/variant/quantgate.json
@@ -94,11 +102,14 @@ def ensure_experiment(model_name: str, client: MlflowClient | None = None) -> st
     if experiment is not None:
         if experiment.lifecycle_stage != "active":
             raise ValueError(f"MLflow experiment {name!r} is deleted; restore it in the MLflow UI first")
+        if experiment.tags.get(EXPERIMENT_KIND_TAG) is None:
+            client.set_experiment_tag(experiment.experiment_id, EXPERIMENT_KIND_TAG, EXPERIMENT_KIND)
         return experiment.experiment_id
     location = None
     if is_local_store():
         location = (artifact_root() / model_name).resolve().as_uri()
-    return client.create_experiment(name, artifact_location=location, tags={TAG_MODEL: model_name})
+    tags = {TAG_MODEL: model_name, EXPERIMENT_KIND_TAG: EXPERIMENT_KIND}
+    return client.create_experiment(name, artifact_location=location, tags=tags)
 
 
 def library_versions() -> dict[str, str]:
@@ -325,11 +336,16 @@ def register_variant(
         client.get_registered_model(name)
     except MlflowException:
         client.create_registered_model(name, tags={TAG_MODEL: run.data.tags[TAG_MODEL]})
+    weights: dict[str, str] = {}
     if source is None:
         source = f"{run.info.artifact_uri}/{MANIFEST_DIR}"
     elif isinstance(source, Path) or "://" not in str(source):
         source = str(Path(source).expanduser().resolve())
+        if not is_local_store():  # a tracking server accepts no local path as a version's source
+            weights = {WEIGHTS_PATH_TAG: source, WEIGHTS_HOST_TAG: socket.gethostname()}
+            source = f"{run.info.artifact_uri}/{MANIFEST_DIR}"
     version_tags = {
+        **weights,
         "variant": run.data.tags.get(TAG_VARIANT, ""),
         "role": run.data.tags.get(TAG_ROLE, ""),
         "method": run.data.params.get("method", ""),
@@ -339,6 +355,12 @@ def register_variant(
     }
     version = client.create_model_version(name, source=str(source), run_id=run_id, tags=version_tags)
     return str(version.version)
+
+
+def version_weights(version) -> str:
+    """Where a registered version's weights are: its `weights_path` tag (versions registered through a
+    tracking server, on the host in `weights_host`), else its source (a local store takes the path)."""
+    return version.tags.get(WEIGHTS_PATH_TAG) or str(version.source).removeprefix("file://")
 
 
 def ui_command(host: str = "127.0.0.1", port: int = 5000, workers: int = 1, verb: str = "ui") -> list[str]:
