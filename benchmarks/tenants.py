@@ -95,11 +95,12 @@ def run(model: str = "smollm2-135m", device: str | None = None, dtype: str | Non
         work: Workload | None = None, slack: float | None = None, out_dir: str | Path | None = None,
         plots: bool = True) -> dict[str, Any]:
     from serving import LLMEngine, SamplingParams
+    from serving.tenants import TenantFairness
 
     work = work or Workload()
-    engine = LLMEngine.from_pretrained(model, device=device, dtype=dtype, enable_prefix_caching=False)
-    if slack is not None:
-        engine.scheduler.tenant_step_slack = slack
+    fairness = TenantFairness() if slack is None else TenantFairness(step_slack=slack)
+    engine = LLMEngine.from_pretrained(model, device=device, dtype=dtype, enable_prefix_caching=False,
+                                       tenant_fairness=fairness)
     warm = [random.Random(1).randrange(1000, engine.vocab_size) for _ in range(max(work.a_prompt_tokens))]
     engine.generate(warm, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))  # step costs learned
 
@@ -118,9 +119,9 @@ def run(model: str = "smollm2-135m", device: str | None = None, dtype: str | Non
         "model": model,
         "machine": machine(),
         "workload": work.__dict__,
-        "tenant_step_slack": engine.scheduler.tenant_step_slack,
-        "shared_prefill_chunk": engine.scheduler.shared_prefill_chunk,
-        "decode_step_s": engine.scheduler.decode_step_seconds,
+        "tenant_step_slack": fairness.step_slack,
+        "shared_prefill_chunk": fairness.prefill_chunk,
+        "decode_step_s": fairness.decode_step_seconds,
         "runs": {
             name: {
                 "b_latency_s": summarize(r.b_latency_s),

@@ -159,7 +159,7 @@ def _register_route(subparsers: argparse._SubParsersAction) -> None:
 def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from serving.tenants import load_tenants
+    from serving.tenants import TenantFairness, load_tenants
 
     if args.max_waiting < 1:
         raise ValueError("--max-waiting must be at least 1")
@@ -183,10 +183,10 @@ def _serve(args: argparse.Namespace) -> int:
         max_num_batched_tokens=args.max_num_batched_tokens, num_kv_blocks=args.num_kv_blocks,
         kv_cache_memory_gb=args.kv_cache_memory_gb, prefix_cache_scope=args.prefix_cache_scope,
         kv_cache_dtype=args.kv_cache_dtype,
+        tenant_fairness=TenantFairness.for_tenants(tenants, step_slack=args.tenant_slack,
+                                                   prefill_chunk=args.tenant_prefill_chunk),
     )
     _configure_dynamic(engine, args)
-    engine.scheduler.tenant_step_slack = args.tenant_slack
-    engine.scheduler.shared_prefill_chunk = args.tenant_prefill_chunk
     app = build_app(engine, served_model_name=args.served_model_name, version=args.model_version,
                     tenants=tenants, max_waiting=args.max_waiting, metrics_key=args.metrics_key)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)

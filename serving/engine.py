@@ -18,6 +18,7 @@ from serving.sampler import NO_TOKEN
 from serving.sampling_params import SamplingParams
 from serving.scheduler import MAX_NUM_BATCHED_TOKENS, SCHEDULERS
 from serving.sequence import RequestMetrics, Sequence, SequenceStatus, TokenLogprob
+from serving.tenants import TenantFairness
 
 DEFAULT_CPU_KV_GB = 2.0
 GPU_MEMORY_UTILIZATION = 0.9
@@ -76,6 +77,7 @@ class LLMEngine:
         max_model_len: int | None = None,
         model_name: str = "model",
         kv_cache_dtype: str = "auto",
+        tenant_fairness: TenantFairness | None = None,
     ):
         if scheduler not in SCHEDULERS:
             raise ValueError(f"unknown scheduler {scheduler!r}; choose one of {sorted(SCHEDULERS)}")
@@ -98,7 +100,8 @@ class LLMEngine:
             if kv_cache_memory_gb is None:  # never reserve more than every slot at full context could use
                 num_kv_blocks = min(num_kv_blocks, max_num_seqs * -(-self.max_model_len // block_size))
         self.block_manager = BlockManager(num_kv_blocks, block_size, enable_prefix_caching, prefix_cache_scope)
-        self.scheduler = SCHEDULERS[scheduler](self.block_manager, max_num_seqs, max_num_batched_tokens)
+        self.scheduler = SCHEDULERS[scheduler](self.block_manager, max_num_seqs, max_num_batched_tokens,
+                                               fairness=tenant_fairness or TenantFairness())
         self.scheduler_name = scheduler
         self.runner = ModelRunner(model, self.device, block_size, num_kv_blocks, kv_dtype, kv_cache_dtype)
         self.kv_cache_dtype = kv_cache_dtype

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass, field
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, Request
@@ -16,10 +15,11 @@ from fastapi.responses import Response
 from pydantic import BaseModel, ValidationError
 
 from serving import openai_format as fmt
-from serving.engine import LLMEngine, RequestOutput
+from serving.context import ServingContext
+from serving.engine import RequestOutput
 from serving.engine_loop import DISCONNECT_POLL_S, ENGINE_STOPPED, EngineLoop
 from serving.http_body import parse_json_object, read_body
-from serving.metrics import CONTENT_TYPE, ServerMetrics
+from serving.metrics import CONTENT_TYPE
 from serving.protocol import (
     APIError,
     ChatCompletionRequest,
@@ -30,42 +30,10 @@ from serving.protocol import (
 )
 from serving.sampling_params import SamplingParams
 from serving.streams import AbortingStream, stream_chat, stream_completion
-from serving.tenants import DEFAULT_TENANT, TenantTable, key_matches
+from serving.tenants import DEFAULT_TENANT, key_matches
 
 MIN_TEMPERATURE = 1e-5
 MIN_TOP_P = 1e-6
-
-
-@dataclass
-class ServingContext:
-    engine: LLMEngine
-    loop: EngineLoop
-    metrics: ServerMetrics
-    model_name: str
-    version: str
-    tenants: TenantTable | None = None
-    metrics_key: str | None = None
-    created: int = field(default_factory=lambda: int(time.time()))
-
-    def __post_init__(self) -> None:
-        self.tokenizer = self.engine.tokenizer
-        self.tokens = fmt.TokenText(self.tokenizer)
-
-    def check_model(self, name: str | None) -> None:
-        if name is not None and name not in (self.model_name, self.version):
-            raise APIError(404, f"the model `{name}` does not exist; this server serves `{self.model_name}`",
-                           "model_not_found")
-
-    def check_vocab(self, ids: list[int]) -> None:
-        bad = [t for t in ids if t >= self.engine.vocab_size]  # before anything decodes them (an id > 2**63: 500)
-        if bad:
-            raise APIError(400, f"token id {bad[0]} is not in the vocabulary (0..{self.engine.vocab_size - 1})")
-
-    def encode(self, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:
-        if isinstance(prompt, str):
-            return self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
-        self.check_vocab(prompt)
-        return list(prompt)
 
 
 def serving(request: Request) -> ServingContext:

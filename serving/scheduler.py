@@ -11,18 +11,19 @@ Every step the continuous scheduler:
 Finished sequences are evicted by the engine right after the step, so the next step's admission
 already sees their blocks free.
 
-With several tenants (the server's API keys) two rules keep one tenant from starving another:
-admission takes the head of each tenant's FIFO in turn (round-robin), skipping a tenant whose
-KV-block quota (`tenant_max_kv_blocks`, reserved for prompt + max_tokens) is full; and while more
-than one tenant has work, prefill is paid for from a time allowance, so a burst of long prompts can
-neither hold back another tenant's decodes nor make its steps slow. Each shared step earns
-`tenant_step_slack` x (a decode-only step's measured time) and is charged what it actually took
-beyond a decode-only step; prefill chunks (`shared_prefill_chunk` tokens, the tenant with the least
+With several tenants (the server's API keys) a `TenantFairness` (serving/tenants.py), given at
+construction, keeps one tenant from starving another: admission takes the head of each tenant's FIFO
+in turn (round-robin), skipping a tenant whose KV-block quota (reserved for prompt + max_tokens) is
+full; and while more than one tenant has work, prefill is paid for from a time allowance, so a burst
+of long prompts can neither hold back another tenant's decodes nor make its steps slow. Each shared
+step earns `step_slack` x (a decode-only step's measured time) and is charged what it actually took
+beyond a decode-only step; prefill chunks (`prefill_chunk` tokens, the tenant with the least
 pending prefill first) run only while the allowance is positive or nobody decodes, so on average
 shared steps stay within the slack whatever the hardware. A tenant with nothing running gets its
 first chunk at once (charged, not gated): a newcomer's short prompt never waits behind a flood.
 Decode tokens always run. Isolation is bought with the flooding tenant's prefill throughput, and
-only while several tenants are active. With one tenant the schedule is exactly the plain FIFO one.
+only while several tenants are active. With one tenant the schedule is exactly the plain FIFO one;
+without a TenantFairness every step is plain FIFO.
 
 The static scheduler differs in one rule: it admits a new batch only when every sequence of the
 current batch has finished — the head-of-line blocking that continuous batching removes.
@@ -30,12 +31,12 @@ current batch has finished — the head-of-line blocking that continuous batchin
 
 from __future__ import annotations
 
-import bisect
 from collections import deque
 from dataclasses import dataclass, field
 
 from serving.block_manager import BlockManager
 from serving.sequence import Sequence, SequenceStatus
+from serving.tenants import TenantFairness, reservation
 
 # Tokens per step. 2048 against 512 on the peers workload (64 requests at once, 2 cores): 1.04x output
 # tokens/s and 0.79x TTFT p99, since each step reads the weights once for more prefill.
@@ -57,6 +58,7 @@ class ScheduledSeq:
 class SchedulerOutput:
     scheduled: list[ScheduledSeq] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    shared_step: bool = False  # several tenants had work (the time allowance is charged for this step)
 
     @property
     def num_tokens(self) -> int:
@@ -67,17 +69,25 @@ class SchedulerOutput:
         return sum(s.num_new_tokens for s in self.scheduled if s.is_prefill)
 
 
-PREFILL_BURST_STEPS = 16  # the allowance saves at most this many steps' slack
+class FifoStep:
+    """A step without tenant rules: every sequence may take what the token budget leaves."""
 
+    shared = False
 
-def _smallest_first_split(budget: int, demand: dict[str, int]) -> dict[str, int]:
-    """The tenant with the least pending prefill is served first and in full, the flood gets the rest:
-    a short prompt is never cut into ever smaller pieces behind a long one."""
-    shares = dict.fromkeys(demand, 0)
-    for tenant in sorted(demand, key=demand.get):
-        shares[tenant] = min(demand[tenant], budget)
-        budget -= shares[tenant]
-    return shares
+    def __init__(self, running: list[Sequence]):
+        pass
+
+    def cap(self, seq: Sequence, n: int) -> int:
+        return n
+
+    def charge(self, seq: Sequence, n: int) -> None:
+        pass
+
+    def admitted(self, seq: Sequence) -> None:
+        pass
+
+    def next_waiting(self, waiting: deque[Sequence]) -> Sequence | None:
+        return waiting[0]
 
 
 class Scheduler:
@@ -89,6 +99,7 @@ class Scheduler:
         max_num_seqs: int = 64,
         max_num_batched_tokens: int = MAX_NUM_BATCHED_TOKENS,
         watermark: float = 0.01,
+        fairness: TenantFairness | None = None,
     ):
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
@@ -97,13 +108,9 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
-        self.tenant_max_kv_blocks: dict[str, int] = {}
-        self.tenant_step_slack = 0.25  # shared steps may be this much slower, on average, than decodes alone
-        self.shared_prefill_chunk = 64  # prefill tokens a shared step takes when the allowance permits
-        self.decode_step_seconds: float | None = None  # moving average of decode-only steps
-        self.prefill_allowance = 0.0  # seconds of extra step time shared prefill may still spend
-        self._shared_step = False
-        self._last_tenant: str | None = None
+        self.fairness = fairness
+        if fairness is not None:
+            fairness.bind(block_manager, max_num_batched_tokens)
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -112,30 +119,27 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         batch_open = self._batch_open()
-        shares = self._tenant_shares()  # None unless several tenants have work
+        step = self.fairness.shares(self.running, self.waiting) if self.fairness else FifoStep(self.running)
+        out = SchedulerOutput(shared_step=step.shared)
 
         # 1. Running sequences first, oldest first; preempt the newest when blocks run out.
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.num_uncomputed_tokens, budget)
-            if shares is not None and n > 1:  # a prefill chunk stays within its tenant's share
-                n = min(n, shares[seq.tenant])
-                if n == 0:
-                    i += 1
-                    continue
+            if n > 1 and (n := step.cap(seq, n)) == 0:  # a prefill chunk may be held back this step
+                i += 1
+                continue
             if self._make_room(seq, n, out):
                 self.block_manager.append_slots(seq, n)
                 out.scheduled.append(ScheduledSeq(seq, n))
                 budget -= n
-                if shares is not None:
-                    shares[seq.tenant] = max(0, shares[seq.tenant] - n)
+                step.charge(seq, n)
                 i += 1
 
-        # 2. Admission, FIFO (per tenant, tenants in turn). No admission in a step that had to preempt.
+        # 2. Admission, FIFO (or the step's order). No admission in a step that had to preempt.
         while (
             self.waiting
             and not out.preempted
@@ -143,18 +147,16 @@ class Scheduler:
             and self._has_budget(budget)
             and len(self.running) < self.max_num_seqs
         ):
-            seq = self._next_waiting(shares)
+            seq = step.next_waiting(self.waiting)
             if seq is None or not self._fits(seq):
                 break
             self.waiting.remove(seq)
             self.block_manager.allocate(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            self._last_tenant = seq.tenant
-            n = min(seq.num_uncomputed_tokens, budget)
-            if shares is not None:
-                n = min(n, shares[seq.tenant])
-                shares[seq.tenant] -= max(n, 0)
+            step.admitted(seq)
+            n = step.cap(seq, min(seq.num_uncomputed_tokens, budget))
+            step.charge(seq, n)
             if n > 0:
                 out.scheduled.append(ScheduledSeq(seq, n))
                 budget -= n
@@ -178,74 +180,19 @@ class Scheduler:
 
     def reserved_blocks(self, tenant: str) -> int:
         """KV blocks a tenant's running sequences may grow to (what its quota is checked against)."""
-        return sum(self._reservation(s) for s in self.running if s.tenant == tenant)
+        return sum(reservation(self.block_manager, s) for s in self.running if s.tenant == tenant)
+
+    @property
+    def tenant_max_kv_blocks(self) -> dict[str, int]:
+        """Each tenant's KV-block quota (read by the engine to refuse a request no quota could admit)."""
+        return self.fairness.quotas if self.fairness else {}
+
+    def step_done(self, plan: SchedulerOutput, seconds: float) -> None:
+        """The engine reports each step's time (the tenant rules' time allowance is measured in it)."""
+        if self.fairness is not None:
+            self.fairness.record_step(plan, seconds)
 
     # ---- rules ---------------------------------------------------------------------------------
-    def step_done(self, plan: SchedulerOutput, seconds: float) -> None:
-        """The engine reports each step's time: decode-only steps set the baseline, shared ones pay."""
-        decode = self.decode_step_seconds
-        if plan.num_prefill_tokens == 0:
-            self.decode_step_seconds = seconds if decode is None else 0.95 * decode + 0.05 * seconds
-        if self._shared_step and decode is not None:
-            cap = PREFILL_BURST_STEPS * self.tenant_step_slack * decode
-            earned = self.tenant_step_slack * decode - max(0.0, seconds - decode)
-            self.prefill_allowance = min(cap, self.prefill_allowance + earned)
-
-    def _tenant_shares(self) -> dict[str, int] | None:
-        """Prefill tokens per tenant for this step while several tenants have work, else None."""
-        demand: dict[str, int] = {}  # tenant -> prompt tokens still to prefill
-        for seq in self.running:
-            pending = seq.num_uncomputed_tokens if seq.num_uncomputed_tokens > 1 else 0  # 1 is a decode
-            demand[seq.tenant] = demand.get(seq.tenant, 0) + pending
-        for seq in self.waiting:
-            demand[seq.tenant] = demand.get(seq.tenant, 0) + seq.num_uncomputed_tokens
-        self._shared_step = len(demand) > 1
-        if not self._shared_step:
-            self.prefill_allowance = 0.0
-            return None
-        decoding = any(s.num_uncomputed_tokens <= 1 for s in self.running)
-        if self.decode_step_seconds is None:
-            budget = self.max_num_batched_tokens  # no baseline measured yet
-        elif self.prefill_allowance > 0 or not decoding:  # (with no decodes, gating would stall everyone)
-            budget = self.shared_prefill_chunk
-        else:
-            budget = 0
-        shares = _smallest_first_split(budget, demand)
-        running = {s.tenant for s in self.running}
-        for tenant in demand.keys() - running:  # a newcomer's first chunk is not gated
-            shares[tenant] = max(shares[tenant], min(demand[tenant], self.shared_prefill_chunk))
-        return shares
-
-    def _next_waiting(self, shares: dict[str, int] | None) -> Sequence | None:
-        """The head of the next tenant's FIFO, tenants taken in turn after the last one admitted;
-        tenants whose quota or token share is used up are skipped."""
-        if shares is None:  # one tenant has work: plain FIFO
-            head = self.waiting[0]
-            return head if self._within_quota(head) else None
-        heads: dict[str, Sequence] = {}
-        for seq in self.waiting:
-            heads.setdefault(seq.tenant, seq)
-            if len(heads) == len(shares):  # every tenant with work has its head: no need to read on
-                break
-        order = sorted(heads)
-        if self._last_tenant is not None:
-            k = bisect.bisect_right(order, self._last_tenant)
-            order = order[k:] + order[:k]
-        for tenant in order:
-            seq = heads[tenant]
-            if shares is not None and shares[tenant] <= 0:
-                continue
-            if self._within_quota(seq):
-                return seq
-        return None
-
-    def _within_quota(self, seq: Sequence) -> bool:
-        quota = self.tenant_max_kv_blocks.get(seq.tenant)
-        return quota is None or self.reserved_blocks(seq.tenant) + self._reservation(seq) <= quota
-
-    def _reservation(self, seq: Sequence) -> int:
-        return self.block_manager.blocks_needed(seq.num_prompt_tokens + seq.params.max_tokens)
-
     def _batch_open(self) -> bool:
         return True
 

@@ -11,11 +11,12 @@ import logging
 
 from fastapi import FastAPI
 
+from serving.context import ServingContext
 from serving.engine import LLMEngine
 from serving.engine_loop import DRAIN_TIMEOUT_S, EngineLoop, drain_on_signals
 from serving.http_errors import install_error_handlers
 from serving.metrics import ServerMetrics
-from serving.routes import ServingContext, router
+from serving.routes import router
 from serving.server_thread import ServerThread
 from serving.tenants import DEFAULT_TENANT, TenantTable
 
@@ -48,8 +49,9 @@ def build_app(
     metrics = ServerMetrics(version, sorted(tenants.tenants) if tenants else [DEFAULT_TENANT])
     waiting_limits = {n: t.max_waiting for n, t in (tenants.tenants if tenants else {}).items()
                       if t.max_waiting is not None}
-    if tenants:
-        engine.scheduler.tenant_max_kv_blocks = tenants.quotas(engine.block_manager.num_blocks)
+    if tenants and tenants.quotas(engine.block_manager.num_blocks) != engine.scheduler.tenant_max_kv_blocks:
+        raise ValueError("the tenants' KV quotas are the scheduler's: build the engine with "
+                         "tenant_fairness=TenantFairness.for_tenants(tenants)")
     loop = EngineLoop(engine, metrics, max_waiting, waiting_limits)
 
     @contextlib.asynccontextmanager

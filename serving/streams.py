@@ -4,15 +4,12 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Callable
-from typing import TYPE_CHECKING
 
 from fastapi.responses import StreamingResponse
 
 from serving import openai_format as fmt
+from serving.context import ServingContext
 from serving.protocol import APIError, ChatCompletionRequest, CompletionRequest
-
-if TYPE_CHECKING:
-    from serving.routes import ServingContext
 
 
 class AbortingStream(StreamingResponse):

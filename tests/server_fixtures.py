@@ -12,7 +12,9 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from serving import LLMEngine
-from serving.server import ServerThread, build_app
+from serving.server import build_app
+from serving.server_thread import ServerThread
+from serving.tenants import TenantFairness
 
 
 @contextlib.contextmanager
@@ -34,7 +36,10 @@ def tiny_engine(model_dir: Path, **kwargs) -> LLMEngine:
 
 @contextlib.contextmanager
 def running_server(model_dir: Path, engine_kwargs: dict | None = None, **app_kwargs) -> Iterator[ServerThread]:
-    engine = tiny_engine(model_dir, **(engine_kwargs or {}))
+    """A tiny engine behind the server; with `tenants`, the engine's scheduler has their quotas."""
+    engine_kwargs = dict(engine_kwargs or {})
+    engine_kwargs.setdefault("tenant_fairness", TenantFairness.for_tenants(app_kwargs.get("tenants")))
+    engine = tiny_engine(model_dir, **engine_kwargs)
     app_kwargs.setdefault("served_model_name", "tiny")
     server = ServerThread(build_app(engine, **app_kwargs)).start()
     server.engine = engine

@@ -9,8 +9,8 @@ import pytest
 import yaml
 from server_fixtures import metric, one_torch_thread, running_server, scrape, tiny_engine, wait_for
 
-from serving import SamplingParams
-from serving.tenants import Tenant, load_tenants, parse_tenants
+from serving import LLMEngine, SamplingParams
+from serving.tenants import Tenant, TenantFairness, load_tenants, parse_tenants
 
 KEYS = {"sk-team-a-0001": "a", "sk-team-b-0001": "b"}
 
@@ -105,8 +105,8 @@ def test_shared_steps_pay_for_prefill_from_a_time_allowance(engine):
     pays for them, so shared steps average within the slack of B's decode-only steps; a newcomer's
     short prompt is prefilled the step it arrives. Step times are crafted: 50 ms a decode step, prefill
     adding 20 ms plus 1 ms a token, so the bound below is exact arithmetic, not a timing."""
-    sched = engine.scheduler
-    sched.decode_step_seconds, sched.prefill_allowance = None, 0.0
+    sched, fairness = engine.scheduler, engine.scheduler.fairness
+    fairness.decode_step_seconds, fairness.prefill_allowance = None, 0.0
     step_done, schedule, steps = sched.step_done, sched.schedule, []
 
     def crafted_step_done(plan, seconds):
@@ -124,7 +124,7 @@ def test_shared_steps_pay_for_prefill_from_a_time_allowance(engine):
         b = engine.add_request([300 + i for i in range(12)], params, tenant="b")
         for _ in range(5):
             engine.step()
-        assert sched.decode_step_seconds == pytest.approx(0.05)
+        assert fairness.decode_step_seconds == pytest.approx(0.05)
         for i in range(3):
             engine.add_request([100 + 3 * i + j % 700 for j in range(400)], params, tenant="a")
         steps.clear()
@@ -133,12 +133,12 @@ def test_shared_steps_pay_for_prefill_from_a_time_allowance(engine):
         a_prefill = [sum(x.num_new_tokens for x in p.scheduled if x.seq.tenant == "a" and x.is_prefill)
                      for p in steps]
         assert all(any(x.seq.request_id == b for x in p.scheduled) for p in steps)  # B decodes every step
-        assert max(a_prefill) <= sched.shared_prefill_chunk, a_prefill  # (a prompt's last token may ride along)
-        assert sum(n >= sched.shared_prefill_chunk - 1 for n in a_prefill) >= 4, a_prefill  # A does progress
+        assert max(a_prefill) <= fairness.prefill_chunk, a_prefill  # (a prompt's last token may ride along)
+        assert sum(n >= fairness.prefill_chunk - 1 for n in a_prefill) >= 4, a_prefill  # A does progress
         assert a_prefill.count(0) > len(a_prefill) / 2  # most shared steps pay back what a chunk cost
         seconds = sum(0.05 + (0.02 + 0.001 * n if n else 0.0) for n in a_prefill)
-        first_chunk = 0.02 + 0.001 * sched.shared_prefill_chunk  # A's newcomer chunk, before any saving
-        assert seconds <= (1 + sched.tenant_step_slack) * 0.05 * len(steps) + first_chunk
+        first_chunk = 0.02 + 0.001 * fairness.prefill_chunk  # A's newcomer chunk, before any saving
+        assert seconds <= (1 + fairness.step_slack) * 0.05 * len(steps) + first_chunk
 
         steps.clear()
         prompt = [500 + i for i in range(20)]
@@ -152,7 +152,8 @@ def test_shared_steps_pay_for_prefill_from_a_time_allowance(engine):
 
 
 def test_kv_quota_caps_a_tenant_and_others_still_get_in(engine):
-    engine.scheduler.tenant_max_kv_blocks = {"a": 60}
+    engine = LLMEngine(engine.model, engine.tokenizer, device="cpu", num_kv_blocks=256, max_num_batched_tokens=512,
+                       tenant_fairness=TenantFairness({"a": 60}))  # the module's model, a scheduler with a quota
     try:
         params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)  # 408 tokens: 26 blocks
         for i in range(6):
@@ -173,7 +174,6 @@ def test_kv_quota_caps_a_tenant_and_others_still_get_in(engine):
         with pytest.raises(ValueError, match="tenant 'a' may hold at most 60 blocks"):
             engine.add_request([5] * 1000, params, tenant="a")
     finally:
-        engine.scheduler.tenant_max_kv_blocks = {}
         _drain(engine)
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
