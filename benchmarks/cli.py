@@ -1,4 +1,4 @@
-"""`quantgate bench hol|dynamic|serve|kv-waste|sweep|tenants|tenant-leak|throughput|variants|peers`: the benchmarks, each printing a table and writing JSON (+ PNGs)."""
+"""`quantgate bench hol|dynamic|serve|kv-waste|sweep|tenants|tenant-leak|throughput|variants|autoscale|fleet-router|peers`: the benchmarks, each printing a table and writing JSON (+ PNGs)."""
 
 from __future__ import annotations
 
@@ -108,6 +108,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     for name, module, what in (
         ("throughput", "benchmarks.throughput", "useful tokens/s: engine vs HF static batches vs transformers CB"),
         ("variants", "benchmarks.variants", "baseline vs int8 / nf4 / int8wo through the engine"),
+        ("autoscale", "benchmarks.autoscale", "fleet cold starts + service rate on Ray, then reactive vs warm pool "
+                                              "vs predictive simulated on a 10x burst"),
+        ("fleet-router", "benchmarks.fleet_kv_router", "fleet: KV-aware vs power-of-two router, 2 replicas, p99 TTFT"),
     ):
         p = verbs.add_parser(name, help=what, add_help=False)  # its options (and --help) are the script's
         p.set_defaults(func=_script, module=module, passes_extra_args=True, script_args=[])

@@ -17,8 +17,7 @@ PREDICTIVE_POLICY = "fleet.autoscale_policy:PredictivePolicy"
 def autoscaling_config(a: Autoscaling) -> dict:
     cfg = {"min_replicas": a.min_replicas, "max_replicas": a.max_replicas,
            "target_ongoing_requests": a.target_ongoing_requests, "upscale_delay_s": a.upscale_delay_s,
-           "downscale_delay_s": a.downscale_delay_s, "metrics_interval_s": a.metrics_interval_s,
-           "look_back_period_s": a.look_back_period_s}
+           "downscale_delay_s": a.downscale_delay_s, "look_back_period_s": a.look_back_period_s}
     if a.initial_replicas is not None:
         cfg["initial_replicas"] = a.initial_replicas
     if a.schedule:
@@ -84,6 +83,7 @@ def state_file(name: str) -> Path:
 
 
 def connect(address: str | None = None, num_cpus: int | None = None) -> None:
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # no usage report to Ray's servers
     import ray
 
     if ray.is_initialized():
@@ -105,7 +105,7 @@ def up(config: FleetConfig, address: str | None = None, num_cpus: int | None = N
     serve.start(http_options={"host": config.host, "port": config.port})
     started = time.perf_counter()
     serve.run(build_application(config), name=config.name, route_prefix=config.route_prefix,
-              blocking=False, _local_testing_mode=False)
+              blocking=False)
     _wait_running(config.name, timeout_s)
     info = {"name": config.name, "url": f"http://{config.host}:{config.port}{config.route_prefix.rstrip('/')}",
             "ray_address": ray.get_runtime_context().gcs_address, "pid": os.getpid(),

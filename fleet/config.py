@@ -22,7 +22,6 @@ class Autoscaling(_Strict):
     target_ongoing_requests: float = Field(4.0, gt=0)
     upscale_delay_s: float = Field(3.0, ge=0)
     downscale_delay_s: float = Field(30.0, ge=0)
-    metrics_interval_s: float = Field(1.0, gt=0)
     look_back_period_s: float = Field(5.0, gt=0)
     # predictive: a schedule file of (seconds into the day, replicas) rows, scaled out `lead_s` ahead
     schedule: str | None = None

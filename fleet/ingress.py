@@ -9,11 +9,11 @@ import logging
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from fleet.config import FleetConfig
 from fleet.sizing import RequestSizer
 from fleet.traffic import TrafficState
+from serving.http_errors import install_error_handlers
 from serving.protocol import APIError, error_body
 
 log = logging.getLogger("quantgate.fleet")
@@ -21,16 +21,13 @@ log = logging.getLogger("quantgate.fleet")
 GENERATE = ("/v1/completions", "/v1/chat/completions")
 FORWARD_GET = ("/v1/models", "/tokenizer_info", "/health", "/metrics")
 FORWARD_POST = ("/tokenize", "/detokenize")
+OPEN_RETRIES = 1
 PASS_HEADERS = {"content-type", "retry-after", "cache-control", "x-accel-buffering"}
 
 app = FastAPI(title="quantgate fleet", docs_url=None, redoc_url=None, openapi_url=None)
 
 
-@app.exception_handler(StarletteHTTPException)
-async def _http_error(request: Request, exc: StarletteHTTPException):  # 404/405 in OpenAI's shape, as serve's
-    message = {404: f"no route {request.url.path}", 405: f"method {request.method} is not allowed on "
-               f"{request.url.path}"}.get(exc.status_code, str(exc.detail))
-    return JSONResponse(error_body(exc.status_code, message), exc.status_code, headers=exc.headers)
+install_error_handlers(app, log)  # the single server's error shapes (404/405 naming the path, 500s)
 
 
 def _failed(version: str, exc: BaseException) -> APIError:
@@ -158,14 +155,19 @@ class FleetIngress:
 
     async def _relay(self, request: Request, version: str, body: bytes, need: int) -> Response:
         headers = [(k, v) for k, v in request.headers.items() if k.lower() not in {"host", "content-length"}]
-        gen = self.versions[version].options(stream=True).handle.remote(
-            request.method, request.url.path, headers, body, need_tokens=need, query=request.url.query)
-        try:
-            head = await gen.__anext__()
-        except (asyncio.CancelledError, KeyboardInterrupt):
-            raise
-        except Exception as exc:
-            return _error_response(_failed(version, exc))
+        gen, head = None, None
+        for attempt in range(1 + OPEN_RETRIES):  # nothing reached the client yet: another replica may answer
+            gen = self.versions[version].options(stream=True).handle.remote(
+                request.method, request.url.path, headers, body, need_tokens=need, query=request.url.query)
+            try:
+                head = await gen.__anext__()
+                break
+            except (asyncio.CancelledError, KeyboardInterrupt):
+                raise
+            except Exception as exc:
+                log.warning("replica of %s failed before answering (attempt %d): %r", version, attempt + 1, exc)
+                if attempt == OPEN_RETRIES:
+                    return _error_response(_failed(version, exc))
         out_headers = {k: v for k, v in head["headers"] if k.lower() in PASS_HEADERS}
         out_headers.update({"x-quantgate-version": version, "x-quantgate-replica": head["replica"]})
         if "text/event-stream" in out_headers.get("content-type", ""):
