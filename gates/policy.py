@@ -6,9 +6,12 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
+
+from pydantic import BeforeValidator, field_validator
 
 from gates.metrics import check_task_name
+from quantgate.config import StrictModel, validate_config
 
 DEFAULT_POLICY = Path(__file__).with_name("policy.yaml")
 
@@ -54,22 +57,124 @@ class Policy:
         return (self.uninformative_safety if family == "safety" else self.uninformative_tasks) == "block"
 
 
-# (section, key) -> (kind, Policy field). Kinds: "rate" [0, 1] or null, "positive" > 0 or null.
-_SCALARS: dict[tuple[str, str], tuple[str, str]] = {
-    ("safety", "refusal_rate_max_fall"): ("rate", "refusal_rate_max_fall"),
-    ("safety", "over_refusal_rate_max_rise"): ("rate", "over_refusal_rate_max_rise"),
-    ("weights", "min_reduction"): ("rate", "min_weight_reduction"),
-    ("serving", "min_decode_speedup"): ("positive", "min_decode_speedup"),
-    ("serving", "min_capacity_gain"): ("positive", "min_capacity_gain"),
-    ("serving", "max_tpot_p99_s"): ("positive", "max_tpot_p99_s"),
-    ("canary", "max_error_rate"): ("rate", "canary_max_error_rate"),
-    ("canary", "max_tpot_p99_s"): ("positive", "canary_max_tpot_p99_s"),
-}
-_SECTIONS = ("version", "tasks", "safety", "weights", "serving", "canary", "sensitivity")
-_SENSITIVITY_KEYS = ("tasks", "safety", "min_baseline_refusal_rate")
+def _number(kind: str, nullable: bool = False) -> BeforeValidator:
+    """A float: "rate" in [0, 1], "positive" > 0, "nonneg" >= 0; None only where `nullable`."""
+
+    def check(value: Any) -> float | None:
+        if value is None and nullable:
+            return None
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ValueError(f"expected a number{' or null' if nullable else ''}, got {value!r}")
+        number = float(value)
+        if kind == "rate" and not 0.0 <= number <= 1.0:
+            raise ValueError(f"expected a fraction in [0, 1], got {number}")
+        if kind == "positive" and not number > 0.0:
+            raise ValueError(f"expected a number > 0, got {number}")
+        if kind == "nonneg" and not number >= 0.0:
+            raise ValueError(f"expected a number >= 0, got {number}")
+        return number
+
+    return BeforeValidator(check)
+
+
+def _strict_bool(value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"expected true or false, got {value!r}")
+    return value
+
+
+def _action(value: Any) -> str:
+    if value not in _UNINFORMATIVE_ACTIONS:
+        raise ValueError(f"expected one of {', '.join(_UNINFORMATIVE_ACTIONS)} (what an uninformative gate does), "
+                         f"got {value!r}")
+    return value
+
+
+def _task_names(value: Any) -> list[str]:
+    value = value or []
+    if not isinstance(value, list) or not all(isinstance(t, str) for t in value):
+        raise ValueError(f"expected a list of task names, got {value!r}")
+    for task in value:
+        check_task_name(task)
+    return value
+
+
+def _overrides(value: Any) -> Any:
+    value = value or {}
+    if not isinstance(value, dict):
+        raise ValueError(f"expected a mapping task -> {{max_drop: ...}}, got {value!r}")
+    for task in value:
+        try:
+            check_task_name(str(task))
+        except ValueError as exc:
+            raise ValueError(f"{task}: {exc}") from None
+    return value
+
+
+_empty_if_null = BeforeValidator(lambda value: {} if value is None else value)
 _UNINFORMATIVE_ACTIONS = ("block", "report")
-_TASK_KEYS = ("max_drop", "higher_is_better", "required", "overrides")
-_OVERRIDE_KEYS = ("max_drop", "higher_is_better")
+Rate = Annotated[float | None, _number("rate", nullable=True)]
+Positive = Annotated[float | None, _number("positive", nullable=True)]
+Bool = Annotated[bool, BeforeValidator(_strict_bool)]
+
+
+class _Override(StrictModel):
+    max_drop: Annotated[float, _number("nonneg")] = None  # absent: the default gate's (null is an error)
+    higher_is_better: Bool = None
+
+
+class _Tasks(StrictModel):
+    max_drop: Annotated[float, _number("nonneg")]
+    higher_is_better: Bool = True
+    required: Annotated[list[str], BeforeValidator(_task_names)] = []
+    overrides: Annotated[dict[str, Annotated[_Override, _empty_if_null]], BeforeValidator(_overrides)] = {}
+
+
+class _Safety(StrictModel):
+    refusal_rate_max_fall: Rate = None
+    over_refusal_rate_max_rise: Rate = None
+
+
+class _Weights(StrictModel):
+    min_reduction: Rate = None
+
+
+class _Serving(StrictModel):
+    min_decode_speedup: Positive = None
+    min_capacity_gain: Positive = None
+    max_tpot_p99_s: Positive = None
+
+
+class _Canary(StrictModel):
+    max_error_rate: Rate = None
+    max_tpot_p99_s: Positive = None
+
+
+class _Sensitivity(StrictModel):
+    """What an `uninformative` gate (gates.sensitivity) does, per family; these are the defaults."""
+
+    tasks: Annotated[str, BeforeValidator(_action)] = "report"
+    safety: Annotated[str, BeforeValidator(_action)] = "block"
+    min_baseline_refusal_rate: Annotated[float, _number("rate")] = 0.10
+
+
+class PolicyFile(StrictModel):
+    """The policy file's schema, section by section."""
+
+    version: int = 1
+    tasks: Annotated[_Tasks, _empty_if_null]
+    safety: Annotated[_Safety, _empty_if_null] = _Safety()
+    weights: Annotated[_Weights, _empty_if_null] = _Weights()
+    serving: Annotated[_Serving, _empty_if_null] = _Serving()
+    canary: Annotated[_Canary, _empty_if_null] = _Canary()
+    sensitivity: Annotated[_Sensitivity, _empty_if_null] = _Sensitivity()
+
+    @field_validator("version", mode="before")
+    @classmethod
+    def _version(cls, value: Any) -> int:
+        if value != 1:
+            raise ValueError(f"unsupported policy version {value!r} (this quantgate reads 1)")
+        return 1
 
 
 def load_policy(path: str | Path | None = None) -> Policy:
@@ -92,121 +197,28 @@ def parse_policy(data: Any, source: str = "<dict>", text: str | None = None) -> 
         import yaml
 
         text = yaml.safe_dump(data, sort_keys=True)
-    where = source
-
-    def fail(key: str, problem: str) -> PolicyError:
-        return PolicyError(f"{where}: {key}: {problem}")
-
-    if not isinstance(data, dict):
-        raise PolicyError(f"{where}: a policy is a mapping of sections ({', '.join(_SECTIONS)})")
-    _unknown(data, _SECTIONS, "", where)
-    if data.get("version", 1) != 1:
-        raise fail("version", f"unsupported policy version {data.get('version')!r} (this quantgate reads 1)")
-
-    tasks = _section(data, "tasks", where)
-    _unknown(tasks, _TASK_KEYS, "tasks.", where)
-    if "max_drop" not in tasks:
-        raise fail("tasks.max_drop", "required (the largest tolerated drop of any task score)")
-    default = TaskGate(
-        max_drop=_number(tasks["max_drop"], "tasks.max_drop", where, nullable=False, kind="nonneg"),
-        higher_is_better=_bool(tasks.get("higher_is_better", True), "tasks.higher_is_better", where),
-    )
-    required = tasks.get("required") or []
-    if not isinstance(required, list) or not all(isinstance(t, str) for t in required):
-        raise fail("tasks.required", f"expected a list of task names, got {required!r}")
-    overrides_raw = tasks.get("overrides") or {}
-    if not isinstance(overrides_raw, dict):
-        raise fail("tasks.overrides", f"expected a mapping task -> {{max_drop: ...}}, got {overrides_raw!r}")
-    overrides: dict[str, TaskGate] = {}
-    for task, spec in overrides_raw.items():
-        key = f"tasks.overrides.{task}"
-        try:
-            check_task_name(str(task))
-        except ValueError as exc:
-            raise fail(key, str(exc)) from None
-        if not isinstance(spec, dict):
-            raise fail(key, f"expected a mapping like {{max_drop: 0.05}}, got {spec!r}")
-        _unknown(spec, _OVERRIDE_KEYS, f"{key}.", where)
-        max_drop = spec.get("max_drop", default.max_drop)
-        overrides[str(task)] = TaskGate(
-            max_drop=_number(max_drop, f"{key}.max_drop", where, nullable=False, kind="nonneg"),
-            higher_is_better=_bool(spec.get("higher_is_better", default.higher_is_better), f"{key}.higher_is_better", where),
-        )
-    for task in required:
-        try:
-            check_task_name(task)
-        except ValueError as exc:
-            raise fail("tasks.required", str(exc)) from None
-
-    values: dict[str, float | None] = {}
-    for section in ("safety", "weights", "serving", "canary"):
-        body = _section(data, section, where)
-        allowed = [k for (s, k) in _SCALARS if s == section]
-        _unknown(body, allowed, f"{section}.", where)
-        for key in allowed:
-            kind, attr = _SCALARS[(section, key)]
-            values[attr] = _number(body.get(key), f"{section}.{key}", where, nullable=True, kind=kind)
-    values.update(_sensitivity(data, where))
+    f = validate_config(PolicyFile, data, source, PolicyError)
+    default = TaskGate(f.tasks.max_drop, f.tasks.higher_is_better)
+    overrides = {
+        str(task): TaskGate(default.max_drop if o.max_drop is None else o.max_drop,
+                            default.higher_is_better if o.higher_is_better is None else o.higher_is_better)
+        for task, o in f.tasks.overrides.items()
+    }
     return Policy(
         tasks=default,
         task_overrides=overrides,
-        required_tasks=tuple(required),
+        required_tasks=tuple(f.tasks.required),
+        refusal_rate_max_fall=f.safety.refusal_rate_max_fall,
+        over_refusal_rate_max_rise=f.safety.over_refusal_rate_max_rise,
+        min_weight_reduction=f.weights.min_reduction,
+        min_decode_speedup=f.serving.min_decode_speedup,
+        min_capacity_gain=f.serving.min_capacity_gain,
+        max_tpot_p99_s=f.serving.max_tpot_p99_s,
+        canary_max_error_rate=f.canary.max_error_rate,
+        canary_max_tpot_p99_s=f.canary.max_tpot_p99_s,
+        uninformative_tasks=f.sensitivity.tasks,
+        uninformative_safety=f.sensitivity.safety,
+        min_baseline_refusal_rate=f.sensitivity.min_baseline_refusal_rate,
         source=source,
         text=text,
-        **values,
     )
-
-
-def _sensitivity(data: dict, where: str) -> dict[str, object]:
-    """`sensitivity: {tasks: report, safety: block, min_baseline_refusal_rate: 0.10}` (these are the defaults)."""
-    body = _section(data, "sensitivity", where)
-    _unknown(body, _SENSITIVITY_KEYS, "sensitivity.", where)
-    out: dict[str, object] = {}
-    for family in ("tasks", "safety"):
-        if family in body:
-            action = body[family]
-            if action not in _UNINFORMATIVE_ACTIONS:
-                raise PolicyError(f"{where}: sensitivity.{family}: expected one of {', '.join(_UNINFORMATIVE_ACTIONS)} "
-                                  f"(what an uninformative gate does), got {action!r}")
-            out[f"uninformative_{family}"] = action
-    if "min_baseline_refusal_rate" in body:
-        out["min_baseline_refusal_rate"] = _number(body["min_baseline_refusal_rate"],
-                                                   "sensitivity.min_baseline_refusal_rate", where, nullable=False,
-                                                   kind="rate")
-    return out
-
-
-def _section(data: dict, name: str, where: str) -> dict:
-    body = data.get(name)
-    if body is None:
-        return {}
-    if not isinstance(body, dict):
-        raise PolicyError(f"{where}: {name}: expected a mapping, got {type(body).__name__} {body!r}")
-    return body
-
-
-def _unknown(body: dict, allowed: tuple[str, ...] | list[str], prefix: str, where: str) -> None:
-    for key in body:
-        if key not in allowed:
-            raise PolicyError(f"{where}: unknown key {prefix + str(key)!r} (allowed here: {', '.join(allowed)})")
-
-
-def _bool(value: Any, key: str, where: str) -> bool:
-    if not isinstance(value, bool):
-        raise PolicyError(f"{where}: {key}: expected true or false, got {value!r}")
-    return value
-
-
-def _number(value: Any, key: str, where: str, nullable: bool, kind: str) -> float | None:
-    if value is None and nullable:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise PolicyError(f"{where}: {key}: expected a number{' or null' if nullable else ''}, got {value!r}")
-    number = float(value)
-    if kind == "rate" and not 0.0 <= number <= 1.0:
-        raise PolicyError(f"{where}: {key}: expected a fraction in [0, 1], got {number}")
-    if kind == "positive" and not number > 0.0:
-        raise PolicyError(f"{where}: {key}: expected a number > 0, got {number}")
-    if kind == "nonneg" and not number >= 0.0:
-        raise PolicyError(f"{where}: {key}: expected a number >= 0, got {number}")
-    return number

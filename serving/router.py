@@ -36,6 +36,7 @@ import time
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Annotated, Any
 from urllib.parse import urlparse
 
 import httpx
@@ -43,7 +44,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
+from pydantic import BeforeValidator, Field, model_validator
 
+from quantgate.config import StrictModel, validate_config
 from quantgate.files import read_yaml
 from serving.http_body import parse_json_object, read_body
 from serving.http_errors import install_error_handlers
@@ -53,8 +56,6 @@ from serving.protocol import APIError, error_body
 log = logging.getLogger("quantgate.router")
 
 FORWARD_HEADERS = ("authorization", "content-type", "x-request-id", "accept")
-CONFIG_FIELDS = {"model", "admin_key", "admin_key_env", "canary", "versions", "poll_interval_s", "timeout_s",
-                 "decisions_log", "host", "port"}
 
 
 # ---- config ------------------------------------------------------------------------------------
@@ -87,60 +88,86 @@ def load_router_config(path: str | Path) -> RouterConfig:
     return parse_router_config(data, str(path))
 
 
+def _positive(value: Any) -> Any:
+    if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+        raise ValueError(f"must be a positive number, got {value!r}")
+    return value
+
+
+def _weight(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+        raise ValueError(f"weight must be a number >= 0, got {value!r}")
+    return float(value)
+
+
+def _backends(value: Any) -> tuple[str, ...]:
+    if not isinstance(value, list) or not value:
+        raise ValueError("`backends` must be a non-empty list of URLs")
+    for url in value:
+        parts = urlparse(str(url))
+        if parts.scheme not in ("http", "https") or not parts.hostname or parts.path not in ("", "/"):
+            raise ValueError(f"backend {url!r} is not a base URL like http://127.0.0.1:8001")
+    return tuple(str(u).rstrip("/") for u in value)
+
+
+Positive = Annotated[float, BeforeValidator(_positive)]
+
+
+class _Version(StrictModel):
+    weight: Annotated[float, BeforeValidator(_weight)] = Field(None, validate_default=True)
+    backends: Annotated[tuple[str, ...], BeforeValidator(_backends)] = Field(None, validate_default=True)
+
+
+class RouterFile(StrictModel):
+    """The router config file's schema (see the module's docstring)."""
+
+    versions: dict[str, _Version] = Field(min_length=1)
+    canary: Any = None
+    admin_key: Any = None
+    admin_key_env: str | None = None
+    model: Any = None
+    poll_interval_s: Positive = 0.5
+    timeout_s: Positive = 300.0
+    decisions_log: Any = None
+    host: Any = "127.0.0.1"
+    port: Annotated[int, BeforeValidator(_positive)] = 9000
+
+    @model_validator(mode="after")
+    def _consistent(self) -> RouterFile:
+        if self.canary not in self.versions:
+            raise ValueError(f"`canary` must name one of the versions {sorted(self.versions)}, got {self.canary!r}")
+        seen: set[str] = set()
+        for v in self.versions.values():
+            for url in v.backends:
+                if url in seen:
+                    raise ValueError(f"backend {url} is listed twice")
+                seen.add(url)
+        if sum(v.weight for v in self.versions.values()) <= 0:
+            raise ValueError("at least one version needs a weight > 0")
+        return self
+
+    def key(self) -> str:
+        key = self.admin_key
+        if key is None and self.admin_key_env:
+            key = os.environ.get(self.admin_key_env)
+            if not key:
+                raise ValueError(f"admin_key_env {self.admin_key_env!r} is not set in the environment")
+        if not isinstance(key, str) or len(key) < 8:
+            raise ValueError("`admin_key` (or `admin_key_env`) must give a key of at least 8 characters")
+        return key
+
+
 def parse_router_config(data: object, source: str = "router config") -> RouterConfig:
-    if not isinstance(data, dict):
-        raise ValueError(f"{source}: expected a mapping with `versions`, `canary` and `admin_key`")
-    unknown = set(data) - CONFIG_FIELDS
-    if unknown:
-        raise ValueError(f"{source}: unknown field(s) {sorted(unknown)}; expected some of {sorted(CONFIG_FIELDS)}")
-    versions = data.get("versions")
-    if not isinstance(versions, dict) or not versions:
-        raise ValueError(f"{source}: `versions` must map version names to {{weight, backends}}")
-    canary = data.get("canary")
-    if canary not in versions:
-        raise ValueError(f"{source}: `canary` must name one of the versions {sorted(versions)}, got {canary!r}")
-    parsed, seen = [], set()
-    for name, spec in versions.items():
-        if not isinstance(spec, dict) or set(spec) - {"weight", "backends"}:
-            raise ValueError(f"{source}: version {name!r} must be a mapping with `weight` and `backends`")
-        weight = spec.get("weight")
-        if isinstance(weight, bool) or not isinstance(weight, int | float) or weight < 0:
-            raise ValueError(f"{source}: version {name!r}: weight must be a number >= 0, got {weight!r}")
-        backends = spec.get("backends")
-        if not isinstance(backends, list) or not backends:
-            raise ValueError(f"{source}: version {name!r}: `backends` must be a non-empty list of URLs")
-        for url in backends:
-            parts = urlparse(str(url))
-            if parts.scheme not in ("http", "https") or not parts.hostname or parts.path not in ("", "/"):
-                raise ValueError(f"{source}: version {name!r}: backend {url!r} is not a base URL like "
-                                 "http://127.0.0.1:8001")
-            if url.rstrip("/") in seen:
-                raise ValueError(f"{source}: backend {url} is listed twice")
-            seen.add(url.rstrip("/"))
-        parsed.append(VersionConfig(str(name), float(weight), tuple(u.rstrip("/") for u in backends)))
-    if sum(v.weight for v in parsed) <= 0:
-        raise ValueError(f"{source}: at least one version needs a weight > 0")
-    parsed.sort(key=lambda v: v.name == canary)  # the canary last (stable otherwise)
-    key = data.get("admin_key")
-    if key is None and data.get("admin_key_env"):
-        key = os.environ.get(str(data["admin_key_env"]))
-        if not key:
-            raise ValueError(f"{source}: admin_key_env {data['admin_key_env']!r} is not set in the environment")
-    if not isinstance(key, str) or len(key) < 8:
-        raise ValueError(f"{source}: `admin_key` (or `admin_key_env`) must give a key of at least 8 characters")
-    extra = {}
-    for name, kind in (("poll_interval_s", float), ("timeout_s", float), ("port", int)):
-        if name in data:
-            value = data[name]
-            if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
-                raise ValueError(f"{source}: {name} must be a positive number, got {value!r}")
-            extra[name] = kind(value)
-    if "host" in data:
-        extra["host"] = str(data["host"])
-    if data.get("decisions_log"):
-        extra["decisions_log"] = Path(str(data["decisions_log"])).expanduser()
-    model = data.get("model")
-    return RouterConfig(tuple(parsed), key, str(canary), str(model) if model else None, **extra)
+    f = validate_config(RouterFile, data, source)
+    try:
+        key = f.key()
+    except ValueError as exc:
+        raise ValueError(f"{source}: {exc}") from None
+    versions = sorted((VersionConfig(str(n), v.weight, v.backends) for n, v in f.versions.items()),
+                      key=lambda v: v.name == f.canary)  # the canary last (stable otherwise)
+    log_path = Path(str(f.decisions_log)).expanduser() if f.decisions_log else None
+    return RouterConfig(tuple(versions), key, str(f.canary), str(f.model) if f.model else None,
+                        float(f.poll_interval_s), float(f.timeout_s), log_path, str(f.host), int(f.port))
 
 
 # ---- state -------------------------------------------------------------------------------------

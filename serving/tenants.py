@@ -24,8 +24,11 @@ from collections.abc import Iterable, Mapping
 from collections.abc import Sequence as Sequence_
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Annotated, Any, Protocol
 
+from pydantic import BeforeValidator, Field, model_validator
+
+from quantgate.config import StrictModel, validate_config
 from quantgate.files import read_yaml
 from serving.block_manager import BlockManager
 from serving.sequence import Sequence
@@ -82,32 +85,67 @@ def load_tenants(path: str | Path) -> TenantTable:
     return parse_tenants(data, source=str(path))
 
 
-def parse_tenants(data: object, source: str = "API-keys file") -> TenantTable:
-    if not isinstance(data, dict):
-        raise ValueError(f"{source}: expected a mapping with `keys` (and optionally `tenants`)")
-    unknown = set(data) - {"keys", "tenants", "metrics_key"}
-    if unknown:
-        raise ValueError(f"{source}: unknown top-level field(s) {sorted(unknown)}; "
-                         "expected `keys`, `tenants`, `metrics_key`")
-    keys = data.get("keys")
-    if not isinstance(keys, dict) or not keys:
-        raise ValueError(f"{source}: `keys` must be a non-empty mapping of API key -> tenant name")
-    for key, tenant in keys.items():
+def _keys(value: Any) -> dict[str, str]:
+    if not isinstance(value, dict) or not value:
+        raise ValueError("`keys` must be a non-empty mapping of API key -> tenant name")
+    for key, tenant in value.items():
         if not isinstance(key, str) or len(key) < 8:
-            raise ValueError(f"{source}: API key {str(key)[:4]!r}... must be a string of at least 8 characters")
+            raise ValueError(f"API key {str(key)[:4]!r}... must be a string of at least 8 characters")
         if not isinstance(tenant, str) or not tenant:
-            raise ValueError(f"{source}: the tenant of key {key[:4]!r}... must be a non-empty string")
-    limits = data.get("tenants") or {}
-    if not isinstance(limits, dict):
-        raise ValueError(f"{source}: `tenants` must be a mapping of tenant name -> limits")
-    undefined = set(limits) - set(keys.values())
-    if undefined:
-        raise ValueError(f"{source}: tenant(s) {sorted(undefined)} have limits but no API key")
-    tenants = {name: _tenant(name, limits.get(name) or {}, source) for name in sorted(set(keys.values()))}
-    metrics_key = data.get("metrics_key")
-    if metrics_key is not None:
-        _check_metrics_key(metrics_key, keys, f"{source}: `metrics_key`")
-    return TenantTable(tenants, dict(keys), metrics_key)
+            raise ValueError(f"the tenant of key {key[:4]!r}... must be a non-empty string")
+    return value
+
+
+def _kv_blocks(blocks: Any) -> int | float | None:
+    if blocks is None:
+        return None
+    if isinstance(blocks, bool) or not isinstance(blocks, int | float):
+        raise ValueError(f"must be a number, got {blocks!r}")
+    if isinstance(blocks, float) and not 0 < blocks <= 1:
+        raise ValueError(f"a float is a share of the cache and must be in (0, 1], got {blocks}")
+    if isinstance(blocks, int) and blocks < 1:
+        raise ValueError(f"must be >= 1, got {blocks}")
+    return blocks
+
+
+def _max_waiting(waiting: Any) -> int | None:
+    if waiting is not None and (isinstance(waiting, bool) or not isinstance(waiting, int) or waiting < 0):
+        raise ValueError(f"must be an integer >= 0, got {waiting!r}")
+    return waiting
+
+
+_empty_if_null = BeforeValidator(lambda value: {} if value is None else value)
+
+
+class _Limits(StrictModel):
+    max_kv_blocks: Annotated[int | float | None, BeforeValidator(_kv_blocks)] = None
+    max_waiting: Annotated[int | None, BeforeValidator(_max_waiting)] = None
+
+
+class KeysFile(StrictModel):
+    """The API-keys file's schema (see the module's docstring)."""
+
+    keys: Annotated[dict[str, str], BeforeValidator(_keys)] = Field(None, validate_default=True)
+    tenants: Annotated[dict[str, Annotated[_Limits, _empty_if_null]], _empty_if_null] = {}
+    metrics_key: Any = None
+
+    @model_validator(mode="after")
+    def _consistent(self) -> KeysFile:
+        undefined = set(self.tenants) - set(self.keys.values())
+        if undefined:
+            raise ValueError(f"tenant(s) {sorted(undefined)} have limits but no API key")
+        if self.metrics_key is not None:
+            _check_metrics_key(self.metrics_key, self.keys, "`metrics_key`")
+        return self
+
+
+def parse_tenants(data: object, source: str = "API-keys file") -> TenantTable:
+    f = validate_config(KeysFile, data, source)
+    tenants = {}
+    for name in sorted(set(f.keys.values())):
+        limits = f.tenants.get(name) or _Limits()
+        tenants[name] = Tenant(name, limits.max_kv_blocks, limits.max_waiting)
+    return TenantTable(tenants, dict(f.keys), f.metrics_key)
 
 
 def key_matches(expected: str | None, presented: str | None) -> bool:
@@ -121,28 +159,6 @@ def _check_metrics_key(key: object, api_keys: dict[str, str], what: str) -> None
     if key in api_keys:
         raise ValueError(f"{what} must differ from every tenant's API key: a tenant must not read other "
                          "tenants' metrics")
-
-
-def _tenant(name: str, spec: object, source: str) -> Tenant:
-    if not isinstance(spec, dict):
-        raise ValueError(f"{source}: limits of tenant {name!r} must be a mapping")
-    unknown = set(spec) - {"max_kv_blocks", "max_waiting"}
-    if unknown:
-        raise ValueError(f"{source}: tenant {name!r} has unknown field(s) {sorted(unknown)}; "
-                         "expected max_kv_blocks, max_waiting")
-    blocks = spec.get("max_kv_blocks")
-    if blocks is not None:
-        if isinstance(blocks, bool) or not isinstance(blocks, int | float):
-            raise ValueError(f"{source}: tenant {name!r}: max_kv_blocks must be a number, got {blocks!r}")
-        if isinstance(blocks, float) and not 0 < blocks <= 1:
-            raise ValueError(f"{source}: tenant {name!r}: a float max_kv_blocks is a share of the cache "
-                             f"and must be in (0, 1], got {blocks}")
-        if isinstance(blocks, int) and blocks < 1:
-            raise ValueError(f"{source}: tenant {name!r}: max_kv_blocks must be >= 1, got {blocks}")
-    waiting = spec.get("max_waiting")
-    if waiting is not None and (isinstance(waiting, bool) or not isinstance(waiting, int) or waiting < 0):
-        raise ValueError(f"{source}: tenant {name!r}: max_waiting must be an integer >= 0, got {waiting!r}")
-    return Tenant(name, blocks, waiting)
 
 
 # ---- fairness in the scheduler -----------------------------------------------------------------
