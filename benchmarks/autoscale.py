@@ -157,6 +157,8 @@ def run_simulation(measured: dict, args: argparse.Namespace) -> tuple[list[dict]
 def plot(results: list, trace: Trace, slo: float, path: Path) -> Path:
     plt = pyplot()
     fig, axes = plt.subplots(len(results), 1, figsize=(9, 2.4 * len(results)), sharex=True)
+    top = max((t for r in results for t in r.ttft if t is not None), default=1.0) * 1.5
+    most = max((r + s for res in results for _, r, s in res.replicas), default=1) + 1
     for ax, res in zip(axes, results, strict=True):
         served = [(a, t) for a, t in zip(res.arrivals, res.ttft, strict=True) if t is not None]
         rejected = [a for a, t in zip(res.arrivals, res.ttft, strict=True) if t is None]
@@ -165,6 +167,7 @@ def plot(results: list, trace: Trace, slo: float, path: Path) -> Path:
             ax.scatter(rejected, [0] * len(rejected), s=6, marker="x", color="tab:red", label="rejected")
         ax.axhline(slo, color="gray", lw=0.8, ls="--")
         ax.set_yscale("log")
+        ax.set_ylim(0.05, top)
         ax.set_ylabel("TTFT s")
         ax.axvspan(trace.burst_start, trace.burst_start + trace.burst_s, color="orange", alpha=0.12)
         ax2 = ax.twinx()
@@ -172,6 +175,7 @@ def plot(results: list, trace: Trace, slo: float, path: Path) -> Path:
                  where="post", label="ready replicas")
         ax2.step([t for t, *_ in res.replicas], [r + s for _, r, s in res.replicas], color="tab:green", lw=0.8,
                  ls=":", where="post", label="+ starting")
+        ax2.set_ylim(0, most)
         ax2.set_ylabel("replicas")
         ax.set_title(res.policy, fontsize=9)
     axes[0].legend(loc="upper left", fontsize=7)
@@ -183,7 +187,7 @@ def print_report(report: dict) -> None:
     for c in report["measured"]["cold_start"]:
         p = c["phases"]
         print(f"cold start {c['model']}: first token {c['first_token_s']:.1f} s after deploy (ready {c['deploy_to_ready_s']:.1f} s;"
-              f" read {p['read_s']:.2f}, load {p['load_s']:.2f}, tokenizer {p['tokenizer_s']:.2f}, KV {p['kv_alloc_s']:.3f},"
+              f" imports {p.get('import_s', 0):.2f}, read {p['read_s']:.2f}, load {p['load_s']:.2f}, tokenizer {p['tokenizer_s']:.2f}, KV {p['kv_alloc_s']:.3f},"
               f" first forward {p['first_forward_s']:.3f})")
     for s in report["measured"]["service"]:
         print(f"{s['replicas']} replica(s): {s['rate_rps']:.2f} req/s ({s['rate_per_replica_rps']:.2f} per replica), "

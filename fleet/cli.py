@@ -114,7 +114,7 @@ def _status(args: argparse.Namespace) -> int:
     for r in serve_status["replicas"]:
         c = r["cold_start"]
         print(f"    replica {r['replica']} ({r['version']}, pid {r['pid']}): cold start {c['total_s']:.1f} s "
-              f"(read {c['read_s']:.1f}, load {c['load_s']:.1f}, tokenizer {c['tokenizer_s']:.1f}, "
+              f"(imports {c.get('import_s', 0):.1f}, read {c['read_s']:.1f}, load {c['load_s']:.1f}, tokenizer {c['tokenizer_s']:.1f}, "
               f"KV {c['kv_alloc_s']:.1f}, first forward {c['first_forward_s']:.2f}; {c['num_kv_blocks']} blocks)")
     print("  history:")
     for h in traffic["history"]:

@@ -11,6 +11,7 @@ READ_CHUNK = 16 << 20
 
 @dataclass
 class ColdStart:
+    import_s: float  # torch, transformers and the engine's modules, in the replica's fresh process
     read_s: float  # reading the weight files once (the OS page cache may already hold them)
     load_s: float  # building the model from them: dequantized baseline, or a variant's quantized layers
     tokenizer_s: float
@@ -21,7 +22,7 @@ class ColdStart:
 
     @property
     def total_s(self) -> float:
-        return self.read_s + self.load_s + self.tokenizer_s + self.kv_alloc_s + self.first_forward_s
+        return self.import_s + self.read_s + self.load_s + self.tokenizer_s + self.kv_alloc_s + self.first_forward_s
 
     def as_dict(self) -> dict:
         return {**asdict(self), "total_s": self.total_s}
@@ -40,6 +41,7 @@ def read_files(model_dir: Path) -> int:
 
 def load_engine(model: str, *, device: str | None = None, dtype: str | None = "auto", **engine_kwargs):
     """Build an LLMEngine the way `LLMEngine.from_pretrained` does, timing each phase; (engine, ColdStart)."""
+    began = time.perf_counter()
     import torch
     from transformers import AutoTokenizer
 
@@ -66,4 +68,4 @@ def load_engine(model: str, *, device: str | None = None, dtype: str | None = "a
     engine.generate([[tokenizer.eos_token_id or 0] * 4], SamplingParams(max_tokens=1, ignore_eos=True))
     marks.append(time.perf_counter())
     d = [b - a for a, b in zip(marks, marks[1:], strict=False)]
-    return engine, ColdStart(d[0], d[1], d[2], d[3], d[4], nbytes, engine.block_manager.num_blocks)
+    return engine, ColdStart(marks[0] - began, d[0], d[1], d[2], d[3], d[4], nbytes, engine.block_manager.num_blocks)

@@ -98,3 +98,21 @@ def test_fleet_config_checks():
     with pytest.raises(ValueError, match="min_replicas"):
         FleetConfig.model_validate({"name": "m", "versions": [
             {"name": "a", "model": "x", "autoscaling": {"min_replicas": 3, "max_replicas": 2}}]})
+
+
+def test_simulated_burst_predictive_matches_the_warm_pool_at_a_fraction_of_its_cost():
+    import math
+
+    from benchmarks.fleet_sim import Policy, ReplicaModel, Trace, simulate, summarize_result
+
+    model = ReplicaModel(cold_start_s=20.0, slots=8, service_s=4.0, prefill_s=0.1)
+    trace = Trace(quiet_rate=0.5 * model.rate, quiet_s=60, burst_s=30, tail_s=60)
+    burst = math.ceil(1.2 * trace.quiet_rate * trace.burst_factor / model.rate)
+    sched = Schedule(((0.0, 1), (trace.burst_start, burst), (trace.burst_start + trace.burst_s, 1)), period_s=1e6)
+    rows = {p.name: summarize_result(simulate(trace, model, p), slo_ttft_s=2.0) for p in (
+        Policy("zero", 0, 16, 8), Policy("pool", burst, 16, 8),
+        Policy("predictive", 1, 16, 8, schedule=sched, lead_s=25.0))}
+    assert rows["zero"]["requests"] == rows["pool"]["requests"] > 100
+    assert rows["zero"]["over_slo"] > 50  # the burst arrives before reactive replicas are warm
+    assert rows["pool"]["over_slo"] <= 5 and rows["predictive"]["over_slo"] <= 5
+    assert rows["predictive"]["replica_seconds"] < 0.6 * rows["pool"]["replica_seconds"]
