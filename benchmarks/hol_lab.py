@@ -419,17 +419,6 @@ def plot_gantt(runs: dict[str, RunResult], path: Path) -> Path:
     return save_figure(fig, path)
 
 
-def runs_from_report(report: dict[str, Any]) -> dict[str, RunResult]:
-    """Rebuild the runs from a saved hol_lab.json, e.g. to re-plot without re-running."""
-    runs = {}
-    for name, data in report["runs"].items():
-        requests = data["requests"]
-        runs[name] = RunResult(name, requests, [SlotInterval(**iv) for iv in data["intervals"]],
-                               makespan=max((d["finished"] for d in requests), default=0.0),
-                               num_steps=report["schedulers"][name]["num_steps"], num_preemptions=0)
-    return runs
-
-
 def print_report(report: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table

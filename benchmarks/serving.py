@@ -6,9 +6,9 @@ Measured on the client side: TTFT (request sent → first text), ITL (between te
 ((E2E − TTFT) / (output tokens − 1)), E2E; request and output-token throughput; goodput, the
 requests/s that met an SLO (TTFT ≤ a and TPOT ≤ b).
 
-The transport is aiohttp: on this 2-core machine a streamed request costs it ~0.2 ms of client CPU
-against ~1.7–2.4 ms with httpx, and the generator must not be what the benchmark measures (it drives
-well over 500 requests/s against a stub that answers at once; see tests/test_benchmarks_serving.py).
+The transport is the shared streaming client (benchmarks/sse_client.py, aiohttp), as for the soak and
+the canary: it drives well over 500 requests/s against a stub that answers at once (see
+tests/test_benchmarks_serving.py), so the generator is not what the benchmark measures.
 
     quantgate bench serve --url http://127.0.0.1:8000 --num-requests 200 --rate 4
 
@@ -22,7 +22,6 @@ From Python (the release flow calls this for each variant):
 from __future__ import annotations
 
 import asyncio
-import json
 import math
 import random
 import threading
@@ -33,6 +32,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from benchmarks.common import ProgressBar, load_prompts, machine, ratio, summarize, write_json
+from benchmarks.sse_client import session, stream_completion
 
 DEFAULT_SLO_TTFT_MS = 2000.0
 DEFAULT_SLO_TPOT_MS = 200.0
@@ -107,62 +107,17 @@ def arrival_gaps(num_requests: int, rate: float, seed: int = 0) -> list[float]:
     return [0.0] + [rng.expovariate(rate) for _ in range(num_requests - 1)]
 
 
-async def _send(session, url: str, payload: dict[str, Any], chat: bool, result: RequestResult, t0: float) -> None:
-    start = time.perf_counter()
-    result.send_time = start - t0
-    last = None
-    chunks = 0
-    usage_tokens = None
-    pieces: list[str] = []
-    try:
-        async with session.post(url, json=payload) as response:
-            result.status = response.status
-            if response.status != 200:
-                body = await response.text(errors="replace")
-                result.error = f"HTTP {response.status}: {_error_message(body)}"
-                return
-            async for raw in response.content:  # one SSE line at a time; read to the end (keep-alive)
-                if not raw.startswith(b"data:"):
-                    continue
-                data = raw[5:].strip()
-                if data == b"[DONE]":
-                    continue
-                chunk = json.loads(data)
-                if "error" in chunk:
-                    result.error = f"stream error: {_error_message(data.decode(errors='replace'))}"
-                    return
-                usage = chunk.get("usage")
-                if usage:
-                    usage_tokens = usage.get("completion_tokens", usage_tokens)
-                    result.prompt_tokens = usage.get("prompt_tokens", result.prompt_tokens)
-                for choice in chunk.get("choices") or []:
-                    piece = (choice.get("delta") or {}).get("content") if chat else choice.get("text")
-                    if not piece:
-                        continue
-                    now = time.perf_counter()
-                    if last is None:
-                        result.ttft = now - start
-                    else:
-                        result.itls.append(now - last)
-                    last = now
-                    chunks += 1
-                    pieces.append(piece)
-        result.e2e = time.perf_counter() - start
-        result.output_tokens = usage_tokens if usage_tokens is not None else chunks
-        result.text = "".join(pieces)
-        result.ok = result.ttft is not None or result.output_tokens == 0
-        if not result.ok:
-            result.error = "the stream ended without any text"
-    except Exception as exc:  # a load generator reports failures, it does not stop on them
-        result.error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-
-
-def _error_message(body: str) -> str:
-    try:
-        err = json.loads(body).get("error")
-        return (err.get("message") if isinstance(err, dict) else str(err)) or body[:200]
-    except (ValueError, AttributeError):
-        return body[:200]
+async def _send(client, url: str, payload: dict[str, Any], chat: bool, result: RequestResult, t0: float) -> None:
+    result.send_time = time.perf_counter() - t0
+    got = await stream_completion(client, url, payload, chat)
+    result.status, result.error = got.status, got.error
+    if got.error is not None:
+        return
+    result.ttft, result.e2e, result.itls, result.text = got.ttft, got.e2e, got.itls, got.text
+    result.output_tokens, result.prompt_tokens = got.output_tokens, got.prompt_tokens
+    result.ok = result.ttft is not None or result.output_tokens == 0
+    if not result.ok:
+        result.error = "the stream ended without any text"
 
 
 async def async_run_serving_benchmark(
@@ -190,8 +145,6 @@ async def async_run_serving_benchmark(
     """`requests` gives the workload itself, (prompt text or token ids, max_tokens) per request, instead
     of drawing it from `prompts`; `min_tokens` also sends min_tokens = max_tokens (vLLM's way of forcing
     the length; servers that reject unknown fields, like ours, need only ignore_eos)."""
-    import aiohttp
-
     if concurrency is not None and concurrency < 1:
         raise ValueError(f"concurrency must be at least 1, got {concurrency}")
     endpoint = completions_url(url, chat)
@@ -209,9 +162,7 @@ async def async_run_serving_benchmark(
     gaps = arrival_gaps(num_requests, request_rate, seed)
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     results = [RequestResult(i) for i in range(num_requests)]
-    connector = aiohttp.TCPConnector(limit=concurrency or 0)  # 0: no client-side queue when uncapped
-    timeout = aiohttp.ClientTimeout(total=timeout_s)
-    async with aiohttp.ClientSession(connector=connector, timeout=timeout, headers=headers) as client:
+    async with session(concurrency, timeout_s, headers) as client:
         if model is None:
             model = await _first_model(client, endpoint)
         gate = asyncio.Semaphore(concurrency) if concurrency else None

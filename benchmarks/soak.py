@@ -17,16 +17,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+import aiohttp
 
 from benchmarks.common import (
     fmt,
@@ -38,6 +38,8 @@ from benchmarks.common import (
     summarize,
     write_json,
 )
+from benchmarks.sse_client import session, stream_completion
+from serving.serve_process import spawn_serve, stop_serve, wait_serve_up
 
 
 @dataclass
@@ -74,37 +76,19 @@ class Soak:
 
 
 # ---- the server --------------------------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start_server(args: argparse.Namespace, log: Path) -> tuple[subprocess.Popen, str]:
-    port = _free_port()
-    cmd = [sys.executable, "-m", "quantgate.cli", "serve", "--model", args.model, "--port", str(port),
-           "--served-model-name", "soak", "--log-level", "warning", "--max-waiting", str(args.max_waiting)]
+    extra = ["--served-model-name", "soak", "--log-level", "warning", "--max-waiting", str(args.max_waiting)]
     for flag, value in (("--num-kv-blocks", args.num_kv_blocks), ("--threads", args.threads),
                         ("--device", args.device)):
         if value is not None:
-            cmd += [flag, str(value)]
-    with log.open("w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    import httpx
-
-    deadline = time.monotonic() + args.startup_timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"the server exited with {proc.returncode}; see {log}")
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    proc.kill()
-    raise SystemExit(f"the server did not come up within {args.startup_timeout} s; see {log}")
+            extra += [flag, str(value)]
+    proc, url = spawn_serve(args.model, log, *extra)
+    try:
+        wait_serve_up(proc, url, log, args.startup_timeout)
+    except RuntimeError as exc:
+        proc.kill()
+        raise SystemExit(str(exc)) from None
+    return proc, url
 
 
 def _scrape(text: str) -> dict[str, float]:
@@ -120,40 +104,19 @@ def _scrape(text: str) -> dict[str, float]:
 # ---- the load ----------------------------------------------------------------------------------------
 async def _request(client, url: str, body: dict, t0: float) -> tuple[Record, float]:
     """One streamed completion; returns its record and how long to wait before the next (Retry-After)."""
-    import httpx
-
     rec = Record(start=time.monotonic() - t0)
-    wait = 0.0
-    try:
-        async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
-            rec.status = r.status_code
-            if r.status_code != 200:
-                await r.aread()
-                rec.error = r.text[:200]
-                wait = float(r.headers.get("retry-after", "1")) if r.status_code in (429, 503) else 1.0
-            else:
-                async for line in r.aiter_lines():
-                    if not line.startswith("data: ") or line == "data: [DONE]":
-                        continue
-                    event = json.loads(line.removeprefix("data: "))
-                    if "error" in event:
-                        rec.error = json.dumps(event["error"])[:200]
-                        continue
-                    if event.get("choices") and event["choices"][0]["text"] and rec.ttft is None:
-                        rec.ttft = time.monotonic() - t0 - rec.start
-                    if event.get("usage"):
-                        rec.tokens = event["usage"]["completion_tokens"]
-                rec.ok = rec.error is None
-    except httpx.HTTPError as exc:
-        rec.error = f"{type(exc).__name__}: {exc}"[:200]
-        wait = 1.0
+    got = await stream_completion(client, f"{url}/v1/completions", body)
     rec.end = time.monotonic() - t0
+    rec.status, rec.error, rec.tokens = got.status, got.error and got.error[:200], got.output_tokens
+    rec.ttft = got.ttft
+    rec.ok = got.status == 200 and got.error is None
+    wait = 0.0
+    if got.status != 200:
+        wait = got.retry_after if got.retry_after is not None else 1.0
     return rec, wait
 
 
 async def _load(url: str, args: argparse.Namespace, soak: Soak, proc_pid: int | None) -> None:
-    import httpx
-
     prompts = load_prompts(args.prompts)
     rng = random.Random(args.seed)
     t0 = time.monotonic()
@@ -176,8 +139,9 @@ async def _load(url: str, args: argparse.Namespace, soak: Soak, proc_pid: int | 
             t = time.monotonic() - t0
             rss = proc.memory_info().rss / 2**20 if proc else None
             try:
-                m = _scrape((await client.get(f"{url}/metrics")).text)
-            except httpx.HTTPError:
+                async with client.get(f"{url}/metrics") as r:
+                    m = _scrape(await r.text())
+            except (aiohttp.ClientError, TimeoutError):
                 m = {}
             soak.samples.append(Sample(t, rss, m.get("quantgate:kv_cache_usage_perc"),
                                        m.get("quantgate:num_requests_running"),
@@ -187,8 +151,7 @@ async def _load(url: str, args: argparse.Namespace, soak: Soak, proc_pid: int | 
                 return
             await asyncio.sleep(args.sample_every)
 
-    limits = httpx.Limits(max_connections=args.concurrency + 2)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(args.request_timeout), limits=limits) as client:
+    async with session(args.concurrency + 2, args.request_timeout) as client:
         from rich.progress import Progress
 
         with Progress() as bar:
@@ -327,17 +290,7 @@ def run(args: argparse.Namespace) -> dict:
                  "drained": drained is not None,
                  "preemptions_total": None if drained is None else drained.get("quantgate:num_preemptions_total")}
     finally:
-        if proc is not None and proc.poll() is None:
-            start = time.monotonic()
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(10)
-            sigterm_exit_s = time.monotonic() - start
-        else:
-            sigterm_exit_s = None
+        sigterm_exit_s = None if proc is None else stop_serve(proc, signal.SIGTERM, 60.0)
     after["sigterm_exit_s"] = sigterm_exit_s
     result = report(soak, args, after)
     write_json(out / "soak.json", result)

@@ -14,6 +14,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from quantgate.model_shape import kv_shape, text_config
+
 GIB = 1 << 30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 METHOD_ROWS = ("baseline", "int8", "int8wo", "int4wo", "nf4", "fp4",
@@ -73,16 +75,16 @@ class ModelShape:
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> ModelShape:
-        config = config.get("text_config", config)
+        config = text_config(config)
         try:
-            heads = config["num_attention_heads"]
+            kv = kv_shape(config)
             return cls(
-                num_layers=config["num_hidden_layers"],
+                num_layers=kv.num_layers,
                 hidden_size=config["hidden_size"],
                 intermediate_size=config["intermediate_size"],
-                num_heads=heads,
-                num_kv_heads=config.get("num_key_value_heads") or heads,
-                head_dim=config.get("head_dim") or config["hidden_size"] // heads,
+                num_heads=config["num_attention_heads"],
+                num_kv_heads=kv.num_kv_heads,
+                head_dim=kv.head_dim,
                 vocab_size=config["vocab_size"],
                 tie_word_embeddings=bool(config.get("tie_word_embeddings", True)),
             )

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 
+from quantgate.model_shape import kv_shape
 from serving import attention
 from serving.attention import AttentionContext, DecodeGroup, PrefillChunk
 from serving.sampler import sample, token_logprobs
@@ -57,11 +58,7 @@ class KVCacheShape:
 
     @classmethod
     def from_config(cls, config, dtype: torch.dtype, cache_dtype: str = "auto") -> KVCacheShape:
-        config = config.get_text_config() if hasattr(config, "get_text_config") else config
-        heads = config.num_attention_heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-        kv_heads = getattr(config, "num_key_value_heads", None) or heads
-        return cls(config.num_hidden_layers, kv_heads, head_dim, dtype, cache_dtype)
+        return cls(*kv_shape(config), dtype, cache_dtype)
 
 
 @dataclass

@@ -6,26 +6,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import os
 import signal
-import socket
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
-from server_fixtures import wait_for
+
+from serving import serve_process as serve_process_
+from serving.serve_process import free_port  # noqa: F401 (the tests import it from here)
 
 RETRYABLE = (429, 503)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def assert_client_error_shape(r: httpx.Response) -> None:
@@ -114,35 +107,20 @@ def burst(url: str, bodies: list[dict], timeout: float = 300.0) -> list[Outcome]
 # ---- a real `quantgate serve` process --------------------------------------------------------------
 def spawn_serve(model_dir: Path, log: Path, *extra: str) -> tuple[subprocess.Popen, str]:
     """Start `quantgate serve` on a free loopback port (not waiting for it); returns (process, base URL)."""
-    port = free_port()
-    cmd = [sys.executable, "-m", "quantgate.cli", "serve", "--model", str(model_dir), "--port", str(port),
-           "--served-model-name", "tiny", "--threads", "1", "--log-level", "warning", *extra]
-    with log.open("w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    return proc, f"http://127.0.0.1:{port}"
+    return serve_process_.spawn_serve(model_dir, log, "--served-model-name", "tiny", "--threads", "1",
+                                      "--log-level", "warning", *extra, env={"OMP_NUM_THREADS": "1"})
 
 
 def wait_serve_up(proc: subprocess.Popen, url: str, log: Path, timeout: float = 240.0) -> None:
-    def up() -> bool:
-        if proc.poll() is not None:
-            raise AssertionError(f"`quantgate serve` exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
-        try:
-            return httpx.get(f"{url}/health", timeout=2).status_code == 200
-        except httpx.HTTPError:
-            return False
-
-    wait_for(up, timeout=timeout, what=f"`quantgate serve` on {url} to come up")
+    try:
+        serve_process_.wait_serve_up(proc, url, log, timeout)
+    except RuntimeError as exc:
+        raise AssertionError(str(exc)) from None
 
 
 def stop_serve(proc: subprocess.Popen) -> None:
     """Ctrl-C, then kill if it does not exit within 20 s."""
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
+    serve_process_.stop_serve(proc, signal.SIGINT, 20.0)
 
 
 @contextlib.contextmanager
