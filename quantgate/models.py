@@ -27,6 +27,11 @@ class ModelReferenceError(ValueError):
     """A model reference that quantgate cannot resolve to local files."""
 
 
+def is_default_model(ref: str | Path) -> bool:
+    """Whether `ref` names the embedded default model (by any of its aliases)."""
+    return str(ref).strip().lower() in _ALIASES
+
+
 def default_gguf_path() -> Path:
     spec = importlib.util.find_spec(_DEFAULT_GGUF_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
@@ -45,7 +50,7 @@ def resolve_model(ref: str | Path) -> Path:
     text = str(ref).strip()
     if not text:
         raise ModelReferenceError("empty model reference")
-    if text.lower() in _ALIASES:
+    if is_default_model(text):
         return _converted_gguf(default_gguf_path(), name="smollm2-135m-instruct")
     path = Path(text).expanduser()
     if path.suffix == ".gguf":
