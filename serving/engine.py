@@ -16,7 +16,8 @@ from serving.device import default_device, resolve_dtype
 from serving.model_runner import KVCacheShape, ModelRunner, load_model
 from serving.sampler import NO_TOKEN
 from serving.sampling_params import SamplingParams
-from serving.scheduler import MAX_NUM_BATCHED_TOKENS, SCHEDULERS
+from serving.scheduler import MAX_NUM_BATCHED_TOKENS
+from serving.schedulers import SCHEDULERS
 from serving.sequence import RequestMetrics, Sequence, SequenceStatus, TokenLogprob
 from serving.tenants import TenantFairness
 

@@ -235,7 +235,3 @@ class StaticScheduler(Scheduler):
     def _has_budget(self, budget: int) -> bool:
         return True  # the whole batch is admitted at once; its prefill is chunked over the next steps
 
-
-from serving.dynamic_batching import DynamicBatchScheduler  # noqa: E402 (it subclasses StaticScheduler)
-
-SCHEDULERS: dict[str, type[Scheduler]] = {"continuous": Scheduler, "static": StaticScheduler, "dynamic": DynamicBatchScheduler}
