@@ -152,7 +152,8 @@ def start_mlflow(config: ServicesConfig, pg: Postgres) -> ServiceState:
     env = _server_env()
     env.pop("MLFLOW_TRACKING_URI", None)
     env["MLFLOW_SERVER_ENABLE_JOB_EXECUTION"] = "false"  # no GenAI job-runner processes
-    argv = [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", pg.url("mlflow"),
+    env["MLFLOW_BACKEND_STORE_URI"] = pg.url("mlflow")  # = --backend-store-uri, without the password in `ps`
+    argv = [sys.executable, "-m", "mlflow", "server",
             "--serve-artifacts", "--artifacts-destination", str(artifacts.resolve()),
             "--host", config.host, "--port", str(config.mlflow_port), "--workers", str(config.mlflow_workers)]
     state = _spawn("mlflow", argv, env)

@@ -45,6 +45,8 @@ def _services(args: argparse.Namespace) -> int:
         return 0
     print(f"Prefect server  {services.prefect_url}   (UI and API; database on PostgreSQL 127.0.0.1:{services.pg_port})")
     print(f"MLflow server   {services.mlflow_url}   (runs and registry on PostgreSQL, artifacts served over HTTP)")
+    # MLflow 3.17's UI opens experiments on the GenAI pages unless told the Model-training view in the URL
+    print(f"MLflow UI       {services.mlflow_url}/#/experiments?workflowType=machine_learning   (the runs view)")
     print(f"state and logs  {services.root}")
     print("# export these in every shell that runs quantgate, a worker or the UI check:")
     print(services.env_lines())
