@@ -120,6 +120,20 @@ async def _send(client, url: str, payload: dict[str, Any], chat: bool, result: R
         result.error = "the stream ended without any text"
 
 
+def _workload(requests: list | None, prompts: list[str] | str | Path | None, num_requests: int,
+              max_tokens: int | tuple[int, int], seed: int, chat: bool) -> tuple[list, int | None]:
+    """(prompt, max_tokens) per request and how many distinct prompts they come from (None: the
+    caller gave the requests themselves)."""
+    if requests is not None:
+        if not requests:
+            raise ValueError("the request list is empty")
+        if chat and any(not isinstance(p, str) for p, _ in requests):
+            raise ValueError("token-id prompts need /v1/completions, not chat")
+        return list(requests), None
+    prompt_list = prompts if isinstance(prompts, list) else load_prompts(prompts)
+    return build_requests(num_requests, prompts=prompt_list, max_tokens=max_tokens, seed=seed), len(prompt_list)
+
+
 async def async_run_serving_benchmark(
     url: str,
     model: str | None = None,
@@ -148,17 +162,10 @@ async def async_run_serving_benchmark(
     if concurrency is not None and concurrency < 1:
         raise ValueError(f"concurrency must be at least 1, got {concurrency}")
     endpoint = completions_url(url, chat)
-    if requests is not None:
-        if not requests:
-            raise ValueError("the request list is empty")
-        if chat and any(not isinstance(p, str) for p, _ in requests):
-            raise ValueError("token-id prompts need /v1/completions, not chat")
-        requests, num_requests, num_prompts = list(requests), len(requests), len(requests)
-        max_tokens = (min(n for _, n in requests), max(n for _, n in requests))
-    else:
-        prompt_list = prompts if isinstance(prompts, list) else load_prompts(prompts)
-        requests = build_requests(num_requests, prompts=prompt_list, max_tokens=max_tokens, seed=seed)
-        num_prompts = len(prompt_list)
+    requests, num_prompts = _workload(requests, prompts, num_requests, max_tokens, seed, chat)
+    num_requests = len(requests)
+    if num_prompts is None:  # the caller's own requests
+        num_prompts, max_tokens = num_requests, (min(n for _, n in requests), max(n for _, n in requests))
     gaps = arrival_gaps(num_requests, request_rate, seed)
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     results = [RequestResult(i) for i in range(num_requests)]
@@ -171,15 +178,11 @@ async def async_run_serving_benchmark(
         async def one(i: int) -> None:
             prompt, n = requests[i]
             payload: dict[str, Any] = {"model": model, "max_tokens": n, "temperature": temperature,
-                                       "stream": True, "stream_options": {"include_usage": True}}
-            if chat:
-                payload["messages"] = [{"role": "user", "content": prompt}]
-            else:
-                payload["prompt"] = prompt
-            if ignore_eos:
-                payload["ignore_eos"] = True
-            if min_tokens:
-                payload["min_tokens"] = n
+                                       "stream": True, "stream_options": {"include_usage": True},
+                                       **({"messages": [{"role": "user", "content": prompt}]} if chat
+                                          else {"prompt": prompt}),
+                                       **({"ignore_eos": True} if ignore_eos else {}),
+                                       **({"min_tokens": n} if min_tokens else {})}
             if gate:
                 async with gate:
                     await _send(client, endpoint, payload, chat, results[i], t0)
@@ -289,11 +292,12 @@ def run_serving_benchmark(url: str, model: str | None = None, *, output_json: st
 
 
 def flat_metrics(report: dict[str, Any], prefix: str = "serve_") -> dict[str, float]:
-    """The report's numbers as flat `name: float` pairs (e.g. `serve_ttft_ms_p99`), for MLflow."""
+    """The report's numbers as flat `name: float` pairs (e.g. `serve_ttft_ms_p99`), for MLflow: the one
+    flattener (the release flow names them for the gates in flows/serving_harness.py)."""
     flat = {
         f"{prefix}{k}": float(report[k])
         for k in ("request_throughput", "output_throughput", "goodput", "goodput_fraction", "completed",
-                  "failed", "duration_s")
+                  "failed", "duration_s", "total_input_tokens", "total_output_tokens")
         if report.get(k) is not None
     }
     for metric in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):

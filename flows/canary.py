@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import json
 import secrets
-import time
 from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
@@ -108,10 +107,10 @@ class Canary:
 
 
 async def _replay(url: str, sample: list[dict], advance: Callable[[int], None]) -> list[dict]:
-    import httpx
+    from benchmarks.sse_client import session
 
     gate = asyncio.Semaphore(REPLAY_CONCURRENCY)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(300.0, connect=5.0)) as client:
+    async with session(REPLAY_CONCURRENCY, timeout_s=300.0) as client:
 
         async def one(i: int, item: dict) -> dict:
             async with gate:
@@ -123,39 +122,19 @@ async def _replay(url: str, sample: list[dict], advance: Callable[[int], None]) 
 
 
 async def _stream_one(client, url: str, i: int, item: dict) -> dict:
-    import httpx
+    from benchmarks.sse_client import stream_completion
 
     body = {"prompt": item["prompt"], "max_tokens": MAX_TOKENS, "temperature": 0.0, "stream": True,
             "stream_options": {"include_usage": True}, "user": item["user"], "ignore_eos": True}
-    record: dict = {"id": i, "user": item["user"], "version": None, "status": None, "error": None,
-                    "ttft_s": None, "tpot_s": None, "tokens": 0}
-    start = time.perf_counter()
-    try:
-        async with client.stream("POST", f"{url}/v1/completions", json=body) as resp:
-            record["status"] = resp.status_code
-            record["version"] = resp.headers.get("x-quantgate-version")
-            if resp.status_code != 200:
-                record["error"] = f"HTTP {resp.status_code}: {(await resp.aread())[:200].decode(errors='replace')}"
-                return record
-            async for line in resp.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[len("data: "):])
-                if "error" in chunk:
-                    record["error"] = f"in stream: {chunk['error'].get('message', chunk['error'])}"
-                    continue
-                if chunk.get("choices") and record["ttft_s"] is None:
-                    record["ttft_s"] = time.perf_counter() - start
-                if chunk.get("usage"):
-                    record["tokens"] = chunk["usage"].get("completion_tokens", 0)
-    except httpx.HTTPError as exc:
-        record["error"] = f"{type(exc).__name__}: {exc}"
-        return record
-    e2e = time.perf_counter() - start
-    if record["ttft_s"] is not None and record["tokens"] > 1:
-        record["tpot_s"] = (e2e - record["ttft_s"]) / (record["tokens"] - 1)
-    elif record["error"] is None:
-        record["error"] = f"no tokens streamed (usage {record['tokens']})"
+    got = await stream_completion(client, f"{url}/v1/completions", body)
+    record: dict = {"id": i, "user": item["user"], "version": got.headers.get("x-quantgate-version"),
+                    "status": got.status, "error": got.error, "ttft_s": got.ttft, "tpot_s": None,
+                    "tokens": got.usage_tokens or 0}
+    if got.error is None:
+        if got.ttft is not None and record["tokens"] > 1:
+            record["tpot_s"] = got.tpot
+        else:
+            record["error"] = f"no tokens streamed (usage {record['tokens']})"
     return record
 
 

@@ -13,11 +13,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from flows.data import MeasureConfig, Measured, Variant
 from gates import metrics as M
 
 if TYPE_CHECKING:
     from evals.results import EvalResult
-    from flows.release import MeasureConfig, Measured, Variant
 
 WEIGHTS_BYTES = M.WEIGHTS_BYTES
 
@@ -54,11 +54,8 @@ def check_methods(methods: list[str]) -> None:
 
 def quantize(source_dir: Path, method: str) -> Path:
     """The variant directory (quantize's content-addressed cache makes a repeat instant)."""
-    import quantize as q
+    from quantize.variant import quantize as run
 
-    run = getattr(q, "quantize", None)
-    if run is None:  # until quantize/__init__ re-exports it
-        from quantize.variant import quantize as run
     return Path(run(str(source_dir), method))
 
 
@@ -104,12 +101,10 @@ def load_engine(variant: Variant, config: MeasureConfig):
     from serving import LLMEngine
 
     return LLMEngine.from_pretrained(variant.path, device="cpu", kv_cache_memory_gb=config.kv_cache_memory_gb,
-                                     model_name=variant.name, kv_cache_dtype=getattr(variant, "kv_cache_dtype", "auto"))
+                                     model_name=variant.name, kv_cache_dtype=variant.kv_cache_dtype)
 
 
 def measure(variant: Variant, config: MeasureConfig, out: Path, advance: Callable[[int], None]) -> Measured:
-    from flows.release import Measured
-
     start = time.perf_counter()
     engine = load_engine(variant, config)
     weights = weight_bytes(engine.model)
@@ -117,7 +112,8 @@ def measure(variant: Variant, config: MeasureConfig, out: Path, advance: Callabl
     advance(1)
     bench_json = out / "serving.json"
     metrics.update(serving_benchmark(engine, config, variant.name, bench_json))
-    metrics.update(capacity(variant, weights, config, engine.runner.shape.dtype.itemsize, engine.kv_cache_dtype))
+    metrics.update(capacity(variant, weights, config, engine.runner.shape.dtype.itemsize, engine.kv_cache_dtype,
+                            engine.block_size))
     advance(1)
     eval_dir = out / "evals"
     for suite in config.suites:
@@ -139,7 +135,7 @@ def serving_benchmark(engine, config: MeasureConfig, name: str, out_json: Path) 
 
 
 def capacity(variant: Variant, weights: int, config: MeasureConfig, kv_dtype_bytes: int,
-             kv_cache_dtype: str = "auto") -> dict[str, float]:
+             kv_cache_dtype: str, block_size: int) -> dict[str, float]:
     """KV blocks and concurrent sequences of `capacity_seq_len` tokens that fit beside the weights in a
     fixed `capacity_budget_gb` (quantize.capacity, with the weight bytes measured here; an 8-bit cache
     counts its codes and scales as the engine stores them)."""
@@ -147,9 +143,9 @@ def capacity(variant: Variant, weights: int, config: MeasureConfig, kv_dtype_byt
 
     shape = ModelShape.from_config(json.loads((Path(variant.path) / "config.json").read_text()))
     row = capacity_row(variant.name, shape, weights, int(config.capacity_budget_gb * 2**30),
-                       seq_len=config.capacity_seq_len, kv_dtype_bytes=kv_dtype_bytes, kv_cache_dtype=kv_cache_dtype,
-                       weights_source="measured")
-    return {M.CAPACITY_KV_BLOCKS: float(row.num_blocks), M.CAPACITY_KV_TOKENS: float(row.num_blocks * 16),
+                       seq_len=config.capacity_seq_len, block_size=block_size, kv_dtype_bytes=kv_dtype_bytes,
+                       kv_cache_dtype=kv_cache_dtype, weights_source="measured")
+    return {M.CAPACITY_KV_BLOCKS: float(row.num_blocks), M.CAPACITY_KV_TOKENS: float(row.num_blocks * block_size),
             M.CAPACITY_MAX_SEQS: float(row.max_seqs), M.CAPACITY_KV_BYTES_PER_BLOCK: float(row.kv_bytes_per_block)}
 
 

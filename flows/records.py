@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from flows.release import ReleaseSummary, Source
+    from flows.data import ReleaseSummary, Source
 
 INITIAL_CHAMPION_REASON = "no champion yet: the release's baseline becomes the initial champion"
 
@@ -122,6 +122,36 @@ def snapshot(model_dir: Path, digest: str) -> Path:
         shutil.copytree(model_dir, tmp)
         tmp.rename(target)
     return target
+
+
+def set_challenger(model: str, version: str, reason: str) -> None:
+    from gates.registry import set_challenger as set_alias
+
+    set_alias(model, version, reason=reason)
+
+
+def promote(model: str, version: str, reason: str) -> None:
+    from gates.registry import promote as promote_version
+
+    promote_version(model, version, reason=reason)
+
+
+def record_approval(model: str, version: str, by: str, decision: str, comment: str) -> None:
+    from gates.registry import record_approval as record
+
+    record(model, version, by=by, decision=decision, comment=comment)
+
+
+def aliases(model: str) -> dict[str, str]:
+    """The registered model's aliases; none while nothing is registered under `model`."""
+    from gates.registry import aliases as read
+    from gates.registry import resolve_registered_model
+
+    try:
+        resolve_registered_model(model)
+    except ValueError:
+        return {}
+    return read(model)
 
 
 def clear_challenger(model: str, version: str, reason: str) -> None:

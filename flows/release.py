@@ -8,10 +8,8 @@ marked FAILED in MLflow and no alias moves (a challenger set by this run is clea
 
 from __future__ import annotations
 
-import hashlib
-import json
 import re
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 
 from flows.runtime import prepare
@@ -24,16 +22,24 @@ from prefect.cache_policies import NO_CACHE  # noqa: E402
 from flows import canary as canary_stage  # noqa: E402
 from flows import measuring, records  # noqa: E402
 from flows.approval import APPROVE_MODES, Decision, auto_decision, offers, undecided, wait_for_decision  # noqa: E402
+from flows.data import (  # noqa: E402
+    BASELINE,
+    DEFAULT_SUITES,
+    MeasureConfig,
+    Measured,
+    ReleaseSummary,
+    Source,
+    Variant,
+    VariantResult,
+)
 from flows.progress import note, stage  # noqa: E402
-from quantgate.models import DEFAULT_MODEL  # noqa: E402
+from quantgate.models import DEFAULT_MODEL, is_default_model  # noqa: E402
 
 FLOW_NAME = "quantgate-release"
 DEFAULT_METHODS = ("int8wo", "int4wo")  # our fast weight-only kernels; bitsandbytes int8/nf4/fp4 on request
-DEFAULT_SUITES = ("accuracy", "safety")  # suites or single task names, as `quantgate eval --suite` takes
-BASELINE = "baseline"
 TASK_RETRIES = 2
 RETRY_DELAY_S = 3.0
-CACHE_VERSION = "1"  # bump when a cached stage's output format changes
+CACHE_VERSION = "2"  # bump when a cached stage's output format changes (2: the dataclasses moved to flows.data)
 
 
 def transient(task, task_run, state) -> bool:
@@ -42,85 +48,9 @@ def transient(task, task_run, state) -> bool:
     return not isinstance(exc, ValueError | TypeError | KeyError)
 
 
-@dataclass(frozen=True)
-class Source:
-    ref: str
-    name: str  # MLflow experiment / registered model stem
-    path: str
-    content_hash: str
-
-
-@dataclass(frozen=True)
-class Variant:
-    name: str  # "baseline" or the method, with its KV suffix ("int4wo+kv8")
-    method: str | None
-    path: str
-    content_hash: str  # of the weights; the KV dtype is not in it (int4wo and int4wo+kv8 share one)
-    manifest: dict | None = None
-    kv_cache_dtype: str = "auto"  # the engine's cache for this variant: auto | int8 | fp8
-
-
-@dataclass(frozen=True)
-class MeasureConfig:
-    suites: tuple[str, ...] = DEFAULT_SUITES
-    limit: int | None = None
-    bench_requests: int = 16
-    bench_concurrency: int = 4
-    bench_max_tokens: int = 32
-    kv_cache_memory_gb: float = 0.5
-    capacity_budget_gb: float = 2.0  # weights + KV cache: how many sequences fit beside each variant
-    capacity_seq_len: int = 1024
-    seed: int = 0
-
-    def key(self) -> str:
-        return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:16]
-
-
-@dataclass
-class Measured:
-    variant: Variant
-    metrics: dict[str, float]
-    eval_dir: str  # per-sample logs of every suite, read by the comparison
-    bench_json: str
-    artifacts: list[str] = field(default_factory=list)
-
-
-@dataclass
-class VariantResult:
-    name: str
-    method: str | None
-    run_id: str
-    version: str | None = None
-    weight_bytes: float | None = None
-    gates_passed: bool | None = None
-    gates_total: int = 0
-    gates_failed: list[str] = field(default_factory=list)
-    gates_uninformative: list[str] = field(default_factory=list)  # could not have failed: no evidence
-    decision: str = ""
-
-
-@dataclass
-class ReleaseSummary:
-    model: str
-    source_hash: str
-    release_run_id: str
-    flow_run_id: str
-    tracking_uri: str
-    registered_model: str
-    rows: list[VariantResult]
-    chosen: str | None = None
-    challenger_version: str | None = None
-    canary: dict = field(default_factory=dict)
-    outcome: str = ""
-    aliases: dict[str, str] = field(default_factory=dict)
-
-    def as_dict(self) -> dict:
-        return asdict(self)
-
-
 def model_name(ref: str, path: Path) -> str:
     """The name a model's experiment and registered model carry: the alias, or the dir/file stem."""
-    if ref.strip().lower() in ("smollm2-135m", "smollm2-135m-instruct", "default"):
+    if is_default_model(ref):
         return DEFAULT_MODEL
     stem = Path(ref).stem if ref.endswith(".gguf") else path.name
     return re.sub(r"[^A-Za-z0-9_.-]+", "-", stem).strip("-.") or "model"
@@ -296,7 +226,6 @@ def release_flow(
     """Quantize `model`, measure every variant against the baseline, gate, approve, canary, promote."""
     from prefect.runtime import flow_run
 
-    from gates import registry
     from gates.tracking import end_release, registered_model_name, tracking_uri
 
     methods = list(methods or DEFAULT_METHODS)
@@ -342,11 +271,11 @@ def release_flow(
             summary.chosen = chosen.name
             summary.challenger_version = chosen.version
             moved_challenger = chosen.version
-            registry.set_challenger(source.name, chosen.version,
-                                    reason=f"release {release_id}: smallest approved variant ({chosen.name})")
+            records.set_challenger(source.name, chosen.version,
+                                   f"release {release_id}: smallest approved variant ({chosen.name})")
             _canary_stage(summary, source, chosen, champion, policy, canary_requests, canary_share)
             moved_challenger = None
-        summary.aliases = registry.aliases(source.name) if _has_registered(source.name) else {}
+        summary.aliases = records.aliases(source.name)
         records.log_summary(release_id, summary)
         end_release(release_id)
     except BaseException:
@@ -394,8 +323,6 @@ def _measure(variant: Variant, config: MeasureConfig, fresh: bool) -> Measured:
 
 
 def _approval(summary: ReleaseSummary, candidates: list[str], mode: str, timeout_s: int) -> Decision:
-    from gates import registry
-
     rows = {r.name: r for r in summary.rows}
     offered = offers(summary.rows[1:]) if mode == "manual" else []  # blocked only by blind gates: a person decides
     if not candidates and not offered:
@@ -411,8 +338,7 @@ def _approval(summary: ReleaseSummary, candidates: list[str], mode: str, timeout
             decision = wait_for_decision(report, candidates, timeout_s, offered=offered)
     for name, approved in decision.approved.items():
         verdict = "approved" if approved else "rejected"
-        registry.record_approval(summary.model, rows[name].version, by=decision.by, decision=verdict,
-                                 comment=decision.comment)
+        records.record_approval(summary.model, rows[name].version, decision.by, verdict, decision.comment)
         rows[name].decision = f"{verdict} by {decision.by}"
     for r in summary.rows[1:]:
         if not r.decision:
@@ -432,7 +358,6 @@ def _choose(summary: ReleaseSummary, decision: Decision) -> VariantResult | None
 def _canary_stage(summary: ReleaseSummary, source: Source, chosen: VariantResult, champion: tuple[str, Path],
                   policy: str | None, requests: int, share: float) -> None:
     from flows.runtime import work_dir
-    from gates import registry
 
     champion_version, champion_dir = champion
     challenger_dir = records.version_source(source.name, chosen.version)
@@ -444,8 +369,8 @@ def _canary_stage(summary: ReleaseSummary, source: Source, chosen: VariantResult
     passed, failed = result["gates"]["passed"], result["gates"]["failed"]
     summary.canary = {"champion_version": champion_version, **result["summary"], "passed": passed, "failed": failed}
     if passed:
-        registry.promote(source.name, chosen.version,
-                         reason=f"release {summary.release_run_id}: canary passed against v{champion_version}")
+        records.promote(source.name, chosen.version,
+                        f"release {summary.release_run_id}: canary passed against v{champion_version}")
         summary.outcome = f"{chosen.name} (v{chosen.version}) promoted to champion"
         chosen.decision += "; canary passed -> champion"
     else:
@@ -453,12 +378,3 @@ def _canary_stage(summary: ReleaseSummary, source: Source, chosen: VariantResult
         summary.outcome = f"{chosen.name} (v{chosen.version}) rolled back after the canary; champion stays v{champion_version}"
         chosen.decision += "; canary failed -> rolled back"
 
-
-def _has_registered(name: str) -> bool:
-    from gates import registry
-
-    try:
-        registry.resolve_registered_model(name)
-        return True
-    except ValueError:
-        return False

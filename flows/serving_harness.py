@@ -9,12 +9,9 @@ exactly `bench_max_tokens` tokens. TTFT and TPOT are measured on the client side
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
 
+from flows.data import MeasureConfig
 from gates import metrics as M
-
-if TYPE_CHECKING:
-    from flows.release import MeasureConfig
 
 _STAT_FOR_QUANTILE = {50: "median", 95: "p95", 99: "p99"}
 
@@ -35,20 +32,23 @@ def benchmark(engine, config: MeasureConfig, name: str, out_json: Path) -> dict:
 
 
 def to_metrics(report: dict) -> dict[str, float]:
-    """The report in `gates.metrics` names: latency quantiles in seconds, tokens/s."""
+    """The report (flattened by `benchmarks.serving.flat_metrics`) in `gates.metrics` names: latency
+    quantiles in seconds, tokens/s."""
+    from benchmarks.serving import flat_metrics
+
+    flat = flat_metrics(report, prefix="")
     metrics: dict[str, float] = {}
     for kind in M.LATENCY_KINDS:
-        stats = report[f"{kind}_ms"]
         for q, stat in _STAT_FOR_QUANTILE.items():
-            if stats.get(stat) is not None:
-                metrics[M.latency(kind, q)] = stats[stat] / 1000.0
-    if report["tpot_ms"].get("mean"):
-        metrics[M.SERVE_DECODE_TPS] = 1000.0 / report["tpot_ms"]["mean"]  # per-sequence decode speed
-    ttft_mean, inputs = report["ttft_ms"].get("mean"), report.get("total_input_tokens")
+            if f"{kind}_ms_{stat}" in flat:
+                metrics[M.latency(kind, q)] = flat[f"{kind}_ms_{stat}"] / 1000.0
+    if flat.get("tpot_ms_mean"):
+        metrics[M.SERVE_DECODE_TPS] = 1000.0 / flat["tpot_ms_mean"]  # per-sequence decode speed
+    ttft_mean, inputs = flat.get("ttft_ms_mean"), flat.get("total_input_tokens")
     if ttft_mean and inputs:
         # prompt tokens per second of time-to-first-token (queueing included, at this concurrency)
-        metrics[M.SERVE_PREFILL_TPS] = inputs / (ttft_mean / 1000.0 * report["completed"])
-    metrics["serve/output_tps"] = float(report["output_throughput"])
-    metrics["serve/request_throughput"] = float(report["request_throughput"])
-    metrics["serve/failed"] = float(report["failed"])
+        metrics[M.SERVE_PREFILL_TPS] = inputs / (ttft_mean / 1000.0 * flat["completed"])
+    metrics["serve/output_tps"] = flat["output_throughput"]
+    metrics["serve/request_throughput"] = flat["request_throughput"]
+    metrics["serve/failed"] = flat["failed"]
     return metrics
