@@ -48,6 +48,9 @@ def transient(task, task_run, state) -> bool:
     return not isinstance(exc, ValueError | TypeError | KeyError)
 
 
+RETRIED = {"retries": TASK_RETRIES, "retry_delay_seconds": RETRY_DELAY_S, "retry_condition_fn": transient}
+
+
 def model_name(ref: str, path: Path) -> str:
     """The name a model's experiment and registered model carry: the alias, or the dir/file stem."""
     if is_default_model(ref):
@@ -95,14 +98,7 @@ def _quantize_key(context, parameters) -> str:
     return f"quantize-{parameters['source'].content_hash}-{parameters['method']}-v{CACHE_VERSION}"
 
 
-@task(
-    name="quantize",
-    cache_key_fn=_quantize_key,
-    persist_result=True,
-    retries=TASK_RETRIES,
-    retry_delay_seconds=RETRY_DELAY_S,
-    retry_condition_fn=transient,
-)
+@task(name="quantize", cache_key_fn=_quantize_key, persist_result=True, **RETRIED)
 def quantize_method(source: Source, method: str) -> Variant:
     with stage(f"quantize {source.name} -> {method}"):
         out = measuring.quantize(Path(source.path), method)
@@ -117,14 +113,7 @@ def _measure_key(context, parameters) -> str:
     return f"measure-{v.content_hash}{kv}-{cfg.key()}-v{CACHE_VERSION}"
 
 
-@task(
-    name="measure",
-    cache_key_fn=_measure_key,
-    persist_result=True,
-    retries=TASK_RETRIES,
-    retry_delay_seconds=RETRY_DELAY_S,
-    retry_condition_fn=transient,
-)
+@task(name="measure", cache_key_fn=_measure_key, persist_result=True, **RETRIED)
 def measure(variant: Variant, config: MeasureConfig) -> Measured:
     """Serve the model through our engine: serving benchmark, eval suites, weight bytes, KV capacity."""
     from flows.runtime import work_dir
@@ -135,8 +124,7 @@ def measure(variant: Variant, config: MeasureConfig) -> Measured:
         return measuring.measure(variant, config, out, advance)
 
 
-@task(name="start-release", cache_policy=NO_CACHE, retries=TASK_RETRIES, retry_delay_seconds=RETRY_DELAY_S,
-      retry_condition_fn=transient)
+@task(name="start-release", cache_policy=NO_CACHE, **RETRIED)
 def start_release(source: Source, config: dict) -> str:
     from gates.orphans import fail_orphaned_releases
     from gates.tracking import start_release as open_run
@@ -177,8 +165,7 @@ def record(release_run_id: str, measured: Measured, baseline: Measured | None) -
     return run_id, version
 
 
-@task(name="evaluate-gates", cache_policy=NO_CACHE, retries=TASK_RETRIES, retry_delay_seconds=RETRY_DELAY_S,
-      retry_condition_fn=transient)
+@task(name="evaluate-gates", cache_policy=NO_CACHE, **RETRIED)
 def evaluate_gates(run_id: str, policy: str | None, stage_name: str = "release"):
     from gates.evaluate import evaluate_run
 

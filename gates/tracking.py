@@ -165,7 +165,7 @@ def start_release(model_name: str, source_hash: str, config: Mapping[str, Any] |
     `config` (eval config, policy path, ...) is logged flattened as params and whole as `config.json`.
     The run's tags name the process running the release (`gates.orphans`), set with the run itself.
     """
-    from gates.orphans import ReleaseProcess
+    from gates.release_process import ReleaseProcess
 
     client = get_client()
     experiment_id = ensure_experiment(model_name, client)

@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from evals.refusal import is_refusal
-from evals.tasks import TaskSpec
 from evals.tasks import packages as P
+from evals.tasks.spec import TaskSpec
 
 MMLU_SUBJECTS = ("marketing", "high_school_geography", "high_school_psychology")
 
