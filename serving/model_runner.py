@@ -10,6 +10,7 @@ import torch
 from quantgate.model_shape import kv_shape
 from serving import attention
 from serving.attention import AttentionContext, DecodeGroup, PrefillChunk
+from serving.packed_linear import pack_linears, packing_wanted
 from serving.sampler import sample, token_logprobs
 from serving.scheduler import ScheduledSeq
 from serving.sequence import Sequence, TokenLogprob
@@ -79,6 +80,8 @@ def load_model(model_dir: Path, device: torch.device, dtype: torch.dtype):
 
         model = load_causal_lm(model_dir, dtype=dtype).to(device)
     model.set_attn_implementation(attention.register())
+    if packing_wanted(torch.device(device), dtype):
+        pack_linears(model)
     return model.eval()
 
 
