@@ -1,4 +1,4 @@
-"""`quantgate bench hol|dynamic|serve|kv-waste|sweep|tenants|tenant-leak|throughput|variants|autoscale|fleet-router|peers`: the benchmarks, each printing a table and writing JSON (+ PNGs)."""
+"""`quantgate bench hol|dynamic|parallel|serve|kv-waste|sweep|tenants|tenant-leak|throughput|variants|autoscale|fleet-router|peers`: the benchmarks, each printing a table and writing JSON (+ PNGs)."""
 
 from __future__ import annotations
 
@@ -39,6 +39,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--short-fraction", type=float, default=0.8)
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=_dynamic)
+
+    p = verbs.add_parser("parallel", help="tensor vs pipeline parallelism (2 ranks over gloo): all-reduce time, "
+                                          "comm volume, PP bubble vs theory, tok/s; NVLink vs PCIe on paper")
+    p.add_argument("--model", default="smollm2-135m", help="model reference (Llama/Qwen2 family)")
+    p.add_argument("--device", default=None, help="cpu (gloo) or cuda (NCCL, one GPU per rank)")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--num-requests", type=int, default=8)
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--microbatches", type=_ints, default=(1, 2, 4), metavar="M,M,...")
+    p.add_argument("--out-dir", default=None, help="default: benchmarks/results/parallel")
+    p.set_defaults(func=_parallel)
 
     p = verbs.add_parser("serve", help="async load generator against an OpenAI-compatible server")
     target = p.add_mutually_exclusive_group(required=True)
@@ -172,6 +183,15 @@ def _hol(args: argparse.Namespace) -> int:
         plots=args.plots,
     )
     print_report(report)
+    return 0
+
+
+def _parallel(args: argparse.Namespace) -> int:
+    from benchmarks.parallel import print_report, run_parallel_bench
+
+    print_report(run_parallel_bench(args.model, num_requests=args.num_requests, max_tokens=args.max_tokens,
+                                    microbatches=args.microbatches, device=args.device, dtype=args.dtype,
+                                    out_dir=args.out_dir))
     return 0
 
 

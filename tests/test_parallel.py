@@ -1,0 +1,117 @@
+"""Tensor and pipeline parallelism over gloo: 2 ranks give the same greedy tokens as one process (tiny
+Llama and Qwen2, several sequences, a preemption), a rank that dies stops everything with a clear error,
+and shards/stages are what they claim to be."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from engine_helpers import DTYPE
+from test_engine import random_prompts
+
+from serving import LLMEngine, SamplingParams
+from serving.parallel import RankFailedError
+from serving.parallel.plan import split_microbatches
+from serving.parallel.sharding import STATS, check_shardable, split_evenly
+
+# a small cache (block size 4): the six sequences below cannot all fit, so one is preempted and recomputed
+ENGINE = dict(device="cpu", dtype=DTYPE, num_kv_blocks=20, block_size=4, max_num_batched_tokens=64)
+MAX_TOKENS = [5, 30, 12, 1, 25, 9]
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_dir(tiny_model_dir: Path) -> Path:
+    """A randomly initialised 2-layer Qwen2 (GQA, q/k/v biases) with the tiny Llama's tokenizer."""
+    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+
+    path = tiny_model_dir.parent / "tiny-qwen2"
+    if (path / "config.json").is_file():
+        return path
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                         initializer_range=0.2, tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id,
+                         eos_token_id=tokenizer.eos_token_id)
+    torch.manual_seed(1)
+    Qwen2ForCausalLM(config).to(torch.float32).eval().save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def _workload(vocab: int):
+    prompts = random_prompts(6, vocab, seed=7, lo=3, hi=40)
+    return prompts, [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for m in MAX_TOKENS]
+
+
+def _one_process(model_dir: Path):
+    engine = LLMEngine.from_pretrained(str(model_dir), **ENGINE)
+    prompts, params = _workload(engine.vocab_size)
+    outs = engine.generate(prompts, params)
+    assert engine.stats().num_preemptions > 0  # the comparison covers a recompute after preemption
+    return prompts, params, [o.token_ids for o in outs]
+
+
+@pytest.mark.parametrize(("model", "kind"), [("llama", "tp"), ("qwen2", "pp")])
+def test_two_ranks_match_one_process_then_a_dead_rank_stops_all(tiny_model_dir, tiny_qwen2_dir, model, kind):
+    model_dir = tiny_model_dir if model == "llama" else tiny_qwen2_dir
+    prompts, params, want = _one_process(model_dir)
+    size = {"tensor_parallel_size" if kind == "tp" else "pipeline_parallel_size": 2}
+    engine = LLMEngine.from_pretrained(str(model_dir), **ENGINE, **size, threads_per_rank=1)
+    group = engine.parallel
+    try:
+        config = engine.model.config
+        if kind == "tp":  # rank 0 holds half the heads: its paged KV cache is for its KV head only
+            assert (config.num_attention_heads, config.num_key_value_heads) == (2, 1)
+            assert engine.runner.k_cache[0].shape[0] == 1
+        STATS.reset()
+        outs = engine.generate(prompts, params)
+        assert [o.token_ids for o in outs] == want
+        assert engine.stats().num_preemptions > 0
+        if kind == "tp":  # o_proj and down_proj of both layers, every step
+            assert STATS.allreduce_calls == 4 * STATS.steps and STATS.allreduce_bytes > 0
+        else:
+            assert STATS.p2p_bytes > 0 and STATS.allreduce_calls == 0
+        worker = group.procs[0]
+        os.kill(worker.pid, signal.SIGKILL)
+        with pytest.raises(RankFailedError, match=f"rank 1 \\(pid {worker.pid}\\) exited with code -9"):
+            deadline = time.monotonic() + 20
+            while time.monotonic() < deadline:  # the next steps fail, whichever notices first
+                engine.generate(prompts[:1], params[:1])
+        assert not any(p.is_alive() for p in group.procs)
+    finally:
+        group.shutdown()
+    assert not any(p.is_alive() for p in group.procs)
+
+
+def test_tensor_parallel_refuses_quantized_layers(tiny_model_dir):
+    from quantize.weight_only import Int8WeightOnlyLinear
+    from serving.model_runner import load_model
+
+    model = load_model(tiny_model_dir, torch.device("cpu"), torch.float32)
+    check_shardable(model, 2)
+    layer = model.model.layers[1].mlp
+    layer.up_proj = Int8WeightOnlyLinear.from_linear(layer.up_proj)
+    with pytest.raises(ValueError, match="layer 1 mlp.up_proj is .*Int8WeightOnlyLinear.*tensor_parallel_size=1"):
+        check_shardable(model, 2)
+    with pytest.raises(ValueError, match="needs at least 4 KV heads"):
+        check_shardable(model, 4)
+
+
+def test_splits():
+    assert split_evenly(3, 2) == [range(0, 2), range(2, 3)]  # SmolLM2's 3 KV heads on 2 ranks
+    assert split_evenly(30, 4) == [range(0, 8), range(8, 16), range(16, 23), range(23, 30)]
+
+    class Item:
+        def __init__(self, n):
+            self.num_new_tokens = n
+
+    items = [Item(n) for n in (1, 1, 1, 1, 40, 1)]
+    mbs = split_microbatches(items, 2)
+    assert [len(mb) for mb in mbs] == [5, 1] and sum(mbs, []) == items
+    assert [len(mb) for mb in split_microbatches(items[:1], 4)] == [1]
+    assert [len(mb) for mb in split_microbatches(items[:3], 3)] == [1, 1, 1]
