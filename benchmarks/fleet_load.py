@@ -18,25 +18,26 @@ class Sample:
     version: str | None = None
     replica: str | None = None
     kind: str = ""
+    error: str | None = None
 
 
 async def stream_one(client: httpx.AsyncClient, url: str, body: dict, t0: float, kind: str = "") -> Sample:
     sent = time.perf_counter()
-    ttft = None
+    ttft, error = None, None
     try:
         async with client.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}) as r:
             status, headers = r.status_code, r.headers
             async for line in r.aiter_lines():
                 if line.startswith("data: ") and ttft is None:
                     ttft = time.perf_counter() - sent
-                if '"error"' in line:
-                    status = 503
+                if line.startswith('data: {"error"'):
+                    status, error = 503, line[6:300]
     except httpx.HTTPError:
         return Sample(sent - t0, None, None, 599, kind=kind)
     done = time.perf_counter() - sent
     ok = status == 200
     return Sample(sent - t0, ttft if ok else None, done if ok else None, status,
-                  headers.get("x-quantgate-version"), headers.get("x-quantgate-replica"), kind)
+                  headers.get("x-quantgate-version"), headers.get("x-quantgate-replica"), kind, error)
 
 
 async def closed_loop(url: str, body: dict, concurrency: int, total: int) -> tuple[list[Sample], float]:

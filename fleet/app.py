@@ -70,6 +70,7 @@ def resolve_models(config: FleetConfig) -> FleetConfig:
     data = config.model_dump()
     for v in data["versions"]:
         v["model"] = str(resolve_model(v["model"]))
+    data["admin_key"] = config.resolved_admin_key()  # read here: replicas on other nodes lack the env
     return FleetConfig.model_validate(data)
 
 
@@ -109,7 +110,7 @@ def up(config: FleetConfig, address: str | None = None, num_cpus: int | None = N
     _wait_running(config.name, timeout_s)
     info = {"name": config.name, "url": f"http://{config.host}:{config.port}{config.route_prefix.rstrip('/')}",
             "ray_address": ray.get_runtime_context().gcs_address, "pid": os.getpid(),
-            "up_s": time.perf_counter() - started, "config": config.model_dump()}
+            "up_s": time.perf_counter() - started, "config": config.model_dump(exclude={"admin_key"})}
     state_file(config.name).write_text(json.dumps(info, indent=2) + "\n")
     return info
 

@@ -62,6 +62,18 @@ def _name(args: argparse.Namespace) -> str:
     return names[0]
 
 
+def _auth(args: argparse.Namespace) -> dict:
+    """The admin key from --config (admin_key or admin_key_env), else $QUANTGATE_FLEET_ADMIN_KEY."""
+    import os
+
+    key = os.environ.get("QUANTGATE_FLEET_ADMIN_KEY")
+    if args.config:
+        from fleet.config import load_fleet_config
+
+        key = load_fleet_config(args.config).resolved_admin_key() or key
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
 def _up(args: argparse.Namespace) -> int:
     import time
 
@@ -103,7 +115,10 @@ def _status(args: argparse.Namespace) -> int:
     from fleet.app import connect, saved, status
 
     info = saved(_name(args))
-    traffic = httpx.get(f"{info['url']}/fleet/state", timeout=10).json()
+    r = httpx.get(f"{info['url']}/fleet/state", headers=_auth(args), timeout=10)
+    if r.status_code != 200:
+        raise ValueError(r.json().get("error", {}).get("message", r.text))
+    traffic = r.json()
     connect(info["ray_address"])
     serve_status = status(info["name"])
     print(f"fleet {info['name']} at {info['url']}: {serve_status['status']}")
@@ -136,7 +151,7 @@ def _traffic(args: argparse.Namespace) -> int:
             body["weights"] = {k: float(v) for k, _, v in (w.partition("=") for w in args.weights)}
         except ValueError:
             raise ValueError(f"weights are VERSION=NUMBER, got {' '.join(args.weights)}") from None
-    r = httpx.post(f"{info['url']}/fleet/traffic", json=body, timeout=10)
+    r = httpx.post(f"{info['url']}/fleet/traffic", json=body, headers=_auth(args), timeout=10)
     data = r.json()
     if r.status_code != 200:
         raise ValueError(data.get("error", {}).get("message", r.text))

@@ -43,6 +43,8 @@ class VersionSpec(_Strict):
     num_replicas: int = Field(1, ge=1, description="fixed replica count when `autoscaling` is not given")
     autoscaling: Autoscaling | None = None
     num_kv_blocks: int | None = Field(None, ge=1)
+    kv_cache_memory_gb: float | None = Field(None, gt=0)
+    kv_cache_dtype: Literal["auto", "int8", "fp8"] = "auto"
     max_num_seqs: int = Field(64, ge=1)
     max_waiting: int = Field(256, ge=1)
     max_ongoing_requests: int = Field(64, ge=1)
@@ -62,6 +64,9 @@ class FleetConfig(_Strict):
     routing_stats_period_s: float = Field(0.5, gt=0)
     versions: list[VersionSpec] = Field(min_length=1)
     champion: str | None = None
+    # /fleet/state and /fleet/traffic ask for `Authorization: Bearer <admin key>` when one is set
+    admin_key: str | None = Field(None, min_length=8)
+    admin_key_env: str | None = None
 
     @model_validator(mode="after")
     def _versions(self) -> FleetConfig:
@@ -82,6 +87,18 @@ class FleetConfig(_Strict):
             if v.name == name:
                 return v
         raise ValueError(f"no version {name!r} in fleet {self.name!r}; versions: {[v.name for v in self.versions]}")
+
+    def resolved_admin_key(self) -> str | None:
+        import os
+
+        if self.admin_key:
+            return self.admin_key
+        if self.admin_key_env:
+            key = os.environ.get(self.admin_key_env)
+            if not key or len(key) < 8:
+                raise ValueError(f"admin_key_env: ${self.admin_key_env} is unset or shorter than 8 characters")
+            return key
+        return None
 
     @property
     def model_name(self) -> str:

@@ -4,6 +4,7 @@ traffic state in place: the next request sees them, no replica restarts."""
 
 
 import asyncio
+import hmac
 import logging
 
 from fastapi import FastAPI, Request
@@ -105,11 +106,13 @@ class FleetIngress:
 
     # ---- the fleet's own -------------------------------------------------------------------------
     @app.get("/fleet/state")
-    async def http_state(self):
+    async def http_state(self, request: Request):
+        self._admin(request)
         return self.state()
 
     @app.post("/fleet/traffic")
     async def http_traffic(self, request: Request):
+        self._admin(request)
         data = self.sizer.parse(await request.body())
         try:
             action, reason = data.get("action"), data.get("reason", "")
@@ -124,6 +127,15 @@ class FleetIngress:
         except (ValueError, TypeError) as exc:
             return JSONResponse(error_body(400, str(exc)), 400)
         return {"change": change, **self.state()}
+
+    def _admin(self, request: Request) -> None:
+        key = self.config.admin_key
+        if key is None:
+            return
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), key.encode()):
+            raise APIError(401, "the fleet's admin endpoints need `Authorization: Bearer <admin key>`",
+                           "invalid_admin_key")
 
     def state(self) -> dict:
         return {"fleet": self.config.name, "model": self.config.model_name, **self.traffic.snapshot()}

@@ -40,9 +40,8 @@ class VersionReplica:
             import torch
 
             torch.set_num_threads(self.spec.threads)
-        kwargs = {"max_num_seqs": self.spec.max_num_seqs}
-        if self.spec.num_kv_blocks:
-            kwargs["num_kv_blocks"] = self.spec.num_kv_blocks
+        kwargs = {"max_num_seqs": self.spec.max_num_seqs, "kv_cache_dtype": self.spec.kv_cache_dtype,
+                  "num_kv_blocks": self.spec.num_kv_blocks, "kv_cache_memory_gb": self.spec.kv_cache_memory_gb}
         engine, self.cold_start = load_engine(self.spec.model, device=self.spec.device, dtype=self.spec.dtype,
                                               **kwargs)
         from serving.server import build_app
@@ -75,6 +74,7 @@ class VersionReplica:
 
     def info(self) -> dict:
         return {"replica": self.replica_id, "version": self.spec.name, "model": self.spec.model,
+                "kv_cache_dtype": self.engine.kv_cache_dtype,
                 "pid": os.getpid(), "started": self.started, "cold_start": self.cold_start.as_dict(),
                 "stats": self.record_routing_stats(), "steps": self.loop.steps}
 
