@@ -21,6 +21,7 @@ from fleet.config import FleetConfig  # noqa: E402
 from fleet.traffic import TrafficState  # noqa: E402
 
 APP = "tiny-fleet"
+ADMIN = {"Authorization": "Bearer test-admin-key"}
 
 
 def _free_port() -> int:
@@ -40,6 +41,7 @@ def fleet(tiny_model_dir: Path):
               "dtype": "float32"}
     config = FleetConfig.model_validate({
         "name": APP, "served_model_name": "tiny", "port": _free_port(), "routing_stats_period_s": 0.25,
+        "admin_key": "test-admin-key",
         "versions": [
             {"name": "champion", "weight": 0.7, "num_replicas": 2, **engine},
             {"name": "challenger", "weight": 0.3, **engine,
@@ -60,7 +62,7 @@ def post(fleet: dict, path: str, body: dict, **kw) -> httpx.Response:
 
 
 def traffic(fleet: dict, **body) -> dict:
-    r = post(fleet, "/fleet/traffic", body)
+    r = post(fleet, "/fleet/traffic", body, headers=ADMIN)
     assert r.status_code == 200, r.text
     return r.json()
 
@@ -127,8 +129,11 @@ def test_promote_and_rollback_apply_to_the_next_request_without_restarts(fleet):
     assert all(h["time_iso"].endswith("Z") for h in state["history"])
     assert {(r["replica"], r["pid"]) for r in live_replicas(APP)} == before  # no replica restarted
     assert len(before) == 3
-    bad = post(fleet, "/fleet/traffic", {"action": "promote", "version": "nope", "reason": "x"})
+    bad = post(fleet, "/fleet/traffic", {"action": "promote", "version": "nope", "reason": "x"}, headers=ADMIN)
     assert bad.status_code == 400 and "unknown version" in bad.json()["error"]["message"]
+    denied = post(fleet, "/fleet/traffic", {"action": "promote", "version": "challenger", "reason": "x"})
+    assert denied.status_code == 401 and denied.json()["error"]["code"] == "invalid_admin_key"
+    assert httpx.get(f"{fleet['url']}/fleet/state", timeout=10).status_code == 401
 
 
 def test_a_replica_killed_mid_stream_fails_that_request_clearly_and_the_fleet_keeps_serving(fleet):
