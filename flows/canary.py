@@ -66,7 +66,8 @@ class Canary:
     def __enter__(self) -> Canary:
         from serving import LLMEngine
         from serving.router import build_router_app, parse_router_config
-        from serving.server import ServerThread, build_app
+        from serving.server import build_app
+        from serving.server_thread import ServerThread
 
         try:
             backends = {}

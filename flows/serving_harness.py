@@ -19,7 +19,8 @@ _STAT_FOR_QUANTILE = {50: "median", 95: "p95", 99: "p99"}
 def benchmark(engine, config: MeasureConfig, name: str, out_json: Path) -> dict:
     from benchmarks.serving import run_serving_benchmark
     from serving import SamplingParams
-    from serving.server import ServerThread, build_app
+    from serving.server import build_app
+    from serving.server_thread import ServerThread
 
     engine.generate(["warm up"], SamplingParams(max_tokens=2, temperature=0.0))  # first-call costs out
     app = build_app(engine, served_model_name=name, version=name)

@@ -36,13 +36,15 @@ MIN_TEMPERATURE = 1e-5
 MIN_TOP_P = 1e-6
 
 
-def serving(request: Request) -> ServingContext:
+async def serving(request: Request) -> ServingContext:
+    """Async, as every dependency here: a sync one would hop to a thread before the body is read, and a
+    client that sends its request and hangs up at once would be gone before it was ever queued."""
     return request.app.state.serving
 
 
 async def tenant_of(request: Request) -> str:
     """The tenant whose API key the request bears (401 without one); the default tenant without tenants."""
-    tenants = serving(request).tenants
+    tenants = request.app.state.serving.tenants
     if tenants is None:
         return DEFAULT_TENANT
     header = request.headers.get("authorization", "")

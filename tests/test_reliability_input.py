@@ -292,7 +292,7 @@ def router_url():
     router = pytest.importorskip("serving.router")  # the router module is still being written
     from reliability_fixtures import free_port
 
-    from serving.server import ServerThread
+    from serving.server_thread import ServerThread
 
     config = router.parse_router_config({
         "admin_key": ADMIN_KEY, "canary": "int8", "poll_interval_s": 5,

@@ -12,7 +12,7 @@ from reliability_fixtures import spawn_serve, stop_serve, wait_serve_up
 from server_fixtures import one_torch_thread, running_server, wait_for
 
 from serving.router import build_router_app, parse_router_config
-from serving.server import ServerThread
+from serving.server_thread import ServerThread
 
 ADMIN = {"Authorization": "Bearer admin-key-for-tests"}
 
