@@ -96,7 +96,7 @@ def connect(address: str | None = None, num_cpus: int | None = None) -> None:
 
 
 def up(config: FleetConfig, address: str | None = None, num_cpus: int | None = None,
-       timeout_s: float = 600.0) -> dict:
+       timeout_s: float = 600.0, record: bool = False) -> dict:
     """Start (or update) the fleet's application; returns where it answers and how long it took."""
     import ray
     from ray import serve
@@ -111,7 +111,8 @@ def up(config: FleetConfig, address: str | None = None, num_cpus: int | None = N
     info = {"name": config.name, "url": f"http://{config.host}:{config.port}{config.route_prefix.rstrip('/')}",
             "ray_address": ray.get_runtime_context().gcs_address, "pid": os.getpid(),
             "up_s": time.perf_counter() - started, "config": config.model_dump(exclude={"admin_key"})}
-    state_file(config.name).write_text(json.dumps(info, indent=2) + "\n")
+    if record:  # for `fleet status|promote|rollback|down` in other processes
+        state_file(config.name).write_text(json.dumps({**info, "foreground": address is None}, indent=2) + "\n")
     return info
 
 
@@ -131,12 +132,37 @@ def _wait_running(name: str, timeout_s: float) -> None:
         time.sleep(0.5)
 
 
-def down(name: str, address: str | None = None) -> None:
-    from ray import serve
+def stop_file(name: str) -> Path:
+    return state_file(name).with_suffix(".stop")
 
-    connect(address or saved(name).get("ray_address"))
-    serve.delete(name)
+
+def down(name: str, address: str | None = None, timeout_s: float = 60.0) -> None:
+    """A foreground `fleet up` is asked to stop (a file it watches: a second driver would need the local
+    cluster's auth token); a fleet on a cluster started with `ray start` is deleted from here."""
+    import psutil
+
+    info = saved(name)
+    if info.get("foreground") and psutil.pid_exists(int(info["pid"])):
+        stop_file(name).touch()
+        deadline = time.monotonic() + timeout_s
+        while psutil.pid_exists(int(info["pid"])):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"`fleet up` (pid {info['pid']}) did not stop within {timeout_s:.0f} s")
+            time.sleep(0.5)
+    else:
+        from ray import serve
+
+        connect(address or info.get("ray_address"))
+        serve.delete(name)
+    forget(name)
+
+
+def forget(name: str) -> None:
+    import shutil
+
     state_file(name).unlink(missing_ok=True)
+    stop_file(name).unlink(missing_ok=True)
+    shutil.rmtree(replica_dir(name).parent, ignore_errors=True)
 
 
 def saved(name: str) -> dict:

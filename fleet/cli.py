@@ -81,15 +81,17 @@ def _up(args: argparse.Namespace) -> int:
     from fleet.config import load_fleet_config
 
     config = load_fleet_config(args.config)
-    info = up(config, address=args.address, num_cpus=args.num_cpus)
+    info = up(config, address=args.address, num_cpus=args.num_cpus, record=True)
     print(f"fleet {info['name']} up in {info['up_s']:.1f} s at {info['url']} (Ray {info['ray_address']})")
     if args.address:
         return 0
     from ray import serve
 
+    from fleet.app import stop_file
+
     print("serving in the foreground; Ctrl-C or `quantgate fleet down` stops it")
     try:
-        while info["name"] in serve.status().applications:
+        while info["name"] in serve.status().applications and not stop_file(info["name"]).exists():
             time.sleep(1.0)
     finally:
         _shutdown(info["name"])
@@ -100,27 +102,27 @@ def _shutdown(name: str) -> None:
     import ray
     from ray import serve
 
-    from fleet.app import state_file
+    from fleet.app import forget
 
     try:
         serve.shutdown()
     finally:
         ray.shutdown()
-        state_file(name).unlink(missing_ok=True)
+        forget(name)
 
 
 def _status(args: argparse.Namespace) -> int:
     import httpx
 
-    from fleet.app import connect, saved, status
+    from fleet.app import live_replicas, saved
 
     info = saved(_name(args))
     r = httpx.get(f"{info['url']}/fleet/state", headers=_auth(args), timeout=10)
     if r.status_code != 200:
         raise ValueError(r.json().get("error", {}).get("message", r.text))
     traffic = r.json()
-    connect(info["ray_address"])
-    serve_status = status(info["name"])
+    serve_status = {"status": traffic.get("status", "?"), "deployments": traffic.get("deployments", {}),
+                    "replicas": live_replicas(info["name"])}
     print(f"fleet {info['name']} at {info['url']}: {serve_status['status']}")
     print("  weights: " + ", ".join(f"{n}={w:g}" for n, w in traffic["weights"].items())
           + f"  (champion {traffic['champion']})")

@@ -53,6 +53,18 @@ async def _relay_stream(gen, version: str):
         yield _sse_error(_failed(version, exc))
 
 
+def _serve_status(app_name: str) -> dict:
+    """Ray Serve's view of the application's deployments, as seen from inside it."""
+    try:
+        app_status = serve.status().applications[app_name]
+    except Exception as exc:  # a report, never a reason to fail /fleet/state
+        return {"status": f"unknown ({type(exc).__name__})", "deployments": {}}
+    deployments = {name: {"status": str(d.status).rsplit(".", 1)[-1],
+                          "replica_states": {str(k).rsplit(".", 1)[-1]: v for k, v in d.replica_states.items()}}
+                   for name, d in app_status.deployments.items()}
+    return {"status": str(app_status.status).rsplit(".", 1)[-1], "deployments": deployments}
+
+
 def _error_response(err: APIError) -> JSONResponse:
     return JSONResponse(error_body(err.status, err.message, err.code, err.param), err.status, headers=err.headers)
 
@@ -138,7 +150,8 @@ class FleetIngress:
                            "invalid_admin_key")
 
     def state(self) -> dict:
-        return {"fleet": self.config.name, "model": self.config.model_name, **self.traffic.snapshot()}
+        return {"fleet": self.config.name, "model": self.config.model_name, **self.traffic.snapshot(),
+                **_serve_status(self.config.name)}
 
     def promote(self, version: str, reason: str) -> dict:
         change = self.traffic.promote(version, reason)
