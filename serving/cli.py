@@ -143,6 +143,9 @@ def _register_serve(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--tenant-prefill-chunk", type=int, default=64,
                    help="prefill tokens a shared step takes when the tenants' time allowance permits")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (processes; gloo on CPU, NCCL on CUDA)")
+    p.add_argument("--pp", type=int, default=1, help="pipeline-parallel ranks (contiguous layer ranges)")
+    p.add_argument("--microbatches", type=int, default=None, help="--pp: micro-batches per step (default: --pp)")
     p.add_argument("--log-level", default="info")
     p.set_defaults(func=_serve)
 
@@ -157,6 +160,10 @@ def _register_route(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    import os
+    import signal
+    import sys
+
     import uvicorn
 
     from serving.tenants import TenantFairness, load_tenants
@@ -185,12 +192,32 @@ def _serve(args: argparse.Namespace) -> int:
         kv_cache_dtype=args.kv_cache_dtype,
         tenant_fairness=TenantFairness.for_tenants(tenants, step_slack=args.tenant_slack,
                                                    prefill_chunk=args.tenant_prefill_chunk),
+        **_parallel_options(args),
     )
     _configure_dynamic(engine, args)
+    group = getattr(engine, "parallel", None)
+    if group is not None:  # a rank that dies stops the server (SIGTERM: uvicorn's graceful shutdown)
+        group.on_failure = lambda _why: os.kill(os.getpid(), signal.SIGTERM)
     app = build_app(engine, served_model_name=args.served_model_name, version=args.model_version,
                     tenants=tenants, max_waiting=args.max_waiting, metrics_key=args.metrics_key)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+    finally:
+        if group is not None:
+            group.shutdown()
+    if group is not None and group.failure:
+        print(f"quantgate serve: {group.failure}", file=sys.stderr)
+        return 1
     return 0
+
+
+def _parallel_options(args: argparse.Namespace) -> dict:
+    if args.tp < 1 or args.pp < 1:
+        raise ValueError("--tp and --pp must be at least 1")
+    if args.tp == 1 and args.pp == 1:
+        return {}
+    return {"tensor_parallel_size": args.tp, "pipeline_parallel_size": args.pp,
+            "num_microbatches": args.microbatches, "threads_per_rank": args.threads}
 
 
 def _route(args: argparse.Namespace) -> int:

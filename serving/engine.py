@@ -121,9 +121,17 @@ class LLMEngine:
         model: str | Path = "smollm2-135m",
         device: str | None = None,
         dtype: torch.dtype | str | None = None,
+        tensor_parallel_size: int = 1,
+        pipeline_parallel_size: int = 1,
         **kwargs,
     ) -> LLMEngine:
-        """Load any model reference (`smollm2-135m`, a HF dir, a `.gguf`, a quantized variant dir)."""
+        """Load any model reference (`smollm2-135m`, a HF dir, a `.gguf`, a quantized variant dir).
+        With tensor_parallel_size or pipeline_parallel_size > 1 the ranks run as processes (serving/parallel)."""
+        if tensor_parallel_size > 1 or pipeline_parallel_size > 1:
+            from serving.parallel import from_pretrained_parallel
+
+            return from_pretrained_parallel(model, device, dtype, tensor_parallel_size, pipeline_parallel_size,
+                                            **kwargs)
         from transformers import AutoTokenizer
 
         from quantgate.env import apply_defaults
