@@ -160,8 +160,6 @@ def _register_route(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    import os
-    import signal
     import sys
 
     import uvicorn
@@ -195,16 +193,20 @@ def _serve(args: argparse.Namespace) -> int:
         **_parallel_options(args),
     )
     _configure_dynamic(engine, args)
-    group = getattr(engine, "parallel", None)
-    if group is not None:  # a rank that dies stops the server (SIGTERM: uvicorn's graceful shutdown)
-        group.on_failure = lambda _why: os.kill(os.getpid(), signal.SIGTERM)
     app = build_app(engine, served_model_name=args.served_model_name, version=args.model_version,
                     tenants=tenants, max_waiting=args.max_waiting, metrics_key=args.metrics_key)
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                           timeout_graceful_shutdown=5))
+    group = getattr(engine, "parallel", None)
+    if group is not None:  # a rank that dies stops the server: uvicorn's graceful shutdown
+        group.on_failure = lambda _why: setattr(server, "should_exit", True)
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+        server.run()
     finally:
         if group is not None:
             group.shutdown()
+    if not server.started:  # as uvicorn.run: e.g. the port was taken
+        return 3
     if group is not None and group.failure:
         print(f"quantgate serve: {group.failure}", file=sys.stderr)
         return 1

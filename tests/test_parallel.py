@@ -115,3 +115,45 @@ def test_splits():
     assert [len(mb) for mb in mbs] == [5, 1] and sum(mbs, []) == items
     assert [len(mb) for mb in split_microbatches(items[:1], 4)] == [1]
     assert [len(mb) for mb in split_microbatches(items[:3], 3)] == [1, 1, 1]
+
+
+def _children(pid: int) -> list[tuple[int, str]]:
+    """(pid, command line) of the processes whose parent is `pid`."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == pid:
+            out.append((int(entry.name), cmd))
+    return out
+
+
+def test_serve_tp2_answers_like_one_process_and_a_killed_rank_ends_it(tiny_qwen2_dir, tmp_path):
+    import httpx
+
+    from serving.serve_process import spawn_serve, stop_serve, wait_serve_up
+
+    prompt = "The capital of France is"
+    want = LLMEngine.from_pretrained(str(tiny_qwen2_dir), device="cpu", dtype=DTYPE).generate(
+        prompt, SamplingParams(max_tokens=12, temperature=0))[0].text
+    log = tmp_path / "serve.log"
+    proc, url = spawn_serve(tiny_qwen2_dir, log, "--tp", "2", "--threads", "1", "--device", "cpu",
+                            "--dtype", "float32", "--served-model-name", "tiny")
+    try:
+        wait_serve_up(proc, url, log)
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": 12, "temperature": 0}
+        reply = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+        assert reply.status_code == 200 and reply.json()["choices"][0]["text"] == want
+        ranks = [pid for pid, cmd in _children(proc.pid) if "spawn_main" in cmd]
+        assert len(ranks) == 1
+        os.kill(ranks[0], signal.SIGKILL)
+        assert proc.wait(timeout=60) == 1  # the server stopped itself, with an error status
+        assert f"rank 1 (pid {ranks[0]}) exited with code -9" in log.read_text()
+        assert not Path(f"/proc/{ranks[0]}").exists()  # reaped by the server, not left a zombie
+    finally:
+        stop_serve(proc)
