@@ -70,7 +70,9 @@ def version_source(model: str, version: str) -> Path:
 
     client = get_client()
     mv = client.get_model_version(resolve_registered_model(model, client), str(version))
-    path = Path(str(mv.source).removeprefix("file://"))
+    from gates.tracking import version_weights
+
+    path = Path(version_weights(mv))  # a tracking server's versions carry their weights' path in a tag
     if not (path / "config.json").is_file():
         raise RuntimeError(f"{model} v{version} points at {mv.source}, which holds no model any more")
     return path
