@@ -39,8 +39,19 @@ def _timed(engine, prompts, params) -> tuple[float, int, list[list[int]]]:
     return time.perf_counter() - start, sum(len(o.token_ids) for o in outs), [o.token_ids for o in outs]
 
 
+def _best_of(repeats: int, engine, prompts, params, reset, gather):
+    """The fastest of `repeats` runs (a shared machine only ever slows a run down) and its rank stats."""
+    best = None
+    for _ in range(repeats):
+        reset()
+        seconds, tokens, got = _timed(engine, prompts, params)
+        if best is None or seconds < best[0]:
+            best = (seconds, tokens, got, gather())
+    return best
+
+
 def run_parallel_bench(model: str = "smollm2-135m", *, num_requests: int = 8, max_tokens: int = 32,
-                       microbatches: tuple[int, ...] = (1, 2, 4), device: str | None = None,
+                       microbatches: tuple[int, ...] = (1, 2, 4), repeats: int = 2, device: str | None = None,
                        dtype: str | None = "float32", out_dir: str | Path | None = None) -> dict[str, Any]:
     """Run one process, TP=2 and PP=2 (each m); write `parallel.json`; return the report."""
     import torch
@@ -57,7 +68,7 @@ def run_parallel_bench(model: str = "smollm2-135m", *, num_requests: int = 8, ma
         single = LLMEngine.from_pretrained(model, **kwargs)
         prompts, params = _workload(single, num_requests, max_tokens)
         single.generate(prompts[:2], params)  # warm-up
-        seconds, tokens, reference = _timed(single, prompts, params)
+        seconds, tokens, reference, _ = _best_of(repeats, single, prompts, params, lambda: None, lambda: None)
         shape = _shape(single.model)
         runs["one process"] = {"seconds": seconds, "tokens": tokens, "tokens_per_s": tokens / seconds}
         del single
@@ -69,9 +80,9 @@ def run_parallel_bench(model: str = "smollm2-135m", *, num_requests: int = 8, ma
                 for m in microbatches if kind == "pp" else (None,):
                     if m is not None:
                         engine.runner.set_microbatches(m)
-                    reset_stats(engine.runner.device)
-                    seconds, tokens, got = _timed(engine, prompts, params)
-                    stats = gather_stats(engine.runner.device)
+                    dev = engine.runner.device
+                    seconds, tokens, got, stats = _best_of(repeats, engine, prompts, params,
+                                                           lambda d=dev: reset_stats(d), lambda d=dev: gather_stats(d))
                     name = "TP=2" if kind == "tp" else f"PP=2, m={m}"
                     runs[name] = _summarize(kind, m, seconds, tokens, stats, shape, got == reference)
             finally:
@@ -86,7 +97,7 @@ def run_parallel_bench(model: str = "smollm2-135m", *, num_requests: int = 8, ma
     report = {
         "benchmark": "parallel",
         "config": {"model": str(model), "num_requests": num_requests, "max_tokens": max_tokens, "dtype": dtype,
-                   "threads_per_rank": 1, "shape": shape, "backend": "gloo" if (device or "cpu") == "cpu" else "nccl"},
+                   "threads_per_rank": 1, "repeats": repeats, "shape": shape, "backend": "gloo" if (device or "cpu") == "cpu" else "nccl"},
         "machine": machine(),
         "runs": runs,
         "extrapolation": extrapolate(runs, shape),

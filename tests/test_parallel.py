@@ -157,3 +157,26 @@ def test_serve_tp2_answers_like_one_process_and_a_killed_rank_ends_it(tiny_qwen2
         assert not Path(f"/proc/{ranks[0]}").exists()  # reaped by the server, not left a zombie
     finally:
         stop_serve(proc)
+
+
+def test_bench_parallel_measures_both_and_extrapolates(tiny_model_dir, tmp_path):
+    import json
+
+    from benchmarks.parallel import INTERCONNECTS, run_parallel_bench
+
+    report = run_parallel_bench(str(tiny_model_dir), num_requests=3, max_tokens=4, microbatches=(1, 2), repeats=1,
+                                device="cpu", out_dir=tmp_path)
+    runs = report["runs"]
+    assert set(runs) == {"one process", "TP=2", "PP=2, m=1", "PP=2, m=2"}
+    assert all(r["identical_to_one_process"] for name, r in runs.items() if name != "one process")
+    tp = runs["TP=2"]
+    assert tp["allreduce_calls_per_step"] == 4  # 2 layers x (o_proj, down_proj)
+    # every all-reduce carries tokens x hidden fp32 values: the volume is the formula's, exactly
+    assert tp["allreduce_bytes_per_step"] == pytest.approx(2 * 2 * tp["tokens_per_step"] * 64 * 4)
+    assert runs["PP=2, m=1"]["bubble_theory"] == 0.5 and runs["PP=2, m=2"]["bubble_theory"] == pytest.approx(1 / 3)
+    assert 0 < runs["PP=2, m=1"]["bubble_fraction"] < 1
+    rows = report["extrapolation"]
+    assert len(rows) == 2 * len(INTERCONNECTS)
+    nvlink, pcie = rows[0], rows[-2]  # the measured model on the fastest and the slowest link
+    assert nvlink["tp_comm_us_per_step"] < pcie["tp_comm_us_per_step"]
+    assert json.loads((tmp_path / "parallel.json").read_text())["runs"]["TP=2"]["allreduce_calls_per_step"] == 4
