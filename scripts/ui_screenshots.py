@@ -37,7 +37,7 @@ def save(page: Page, out: Path, name: str, clip: dict | None = None) -> Path:
         buffer = io.BytesIO()
         image.save(buffer, format="PNG", optimize=True)
         data = buffer.getvalue()
-    path = out / f"{name}.png"
+    path = out / f"ui_{name}.png"
     path.write_bytes(data)
     print(f"{path} ({len(data) // 1024} KB)")
     return path

@@ -15,8 +15,9 @@ BIN=${BIN:-.venv/bin}
 OUT=${OUT:-docs/img}
 MODEL=${MODEL:-smollm2-135m}
 METHODS=${METHODS:-int8wo,int4wo}
-LIMIT=${LIMIT:-12}
-SUITES=${SUITES:-facts_mc,arith,perplexity}
+LIMIT=${LIMIT:-20}
+SUITES=${SUITES:-facts_mc,cloze,perplexity}
+POLICY=${POLICY:-flows/demo_policy.yaml}  # a variant must pass its gates for the release to ask for approval
 POOL=ui-check
 command -v chromium >/dev/null || { echo "install Debian's chromium first: apt-get install -y chromium" >&2; exit 2; }
 "$BIN/python" -c "import playwright" 2>/dev/null || "$BIN/pip" install -q playwright==1.65.2
@@ -39,12 +40,17 @@ trap cleanup EXIT
 "$BIN/quantgate" deploy --work-pool "$POOL"
 PREFECT_WORKER_QUERY_SECONDS=2 setsid "$BIN/prefect" worker start --pool "$POOL" >"${TMPDIR:-/tmp}/quantgate-ui-worker.log" 2>&1 &
 worker_pid=$!
-run_id=$("$BIN/quantgate" notify "$MODEL" --methods "$METHODS" --limit "$LIMIT" --suites "$SUITES" --approve manual \
+run_id=$("$BIN/quantgate" notify "$MODEL" --methods "$METHODS" --limit "$LIMIT" --suites "$SUITES" --approve manual --policy "$POLICY" \
          | sed -n 's/.*flow run .* (\([0-9a-f-]\{36\}\)).*/\1/p')
 [ -n "$run_id" ] || { echo "the event triggered no run" >&2; exit 1; }
 echo "release flow run $run_id: waiting for it to pause for approval (worker log: ${TMPDIR:-/tmp}/quantgate-ui-worker.log)"
-until "$BIN/quantgate" approve --list | grep -q "$run_id"; do
+state() { "$BIN/python" -c 'import json,sys,urllib.request as u; print(json.load(u.urlopen(sys.argv[1]))["state"]["type"])' \
+          "$PREFECT_API_URL/flow_runs/$run_id"; }
+until [ "$(state)" = PAUSED ]; do
+  case "$(state)" in COMPLETED|FAILED|CRASHED|CANCELLED)
+    echo "the release ended ($(state)) without asking for approval: no variant passed its gates (see the run)" >&2; exit 1;;
+  esac
   kill -0 "$worker_pid" 2>/dev/null || { echo "the worker died" >&2; exit 1; }
-  sleep 10
+  sleep 5
 done
 "$BIN/python" scripts/ui_screenshots.py --prefect "$PREFECT_URL" --mlflow "$MLFLOW_TRACKING_URI" --flow-run "$run_id" --out "$OUT"
