@@ -19,9 +19,6 @@ from serving.protocol import APIError, error_body
 
 log = logging.getLogger("quantgate.fleet")
 
-GENERATE = ("/v1/completions", "/v1/chat/completions")
-FORWARD_GET = ("/v1/models", "/tokenizer_info", "/health", "/metrics")
-FORWARD_POST = ("/tokenize", "/detokenize")
 OPEN_RETRIES = 1
 PASS_HEADERS = {"content-type", "retry-after", "cache-control", "x-accel-buffering"}
 
