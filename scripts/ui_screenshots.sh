@@ -17,7 +17,7 @@ MODEL=${MODEL:-smollm2-135m}
 METHODS=${METHODS:-int8wo,int4wo}
 LIMIT=${LIMIT:-20}
 SUITES=${SUITES:-facts_mc,cloze,perplexity}
-POLICY=${POLICY:-flows/demo_policy.yaml}  # a variant must pass its gates for the release to ask for approval
+POLICY=${POLICY:-scripts/ui_policy.yaml}  # a variant must pass its gates for the release to ask for approval
 POOL=ui-check
 command -v chromium >/dev/null || { echo "install Debian's chromium first: apt-get install -y chromium" >&2; exit 2; }
 "$BIN/python" -c "import playwright" 2>/dev/null || "$BIN/pip" install -q playwright==1.65.2
