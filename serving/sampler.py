@@ -13,7 +13,9 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], generators: dict[str, tor
     """logits: [len(seqs), vocab] float32. Greedy rows share one argmax; others sample one by one.
     A row with NaN/inf logits gets NO_TOKEN instead of failing every sequence of the step."""
     next_tokens = logits.argmax(dim=-1).tolist()
-    finite = torch.isfinite(logits).all(dim=-1).tolist()
+    # NaN propagates through amax, and +-inf show in amax/amin: two reductions instead of a
+    # [rows, vocab] boolean temporary per op (isfinite allocates three)
+    finite = (torch.isfinite(logits.amax(dim=-1)) & torch.isfinite(logits.amin(dim=-1))).tolist()
     for i, seq in enumerate(seqs):
         p = seq.params
         if not finite[i]:

@@ -268,3 +268,19 @@ def test_default_model_nf4_through_the_engine(default_model_dir):
             logprobs = torch.log_softmax(hf.scores[first][0].float(), dim=-1)
             margin = float(logprobs[theirs[first]] - logprobs[ours[first]])
             assert margin < 0.2, f"{text!r}: token {first} differs with HF's margin {margin:.3f} (not a near-tie)"
+
+
+@pytest.mark.parametrize("rows", [1, 4, 16, 40])
+def test_int8wo_bf16_paths_match_the_dequantized_weight(rows):
+    """The bf16 kernel path (scales inside the kernel) and the wide path agree with x @ dequant(W)^T
+    to within bf16 rounding of the output."""
+    from quantize.weight_only import Int8WeightOnlyLinear
+
+    torch.manual_seed(rows)
+    linear = torch.nn.Linear(256, 192, bias=True).to(torch.bfloat16)
+    module = Int8WeightOnlyLinear.from_linear(linear)
+    x = torch.randn(1, rows, 256, dtype=torch.bfloat16)
+    ref = x.float() @ module.dequantized_weight().T + linear.bias.float()
+    out = module(x)
+    assert out.dtype == torch.bfloat16 and out.shape == (1, rows, 192)
+    assert ((out.float() - ref).abs() <= 0.02 * ref.abs() + 0.02).all()
