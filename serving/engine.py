@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
 import time
 from collections.abc import Iterator
@@ -20,6 +21,8 @@ from serving.scheduler import MAX_NUM_BATCHED_TOKENS
 from serving.schedulers import SCHEDULERS
 from serving.sequence import RequestMetrics, Sequence, SequenceStatus, TokenLogprob
 from serving.tenants import TenantFairness
+
+log = logging.getLogger(__name__)
 
 DEFAULT_CPU_KV_GB = 2.0
 GPU_MEMORY_UTILIZATION = 0.9
@@ -60,6 +63,18 @@ class EngineStats:
         return self.used_blocks / self.num_blocks
 
 
+def attention_window(config) -> int | None:
+    """The sliding window some layers attend within (Gemma 3, Mistral), or None when every layer sees the
+    whole context. Beyond the window our full-context attention would differ from the model's."""
+    window = getattr(config, "sliding_window", None)
+    if not window:
+        return None
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        return window if "sliding_attention" in layer_types else None
+    return window if getattr(config, "use_sliding_window", True) else None
+
+
 class LLMEngine:
     def __init__(
         self,
@@ -91,6 +106,11 @@ class LLMEngine:
         self.block_size = block_size
         config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         self.max_model_len = max_model_len or getattr(config, "max_position_embeddings", None) or 2048
+        window = attention_window(config)
+        if window is not None and self.max_model_len > window:
+            log.warning("%s has sliding-window attention (%d tokens), which paged attention does not implement:"
+                        " context capped at %d tokens so every output stays exact", model_name, window, window)
+            self.max_model_len = window
         self.vocab_size = model.get_input_embeddings().weight.shape[0]
         kv_dtype = model.get_input_embeddings().weight.dtype
         if not kv_dtype.is_floating_point:
@@ -130,8 +150,8 @@ class LLMEngine:
         if tensor_parallel_size > 1 or pipeline_parallel_size > 1:
             from serving.parallel import from_pretrained_parallel
 
-            return from_pretrained_parallel(model, device, dtype, tensor_parallel_size, pipeline_parallel_size,
-                                            **kwargs)
+            return from_pretrained_parallel(cls, model, device, dtype, tensor_parallel_size,
+                                            pipeline_parallel_size, **kwargs)
         from transformers import AutoTokenizer
 
         from quantgate.env import apply_defaults
