@@ -141,15 +141,15 @@ class ParallelGroup:
         self.mark_failed(f"rank {rank} (pid {proc.pid}) exited with code {proc.exitcode}")
 
 
-def launch(model: str | Path, config: ParallelConfig, *, device: str | None = None,
+def launch(model: str | Path, config: ParallelConfig, *, engine_cls: type, device: str | None = None,
            dtype: torch.dtype | str | None = None, **engine_kwargs):
-    """An LLMEngine whose forward passes run over `config.world_size` ranks (this process is rank 0)."""
+    """An LLMEngine (`engine_cls`, handed in: serving.engine imports this module, not the other way) whose
+    forward passes run over `config.world_size` ranks (this process is rank 0)."""
     from transformers import AutoTokenizer
 
     from quantgate.env import apply_defaults
     from quantgate.models import resolve_model
     from serving.device import default_device, resolve_dtype
-    from serving.engine import LLMEngine
 
     apply_defaults()
     model_dir = resolve_model(model)
@@ -172,7 +172,7 @@ def launch(model: str | Path, config: ParallelConfig, *, device: str | None = No
         _init_rank0(group, config, init, device_.type)
         hf_model, state = _load_rank(str(model_dir), device_, dtype_, 0, config)
         engine_kwargs.setdefault("model_name", str(model))
-        engine = LLMEngine(hf_model, AutoTokenizer.from_pretrained(model_dir), device=device_, **engine_kwargs)
+        engine = engine_cls(hf_model, AutoTokenizer.from_pretrained(model_dir), device=device_, **engine_kwargs)
         runner = engine.runner
         broadcast((runner.block_size, runner.num_blocks, runner.shape.dtype, runner.shape.cache_dtype), group.device)
         if config.mode == "tp":
@@ -274,8 +274,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def from_pretrained_parallel(model: str | Path, device: str | None, dtype, tensor_parallel_size: int,
-                             pipeline_parallel_size: int, **kwargs):
+def from_pretrained_parallel(engine_cls: type, model: str | Path, device: str | None, dtype,
+                             tensor_parallel_size: int, pipeline_parallel_size: int, **kwargs):
     """`LLMEngine.from_pretrained(..., tensor_parallel_size=N | pipeline_parallel_size=N)`; the parallel
     options (`num_microbatches`, `threads_per_rank`, `parallel_timeout_s`) are taken out of kwargs."""
     options = {"num_microbatches": kwargs.pop("num_microbatches", None),
@@ -284,4 +284,4 @@ def from_pretrained_parallel(model: str | Path, device: str | None, dtype, tenso
         options["timeout_s"] = kwargs.pop("parallel_timeout_s")
     config = ParallelConfig(tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
                             **options)
-    return launch(model, config, device=device, dtype=dtype, **kwargs)
+    return launch(model, config, engine_cls=engine_cls, device=device, dtype=dtype, **kwargs)
