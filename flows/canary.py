@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import secrets
 from collections.abc import Callable
 from contextlib import ExitStack
@@ -107,6 +108,19 @@ class Canary:
         return resp.json()
 
 
+
+def canary_class() -> type:
+    """`Canary`, or with QUANTGATE_CANARY_BACKEND=ray (`quantgate release --canary-backend ray`) the same two
+    versions on a local Ray Serve fleet (fleet.canary.FleetCanary), replayed and judged the same way."""
+    backend = os.environ.get("QUANTGATE_CANARY_BACKEND", "local")
+    if backend == "local":
+        return Canary
+    if backend != "ray":
+        raise ValueError(f"QUANTGATE_CANARY_BACKEND must be local or ray, got {backend!r}")
+    from fleet.canary import FleetCanary
+
+    return type("RayCanary", (FleetCanary,), {"replay": Canary.replay})
+
 async def _replay(url: str, sample: list[dict], advance: Callable[[int], None]) -> list[dict]:
     from benchmarks.sse_client import session
 
@@ -147,7 +161,7 @@ def run_canary(champion_dir: Path, challenger_dir: Path, n: int, share: float, o
         raise ValueError(f"a canary needs at least 2 requests, got {n}")
     out.mkdir(parents=True, exist_ok=True)
     decisions = out / "router_decisions.jsonl"
-    with Canary(champion_dir, challenger_dir, share, decisions, kv_cache_dtypes) as canary:
+    with canary_class()(champion_dir, challenger_dir, share, decisions, kv_cache_dtypes) as canary:
         records = canary.replay(traffic(n), advance)
         unrouted = [r for r in records if r["version"] not in (CHAMPION, CHALLENGER)]
         result: dict = {v: version_stats([r for r in records if r["version"] == v]) for v in (CHAMPION, CHALLENGER)}

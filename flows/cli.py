@@ -59,6 +59,8 @@ def _release_args(p: argparse.ArgumentParser) -> None:
     _event_args(p)
     p.add_argument("--canary-requests", type=int, default=24, help="replayed requests in the canary stage")
     p.add_argument("--canary-share", type=float, default=0.5, help="share of canary traffic sent to the challenger")
+    p.add_argument("--canary-backend", choices=["local", "ray"], default=None,
+                   help="canary servers: local (loopback servers + our router, the default) or ray (a local Ray Serve fleet)")
     p.add_argument("--approval-timeout", type=int, default=24 * 3600, help="seconds to wait for a manual decision")
     p.add_argument("--fresh", action="store_true", help="ignore cached quantizations and measurements")
     p.add_argument("--json", default=None, help="also write the summary as JSON to this file")
@@ -103,7 +105,11 @@ def run_release(args: argparse.Namespace, model: str, methods: list[str]) -> int
 
     prepare()
     import json
+    import os
     import time
+
+    if getattr(args, "canary_backend", None):  # read by flows.canary.canary_class in this process
+        os.environ["QUANTGATE_CANARY_BACKEND"] = args.canary_backend
 
     from flows.progress import terminal_progress
     from flows.release import check_options, release_flow
