@@ -68,6 +68,8 @@ def test_two_ranks_match_one_process_then_a_dead_rank_stops_all(tiny_model_dir, 
         if kind == "tp":  # rank 0 holds half the heads: its paged KV cache is for its KV head only
             assert (config.num_attention_heads, config.num_key_value_heads) == (2, 1)
             assert engine.runner.k_cache[0].shape[0] == 1
+        else:  # rank 0 holds layer 0 of 2: only its KV
+            assert engine.runner.k_cache[0].numel() > 0 and engine.runner.k_cache[1].numel() == 0
         STATS.reset()
         outs = engine.generate(prompts, params)
         assert [o.token_ids for o in outs] == want

@@ -32,7 +32,7 @@ from serving.parallel.ranks import (
     broadcast,
     serve_rank,
 )
-from serving.parallel.sharding import StageState, cut_stage, shard_model
+from serving.parallel.sharding import StageState, cut_stage, drop_other_stages_kv, shard_model
 
 log = logging.getLogger("quantgate.parallel")
 
@@ -179,6 +179,7 @@ def launch(model: str | Path, config: ParallelConfig, *, engine_cls: type, devic
             engine.runner = TensorParallelDriver(runner, group)
         else:
             hidden = _hidden_size(hf_model)
+            drop_other_stages_kv(runner, state.layers)
             engine.runner = PipelineDriver(runner, group, state, config.microbatches, hidden)
         dist.barrier()
     except BaseException:
@@ -201,6 +202,8 @@ def _worker_main(rank: int, config: ParallelConfig, init: str, model_dir: str, d
         model, state = _load_rank(model_dir, device, dtype, rank, config)
         block_size, num_blocks, kv_dtype, kv_cache_dtype = broadcast(None, device)
         runner = WorkerRunner(model, device, block_size, num_blocks, kv_dtype, kv_cache_dtype)
+        if state is not None:
+            drop_other_stages_kv(runner, state.layers)
         dist.barrier()
         with torch.inference_mode():
             serve_rank(runner, config.mode, state, _hidden_size(model))

@@ -146,6 +146,14 @@ def _column(old: nn.Linear, rows: slice) -> nn.Linear:
     return new
 
 
+def drop_other_stages_kv(runner, layers: range) -> None:
+    """A stage's paged KV cache keeps only its own layers' tensors (the others are never read)."""
+    for cache in (runner.k_cache, runner.v_cache, runner.k_scale, runner.v_scale):
+        for i in range(len(cache or [])):
+            if i not in layers:
+                cache[i] = cache[i].new_empty((0,))
+
+
 # ---- pipeline stages ---------------------------------------------------------------------------
 class StageDone(Exception):  # noqa: N818 (control flow, not an error)
     """Raised where a stage's layers end, carrying the activations to hand on."""
@@ -161,6 +169,7 @@ class StageState:
     def __init__(self) -> None:
         self.received: torch.Tensor | None = None
         self.head_mode = False
+        self.layers = range(0)  # the decoder layers this stage holds
 
 
 class _Stub(nn.Module):
@@ -224,6 +233,7 @@ def cut_stage(model, stage: int, num_stages: int, state: StageState) -> range:
         else:
             new.append(_Stub("pass", state, kind))
     model.model.layers = nn.ModuleList(new)
+    state.layers = mine
     if stage == 0 or stage == num_stages - 1:
         model.lm_head = _Head(model.lm_head, state, last_stage=stage == num_stages - 1 and stage != 0)
     return mine
