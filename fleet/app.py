@@ -7,6 +7,7 @@ import os
 import time
 from pathlib import Path
 
+from fleet.coldstart import replica_dir
 from fleet.config import Autoscaling, FleetConfig, VersionSpec
 
 KV_ROUTER = "fleet.ray_router:KVAwareRequestRouter"
@@ -170,13 +171,6 @@ def saved(name: str) -> dict:
     if not path.is_file():
         raise ValueError(f"no fleet {name!r} is up (no {path}); start it with `quantgate fleet up`")
     return json.loads(path.read_text())
-
-
-def replica_dir(name: str) -> Path:
-    """Where each replica writes its cold start and identity when it is ready (this machine's replicas)."""
-    from quantgate.env import home
-
-    return home() / "fleet" / name / "replicas"
 
 
 def status(name: str) -> dict:

@@ -69,3 +69,10 @@ def load_engine(model: str, *, device: str | None = None, dtype: str | None = "a
     marks.append(time.perf_counter())
     d = [b - a for a, b in zip(marks, marks[1:], strict=False)]
     return engine, ColdStart(marks[0] - began, d[0], d[1], d[2], d[3], d[4], nbytes, engine.block_manager.num_blocks)
+
+
+def replica_dir(name: str) -> Path:
+    """Where each replica writes its cold start and identity when it is ready (this machine's replicas)."""
+    from quantgate.env import home
+
+    return home() / "fleet" / name / "replicas"

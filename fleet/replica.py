@@ -11,7 +11,7 @@ import os
 import time
 
 from fleet.asgi import Head, call_asgi
-from fleet.coldstart import load_engine
+from fleet.coldstart import load_engine, replica_dir
 from fleet.config import VersionSpec
 
 log = logging.getLogger("quantgate.fleet")
@@ -81,7 +81,6 @@ class VersionReplica:
     def _announce(self, app_name: str) -> None:
         import json
 
-        from fleet.app import replica_dir
 
         try:
             app_name = serve_app_name() or app_name

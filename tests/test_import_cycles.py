@@ -12,7 +12,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-FOLDERS = ("quantgate", "quantize", "serving", "evals", "gates", "flows", "benchmarks")
+FOLDERS = ("quantgate", "quantize", "serving", "evals", "gates", "flows", "fleet", "benchmarks")
 
 
 def _modules() -> dict[str, Path]:
