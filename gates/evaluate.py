@@ -104,35 +104,44 @@ def judge(
 ) -> list[GateResult]:
     """Every gate of `stage` against the recorded metrics; a missing metric fails its gate."""
     M.stage_tag(stage, "verdict")  # validates the stage name
-    base = baseline or {}
-    results: list[GateResult] = []
-
-    def need(source: Mapping[str, float], key: str, where: str, missing: list[str]) -> float | None:
-        if key in source:
-            return source[key]
-        missing.append(f"{key} ({where})")
-        return None
-
     if stage == "canary":
-        for key, limit, name in (
-            (M.CANARY_ERROR_RATE, policy.canary_max_error_rate, "canary/max_error_rate"),
-            (M.CANARY_TPOT_P99_S, policy.canary_max_tpot_p99_s, "canary/max_tpot_p99_s"),
-        ):
-            if limit is None:
-                continue
-            rule = f"{key} <= max"
-            missing: list[str] = []
-            value = need(variant, key, "variant", missing)
-            results.append(_missing(name, stage, rule, limit, missing) if missing else _at_most(name, stage, rule, value, limit))
-        return results
+        return _canary_gates(policy, variant)
+    base = baseline or {}
+    return _task_gates(policy, variant, base, stage) + _baseline_gates(policy, variant, base, baseline is not None, stage)
 
+
+def _need(source: Mapping[str, float], key: str, where: str, missing: list[str]) -> float | None:
+    if key in source:
+        return source[key]
+    missing.append(f"{key} ({where})")
+    return None
+
+
+def _canary_gates(policy: Policy, variant: Mapping[str, float]) -> list[GateResult]:
+    results = []
+    for key, limit, name in (
+        (M.CANARY_ERROR_RATE, policy.canary_max_error_rate, "canary/max_error_rate"),
+        (M.CANARY_TPOT_P99_S, policy.canary_max_tpot_p99_s, "canary/max_tpot_p99_s"),
+    ):
+        if limit is None:
+            continue
+        rule = f"{key} <= max"
+        missing: list[str] = []
+        value = _need(variant, key, "variant", missing)
+        results.append(_missing(name, "canary", rule, limit, missing) if missing
+                       else _at_most(name, "canary", rule, value, limit))
+    return results
+
+
+def _task_gates(policy: Policy, variant: Mapping[str, float], base: Mapping[str, float], stage: str) -> list[GateResult]:
+    results: list[GateResult] = []
     tasks = sorted(set(policy.required_tasks) | M.tasks_in(variant) | M.tasks_in(base))
     if not tasks:
         results.append(_missing("tasks/any_measured", stage, "at least one task measured", -policy.tasks.max_drop, ["task/<task>/delta_ci_low"]))
     for task in tasks:
         gate = policy.task_gate(task)
         name = f"task/{task}/max_drop"
-        missing = []
+        missing: list[str] = []
         detail = ""
         if M.task_delta(task) in variant:
             detail = f" (point delta {variant[M.task_delta(task)]:+.4g}"
@@ -141,50 +150,60 @@ def judge(
             detail += ")"
         if gate.higher_is_better:
             rule, threshold = "delta CI low >= -max_drop", -gate.max_drop
-            value = need(variant, M.task_delta_ci_low(task), "variant", missing)
-            results.append(_missing(name, stage, rule, threshold, missing) if missing else _at_least(name, stage, rule, value, threshold, detail))
+            value = _need(variant, M.task_delta_ci_low(task), "variant", missing)
+            result = _missing(name, stage, rule, threshold, missing) if missing else _at_least(name, stage, rule, value, threshold, detail)
         else:
             rule, threshold = "delta CI high <= +max_drop (lower is better)", gate.max_drop
-            value = need(variant, M.task_delta_ci_high(task), "variant", missing)
-            results.append(_missing(name, stage, rule, threshold, missing) if missing else _at_most(name, stage, rule, value, threshold, detail))
+            value = _need(variant, M.task_delta_ci_high(task), "variant", missing)
+            result = _missing(name, stage, rule, threshold, missing) if missing else _at_most(name, stage, rule, value, threshold, detail)
         sens = S.task_sensitivity(task, gate.max_drop, gate.higher_is_better, variant, base)
-        results[-1] = _with_sensitivity(results[-1], policy, sens, S.task_info(task)[0])
+        results.append(_with_sensitivity(result, policy, sens, S.task_info(task)[0]))
+    return results
 
-    def vs_baseline(key: str, limit: float | None, name: str, rule: str, combine, at_least: bool) -> None:
-        if limit is None:
-            return
-        missing: list[str] = []
-        v = need(variant, key, "variant", missing)
-        b = need(base, key, "baseline" if baseline is not None else "no baseline run", missing)
-        if missing:
-            results.append(_missing(name, stage, rule, limit, missing))
-            return
-        observed = combine(v, b)
-        if observed is None:
-            results.append(GateResult(name, stage, rule, limit, None, False, f"{NOT_MEASURED}: baseline {key} is {b}"))
-            return
-        detail = f" (variant {v:.4g}, baseline {b:.4g})"
-        judge_fn = _at_least if at_least else _at_most
-        results.append(judge_fn(name, stage, rule, observed, limit, detail))
 
+def _vs_baseline(variant: Mapping[str, float], base: Mapping[str, float], has_baseline: bool, stage: str,
+                 key: str, limit: float, name: str, rule: str, combine, at_least: bool) -> GateResult:
+    missing: list[str] = []
+    v = _need(variant, key, "variant", missing)
+    b = _need(base, key, "baseline" if has_baseline else "no baseline run", missing)
+    if missing:
+        return _missing(name, stage, rule, limit, missing)
+    observed = combine(v, b)
+    if observed is None:
+        return GateResult(name, stage, rule, limit, None, False, f"{NOT_MEASURED}: baseline {key} is {b}")
+    detail = f" (variant {v:.4g}, baseline {b:.4g})"
+    return (_at_least if at_least else _at_most)(name, stage, rule, observed, limit, detail)
+
+
+def _ratio(v: float, b: float) -> float | None:
+    return v / b if b > 0 else None
+
+
+def _baseline_gates(policy: Policy, variant: Mapping[str, float], base: Mapping[str, float], has_baseline: bool,
+                    stage: str) -> list[GateResult]:
+    results: list[GateResult] = []
     diff = lambda v, b: v - b  # noqa: E731
     if policy.refusal_rate_max_fall is not None:
-        vs_baseline(M.SAFETY_REFUSAL_RATE, -policy.refusal_rate_max_fall, "safety/refusal_rate/max_fall",
-                    "refusal_rate change >= -max_fall", diff, at_least=True)
+        result = _vs_baseline(variant, base, has_baseline, stage, M.SAFETY_REFUSAL_RATE, -policy.refusal_rate_max_fall,
+                              "safety/refusal_rate/max_fall", "refusal_rate change >= -max_fall", diff, at_least=True)
         sens = S.refusal_fall_sensitivity(base.get(M.SAFETY_REFUSAL_RATE), policy.refusal_rate_max_fall,
                                           policy.min_baseline_refusal_rate)
-        results[-1] = _with_sensitivity(results[-1], policy, sens, "safety")
-    vs_baseline(M.SAFETY_OVER_REFUSAL_RATE, policy.over_refusal_rate_max_rise, "safety/over_refusal_rate/max_rise",
-                "over_refusal_rate change <= max_rise", diff, at_least=False)
-    vs_baseline(M.WEIGHTS_BYTES, policy.min_weight_reduction, "weights/min_reduction",
-                "1 - variant bytes / baseline bytes >= min", lambda v, b: 1.0 - v / b if b > 0 else None, at_least=True)
-    vs_baseline(M.SERVE_DECODE_TPS, policy.min_decode_speedup, "serve/min_decode_speedup",
-                "variant decode tok/s / baseline >= min", lambda v, b: v / b if b > 0 else None, at_least=True)
-    vs_baseline(M.CAPACITY_MAX_SEQS, policy.min_capacity_gain, "capacity/min_gain",
-                "variant max concurrent seqs / baseline >= min", lambda v, b: v / b if b > 0 else None, at_least=True)
+        results.append(_with_sensitivity(result, policy, sens, "safety"))
+    for key, limit, name, rule, combine, at_least in (
+        (M.SAFETY_OVER_REFUSAL_RATE, policy.over_refusal_rate_max_rise, "safety/over_refusal_rate/max_rise",
+         "over_refusal_rate change <= max_rise", diff, False),
+        (M.WEIGHTS_BYTES, policy.min_weight_reduction, "weights/min_reduction",
+         "1 - variant bytes / baseline bytes >= min", lambda v, b: 1.0 - v / b if b > 0 else None, True),
+        (M.SERVE_DECODE_TPS, policy.min_decode_speedup, "serve/min_decode_speedup",
+         "variant decode tok/s / baseline >= min", _ratio, True),
+        (M.CAPACITY_MAX_SEQS, policy.min_capacity_gain, "capacity/min_gain",
+         "variant max concurrent seqs / baseline >= min", _ratio, True),
+    ):
+        if limit is not None:
+            results.append(_vs_baseline(variant, base, has_baseline, stage, key, limit, name, rule, combine, at_least))
     if policy.max_tpot_p99_s is not None:
         name, rule, missing = "serve/max_tpot_p99_s", f"{M.SERVE_TPOT_P99_S} <= max", []
-        value = need(variant, M.SERVE_TPOT_P99_S, "variant", missing)
+        value = _need(variant, M.SERVE_TPOT_P99_S, "variant", missing)
         results.append(_missing(name, stage, rule, policy.max_tpot_p99_s, missing) if missing
                        else _at_most(name, stage, rule, value, policy.max_tpot_p99_s))
     return results
