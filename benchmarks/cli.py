@@ -172,7 +172,8 @@ def _budgets(text: str) -> tuple[int | None, ...]:
 
 
 def _hol(args: argparse.Namespace) -> int:
-    from benchmarks.hol_lab import print_report, run_hol_lab
+    from benchmarks.hol_lab import run_hol_lab
+    from benchmarks.hol_report import print_report
 
     rate = None if args.all_at_once else (args.rate if args.rate is not None else "auto")
     report = run_hol_lab(
