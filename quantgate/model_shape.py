@@ -41,3 +41,15 @@ def kv_shape(config: Mapping | Any) -> KVShape:
     heads = config["num_attention_heads"]
     return KVShape(config["num_hidden_layers"], config.get("num_key_value_heads") or heads,
                    config.get("head_dim") or config["hidden_size"] // heads)
+
+
+def attention_window(config) -> int | None:
+    """The sliding window some layers attend within (Gemma 3, Mistral), or None when every layer sees the
+    whole context. Beyond the window our full-context attention would differ from the model's."""
+    window = getattr(config, "sliding_window", None)
+    if not window:
+        return None
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        return window if "sliding_attention" in layer_types else None
+    return window if getattr(config, "use_sliding_window", True) else None

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from quantgate.model_shape import attention_window
 from serving.block_manager import BlockManager
 from serving.device import default_device, resolve_dtype
 from serving.model_runner import KVCacheShape, ModelRunner, load_model
@@ -61,18 +62,6 @@ class EngineStats:
     @property
     def kv_cache_usage(self) -> float:
         return self.used_blocks / self.num_blocks
-
-
-def attention_window(config) -> int | None:
-    """The sliding window some layers attend within (Gemma 3, Mistral), or None when every layer sees the
-    whole context. Beyond the window our full-context attention would differ from the model's."""
-    window = getattr(config, "sliding_window", None)
-    if not window:
-        return None
-    layer_types = getattr(config, "layer_types", None)
-    if layer_types is not None:
-        return window if "sliding_attention" in layer_types else None
-    return window if getattr(config, "use_sliding_window", True) else None
 
 
 class LLMEngine:

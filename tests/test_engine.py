@@ -293,7 +293,7 @@ def test_sliding_window_models_are_capped_at_their_window():
     """Paged attention attends over the whole context: beyond a sliding window it would be wrong."""
     from transformers import Gemma3TextConfig, LlamaConfig, Qwen2Config
 
-    from serving.engine import attention_window
+    from quantgate.model_shape import attention_window
 
     assert attention_window(Gemma3TextConfig(sliding_window=512)) == 512  # 5 of every 6 layers slide
     assert attention_window(Gemma3TextConfig(sliding_window=512, layer_types=["full_attention"] * 26)) is None
