@@ -2,10 +2,10 @@
 
 On CPU the decode path (a few rows at a time) is bandwidth-bound, so reading int8 instead of fp32
 weights is what makes it faster. `torch._weight_int8pack_mm` does the dequant inside the matmul but is
-only fast with bf16 activations; it is given unit scales and the fp32 scales are applied afterwards.
-Wider inputs (prefill, big decode batches) convert the int8 weight to bf16 (exactly: int8 values are
-bf16 numbers) and run a bf16 matmul, faster than fp32 here. Both paths round only the activations and
-the output to bf16, so their results nearly agree; the scales stay fp32.
+only fast with bf16 activations. A bf16 model hands it the scales (rounded to bf16, like its output);
+an fp32 model gets unit scales and its fp32 scales applied afterwards. Wider inputs (prefill, big decode
+batches) convert the int8 weight to bf16 (exactly: int8 values are bf16 numbers) and run a bf16 matmul,
+faster than fp32 here, with the fp32 scales applied to its output.
 """
 
 from __future__ import annotations
