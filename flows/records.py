@@ -63,15 +63,20 @@ def approval_report(summary: ReleaseSummary) -> str:
     return "\n".join(parts)
 
 
-def version_source(model: str, version: str) -> Path:
-    """The weights a registered version points at (the flow registers variant directories)."""
+def _model_version(model: str, version: str):
+    """The MLflow client and the registered version `version` of `model` (source or registered name)."""
     from gates.registry import resolve_registered_model
     from gates.tracking import get_client
 
     client = get_client()
-    mv = client.get_model_version(resolve_registered_model(model, client), str(version))
+    return client, client.get_model_version(resolve_registered_model(model, client), str(version))
+
+
+def version_source(model: str, version: str) -> Path:
+    """The weights a registered version points at (the flow registers variant directories)."""
     from gates.tracking import version_weights
 
+    _, mv = _model_version(model, version)
     path = Path(version_weights(mv))  # a tracking server's versions carry their weights' path in a tag
     if not (path / "config.json").is_file():
         raise RuntimeError(f"{model} v{version} points at {mv.source}, which holds no model any more")
@@ -81,11 +86,7 @@ def version_source(model: str, version: str) -> Path:
 def version_kv_cache_dtype(model: str, version: str) -> str:
     """The KV-cache dtype a registered version was measured with (its run's `kv_cache_dtype` param): a
     version is its weights *and* its cache, so the canary serves it with the same cache."""
-    from gates.registry import resolve_registered_model
-    from gates.tracking import get_client
-
-    client = get_client()
-    mv = client.get_model_version(resolve_registered_model(model, client), str(version))
+    client, mv = _model_version(model, version)
     if not mv.run_id:
         return "auto"
     return client.get_run(mv.run_id).data.params.get("kv_cache_dtype", "auto")
