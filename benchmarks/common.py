@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import platform
@@ -42,6 +43,18 @@ def summarize(values: Iterable[float | None], scale: float = 1.0) -> dict[str, f
         "min": min(data),
         "max": max(data),
     }
+
+
+def token_range(text: str, lowest: int) -> tuple[int, int]:
+    """An argparse type: `N` or `LO-HI` as (LO, HI), with lowest <= LO <= HI."""
+    lo, _, hi = text.partition("-")
+    try:
+        pair = (int(lo), int(hi or lo))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected N or LO-HI, got {text!r}") from None
+    if not lowest <= pair[0] <= pair[1]:
+        raise argparse.ArgumentTypeError(f"expected {lowest} <= LO <= HI, got {text!r}")
+    return pair
 
 
 def ratio(numerator: float | None, denominator: float | None) -> float | None:

@@ -28,7 +28,7 @@ from typing import Any
 if __package__ in (None, ""):  # run as a script: import the repo's packages
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
-from benchmarks.common import fmt, machine, output_dir, pyplot, ratio, save_figure, write_json  # noqa: E402
+from benchmarks.common import fmt, machine, output_dir, pyplot, ratio, save_figure, token_range, write_json  # noqa: E402
 from benchmarks.peer_servers import ServerSpec, parse_serve, started  # noqa: E402
 from quantgate.env import apply_defaults, home  # noqa: E402
 
@@ -253,14 +253,7 @@ def run_peers(specs: list[ServerSpec], *, model: str = "smollm2-135m", served_na
 
 
 def _pair(text: str) -> tuple[int, int]:
-    lo, _, hi = text.partition("-")
-    try:
-        pair = (int(lo), int(hi or lo))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected N or LO-HI, got {text!r}") from None
-    if not 0 <= pair[0] <= pair[1]:
-        raise argparse.ArgumentTypeError(f"expected 0 <= LO <= HI, got {text!r}")
-    return pair
+    return token_range(text, lowest=0)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
