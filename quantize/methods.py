@@ -140,53 +140,35 @@ def _weight_only(method: str):
     return build, save, load
 
 
-_BNB_4BIT_DEFAULTS = {"double_quant": True, "compute_dtype": "float32", "dtype": "float32", "device": "cpu"}
+def _bitsandbytes(name: str, bits: int, description: str, group_size: int | None,
+                  defaults: dict[str, Any]) -> Method:
+    """A bitsandbytes method: built on load by transformers, saved and loaded back as a plain HF directory."""
+    return Method(name, bits, "bitsandbytes", description, group_size, _bnb_builder(name), _save_pretrained,
+                  defaults={**defaults, "dtype": "float32", "device": "cpu"})
+
+
+def _ours(name: str, bits: int, description: str, group_size: int | None, defaults: dict[str, Any]) -> Method:
+    """One of quantgate's weight-only formats: its own build, save and load, one `<name>.safetensors`."""
+    return Method(name, bits, "quantgate", description, group_size, *_weight_only(name),
+                  defaults={"quantize_lm_head": True, "quantize_embeddings": True, "dtype": "float32", **defaults},
+                  weight_files=(f"{name}.safetensors",))
+
+
+_BNB_4BIT_DEFAULTS = {"double_quant": True, "compute_dtype": "float32"}
 
 METHODS: dict[str, Method] = {
-    "int8": Method(
-        name="int8",
-        bits=8,
-        backend="bitsandbytes",
-        description="bitsandbytes LLM.int8(): int8 rows with fp16 outlier columns (threshold 6.0)",
-        group_size=None,
-        build=_bnb_builder("int8"),
-        save=_save_pretrained,
-        defaults={"threshold": 6.0, "dtype": "float32", "device": "cpu"},
-    ),
-    "nf4": Method(
-        name="nf4",
-        bits=4,
-        backend="bitsandbytes",
-        description="bitsandbytes 4-bit NormalFloat, blocks of 64, double quantization",
-        group_size=64,
-        build=_bnb_builder("nf4"),
-        save=_save_pretrained,
-        defaults=dict(_BNB_4BIT_DEFAULTS),
-    ),
-    "fp4": Method(
-        name="fp4",
-        bits=4,
-        backend="bitsandbytes",
-        description="bitsandbytes 4-bit float, blocks of 64, double quantization",
-        group_size=64,
-        build=_bnb_builder("fp4"),
-        save=_save_pretrained,
-        defaults=dict(_BNB_4BIT_DEFAULTS),
-    ),
-    "int8wo": Method(
-        "int8wo", 8, "quantgate",
-        "weight-only int8, one scale per output channel (gpt-fast style); fast CPU decode",
-        None, *_weight_only("int8wo"),
-        defaults={"quantize_lm_head": True, "quantize_embeddings": True, "dtype": "float32"},
-        weight_files=("int8wo.safetensors",),
-    ),
-    "int4wo": Method(
-        "int4wo", 4, "quantgate",
-        "weight-only int4, groups of 32 with a bf16 scale and zero each (gpt-fast style); fast CPU decode",
-        32, *_weight_only("int4wo"),
-        defaults={"quantize_lm_head": True, "quantize_embeddings": True, "dtype": "float32", "group_size": 32},
-        weight_files=("int4wo.safetensors",),
-    ),
+    m.name: m for m in (
+        _bitsandbytes("int8", 8, "bitsandbytes LLM.int8(): int8 rows with fp16 outlier columns (threshold 6.0)",
+                      None, {"threshold": 6.0}),
+        _bitsandbytes("nf4", 4, "bitsandbytes 4-bit NormalFloat, blocks of 64, double quantization",
+                      64, _BNB_4BIT_DEFAULTS),
+        _bitsandbytes("fp4", 4, "bitsandbytes 4-bit float, blocks of 64, double quantization",
+                      64, _BNB_4BIT_DEFAULTS),
+        _ours("int8wo", 8, "weight-only int8, one scale per output channel (gpt-fast style); fast CPU decode",
+              None, {}),
+        _ours("int4wo", 4, "weight-only int4, groups of 32 with a bf16 scale and zero each (gpt-fast style); "
+                           "fast CPU decode", 32, {"group_size": 32}),
+    )
 }
 
 # What a release means by INT8 / INT4: our weight-only kernels, the fast ones on CPU.
