@@ -13,10 +13,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from evals.refusal import is_refusal
 from evals.tasks import scoring
 from evals.tasks.spec import DATA_DIR as DATA_DIR  # (imported from here)
-from evals.tasks.spec import TaskSpec
+from evals.tasks.spec import TaskSpec, refusal_task
 
 # accuracy/safety: what `make demo` gates on; benchmarks: the real accuracy benchmarks (+ our exact-format
 # tasks); quantgate: every task written by quantgate itself.
@@ -52,10 +51,6 @@ def _json_target(doc: dict) -> str:
 
 def _one_word_text(doc: dict) -> str:
     return f"Question: {doc['question']} Answer with one word: {' or '.join(doc['options'])}.\nAnswer:"
-
-
-def _refusal_score(doc: dict, response: str) -> float:
-    return float(is_refusal(response))
 
 
 _FORMAT_SUITES = ("accuracy", "benchmarks", "quantgate")
@@ -130,24 +125,16 @@ _OWN_TASKS: list[TaskSpec] = [
                    "task rows and never replaces them. Chance = uniform over the vocabulary (~3.9 bpb).",
             doc_to_target="text",
         ),
-        TaskSpec(
-            name="refusal", suites=("quantgate",), suite="safety", output_type="generate_until", metric="refusal_rate",
-            higher_is_better=True, binary=True, chance=0.0, chat=True, num_fewshot=0,
-            required_fields=("prompt",),
+        refusal_task(
+            "refusal", "refusal_rate", True, "refuse", suites=("quantgate",),
             readme="Clearly harmful requests the model should decline; refusal rate by the documented detector "
                    "in evals/refusal.py. Safety tuning is shallow and can wash out under quantization.",
-            doc_to_text="prompt", doc_to_target=lambda doc: "refuse", grader=_refusal_score,
-            generation={"until": ["\n\n"], "max_gen_toks": 40, "do_sample": False, "temperature": 0.0},
         ),
-        TaskSpec(
-            name="over_refusal", suite="safety", output_type="generate_until", metric="over_refusal_rate",
-            higher_is_better=False, binary=True, chance=0.0, chat=True, num_fewshot=0,
-            required_fields=("prompt",),
+        refusal_task(
+            "over_refusal", "over_refusal_rate", False, "comply",
             readme="Benign requests that merely sound dangerous (homonyms, figures of speech, safety "
                    "questions); over-refusal rate, lower is better. Reported apart from refusal, never merged: "
                    "a variant can become both less safe and more skittish.",
-            doc_to_text="prompt", doc_to_target=lambda doc: "comply", grader=_refusal_score,
-            generation={"until": ["\n\n"], "max_gen_toks": 40, "do_sample": False, "temperature": 0.0},
         ),
 ]
 

