@@ -56,24 +56,25 @@ def _one_word_text(doc: dict) -> str:
 _FORMAT_SUITES = ("accuracy", "benchmarks", "quantgate")
 _GEN_SHORT = {"until": ["\n"], "max_gen_toks": 8, "do_sample": False, "temperature": 0.0}
 
+def _own_mc(name: str, fields: tuple[str, ...], text: Callable[[dict], str] | str, readme: str) -> TaskSpec:
+    """One of our 4-option accuracy tasks, scored by log-likelihood with 3 fixed demonstrations."""
+    return TaskSpec(name=name, suite="accuracy", output_type="multiple_choice", metric="acc", higher_is_better=True,
+                    binary=True, chance=0.25, chat=False, num_fewshot=3, required_fields=fields, readme=readme,
+                    doc_to_text=text, doc_to_target="answer", doc_to_choice="choices")
+
+
 _OWN_TASKS: list[TaskSpec] = [
-        TaskSpec(
-            name="facts_mc", suite="accuracy", output_type="multiple_choice", metric="acc",
-            higher_is_better=True, binary=True, chance=0.25, chat=False, num_fewshot=3,
-            required_fields=("question", "choices", "answer"),
-            readme="World facts (capitals, continents, languages, animals, science), 4 options scored by "
-                   "log-likelihood. Stored knowledge sits in the MLP weights that 4-bit rounding perturbs most; "
-                   "facts learned weakly flip first.",
-            doc_to_text=_facts_text, doc_to_target="answer", doc_to_choice="choices",
+        _own_mc(
+            "facts_mc", ("question", "choices", "answer"), _facts_text,
+            "World facts (capitals, continents, languages, animals, science), 4 options scored by "
+            "log-likelihood. Stored knowledge sits in the MLP weights that 4-bit rounding perturbs most; "
+            "facts learned weakly flip first.",
         ),
-        TaskSpec(
-            name="cloze", suite="accuracy", output_type="multiple_choice", metric="acc",
-            higher_is_better=True, binary=True, chance=0.25, chat=False, num_fewshot=3,
-            required_fields=("context", "choices", "answer"),
-            readme="Next-word cloze: opposites, sequences, baby animals, irregular plurals/past tenses/"
-                   "comparatives against near-miss forms. Small margins between 'mice' and 'mouses' are "
-                   "exactly what quantization noise in the logits can reorder.",
-            doc_to_text="context", doc_to_target="answer", doc_to_choice="choices",
+        _own_mc(
+            "cloze", ("context", "choices", "answer"), "context",
+            "Next-word cloze: opposites, sequences, baby animals, irregular plurals/past tenses/"
+            "comparatives against near-miss forms. Small margins between 'mice' and 'mouses' are "
+            "exactly what quantization noise in the logits can reorder.",
         ),
         TaskSpec(
             name="arith", suite="accuracy", output_type="generate_until", metric="exact_match",
