@@ -18,6 +18,7 @@ step or read from the cache (chunked prefill, prefix hits and recompute after pr
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -54,6 +55,19 @@ class DecodeGroup:
 
 
 @dataclass
+class DecodeBatch:
+    """Every decode row at once for the compiled kernel (serving/kernels): it reads blocks in place."""
+
+    block_tables: torch.Tensor  # [n, max_blocks] int64, padded with block 0
+    context_lens: torch.Tensor  # [n] int64: tokens each sequence attends to (its new one included)
+    kernel: Callable[..., torch.Tensor]
+
+    @property
+    def num_seqs(self) -> int:
+        return self.context_lens.shape[0]
+
+
+@dataclass
 class AttentionContext:
     # Per layer [kv_heads, num_blocks * block_size, head_dim]: head-major, so gathering a sequence's
     # blocks for one head yields contiguous [tokens, head_dim] rows that matmul reads without a copy.
@@ -63,6 +77,7 @@ class AttentionContext:
     slot_mapping: torch.Tensor  # [num_tokens] cache slot each new token's K/V is written to
     prefills: list[PrefillChunk] = field(default_factory=list)  # their rows follow the decode rows
     decode_groups: list[DecodeGroup] = field(default_factory=list)  # rows 0.. are decode tokens, by group
+    decode_batch: DecodeBatch | None = None  # instead of decode_groups where the kernel runs
     kv_format: str = "auto"
     k_scale: list[torch.Tensor] | None = None  # int8: per layer [kv_heads, num_blocks * block_size]
     v_scale: list[torch.Tensor] | None = None
@@ -100,6 +115,8 @@ def paged_attention(
     gqa = q.shape[1] != k.shape[0]
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5
     outs = [_decode(q, ctx, layer, g, scale) for g in ctx.decode_groups]
+    if ctx.decode_batch is not None:
+        outs.append(_decode_in_place(q, ctx, layer, ctx.decode_batch, scale))
     for chunk in ctx.prefills:
         rows = slice(chunk.start, chunk.start + chunk.length)
         qs = q[rows].transpose(0, 1)  # [heads, len, dim]
@@ -197,6 +214,20 @@ def _decode(q, ctx: AttentionContext, layer: int, group: DecodeGroup, scale: flo
         probs.mul_(_gather(ctx.v_scale[layer], bs, group.block_tables).view(kv_heads, n, 1, length))
     out = torch.matmul(probs.to(q.dtype), vs)  # [kv, n, group, dim]
     return out.transpose(0, 1).reshape(n, heads, head_dim)
+
+
+KERNEL_FORMATS = {"auto": 0, "int8": 1, "fp8": 2}
+
+
+def _decode_in_place(q, ctx: AttentionContext, layer: int, batch: DecodeBatch, scale: float) -> torch.Tensor:
+    """The decode rows through the compiled kernel: K/V rows read through the block table, no copies."""
+    scales = (ctx.k_scale[layer], ctx.v_scale[layer]) if ctx.kv_format == "int8" else (None, None)
+    k_cache = ctx.k_cache[layer]
+    rows = q[: batch.num_seqs]
+    rows = rows.to(k_cache.dtype) if ctx.kv_format == "auto" else rows  # a cache kept in another float type
+    out = batch.kernel(rows.contiguous(), k_cache, ctx.v_cache[layer], batch.block_tables, batch.context_lens,
+                       ctx.block_size, scale, *scales, KERNEL_FORMATS[ctx.kv_format])
+    return out.to(q.dtype)
 
 
 def _gather(cache: torch.Tensor, block_size: int, block_tables: torch.Tensor) -> torch.Tensor:

@@ -9,7 +9,8 @@ import torch
 
 from quantgate.model_shape import kv_shape
 from serving import attention
-from serving.attention import AttentionContext, DecodeGroup, PrefillChunk
+from serving.attention import AttentionContext, DecodeBatch, DecodeGroup, PrefillChunk
+from serving.kernels import paged_decode
 from serving.packed_linear import pack_linears, packing_wanted
 from serving.sampler import sample, token_logprobs
 from serving.scheduler import ScheduledSeq
@@ -105,6 +106,7 @@ class ModelRunner:
                             for _ in range(shape.num_layers)]
             self.v_scale = [torch.zeros_like(s) for s in self.k_scale]
         self.generators: dict[str, torch.Generator] = {}
+        self.decode_kernel = paged_decode(device)  # None: gathered groups and matmuls (CUDA, no compiler)
 
     def kv_cache_bytes(self) -> int:
         """Bytes the cache tensors hold (codes and scales): what `bytes_per_block` promises."""
@@ -150,10 +152,11 @@ class ModelRunner:
             bs,
             torch.tensor(slots, device=self.device),
             prefills,
-            self._decode_groups(decode_seqs),
+            self._decode_groups(decode_seqs) if self.decode_kernel is None else [],
             kv_format=self.shape.cache_dtype,
             k_scale=self.k_scale,
             v_scale=self.v_scale,
+            decode_batch=self._decode_batch(decode_seqs),
         )
         keep_rows = sample_rows + [r for rows in prompt_rows.values() for r in rows]
         attention.set_context(ctx)
@@ -167,6 +170,17 @@ class ModelRunner:
         finally:
             attention.set_context(None)
         return self._postprocess(scheduled, logits, sample_idx, prompt_rows)
+
+    def _decode_batch(self, seqs: list[Sequence]) -> DecodeBatch | None:
+        if self.decode_kernel is None or not seqs:
+            return None
+        width = max(len(s.block_table) for s in seqs)
+        tables = [b for s in seqs for b in (*s.block_table, *[0] * (width - len(s.block_table)))]
+        return DecodeBatch(
+            torch.tensor(tables, dtype=torch.long).view(len(seqs), width),
+            torch.tensor([s.num_computed_tokens + 1 for s in seqs], dtype=torch.long),
+            self.decode_kernel,
+        )
 
     def _decode_groups(self, seqs: list[Sequence]) -> list[DecodeGroup]:
         """Rows 0..len(seqs) hold the decode tokens, shortest context first; cut them into groups so that

@@ -1,0 +1,399 @@
+// Paged-attention decode for CPU: one query token per sequence, its keys and values read in place from
+// the paged cache through the block table (no gathered copy of the context).
+//
+// Cache layout (serving/attention.py): per layer [kv_heads, num_blocks * block_size, head_dim], so slot
+// `table[t / bs] * bs + t % bs` of head h is one contiguous row. Work items are (sequence, KV head): the
+// query heads sharing a KV head read each K/V row once. Scores and sums are fp32; int8 codes are scaled
+// per token (the scale folds into the score for K and into the probability for V); fp8 e4m3 codes are
+// decoded through a 256-entry table.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+#define QG_AVX512_BF16 1
+#endif
+
+namespace {
+
+enum KvFormat : int64_t { kAuto = 0, kInt8 = 1, kFp8 = 2 };
+
+float fp8_e4m3_to_float(uint8_t bits) {
+  const int sign = bits >> 7, exp = (bits >> 3) & 0xF, man = bits & 0x7;
+  float value;
+  if (exp == 0xF && man == 0x7) {
+    value = std::numeric_limits<float>::quiet_NaN();
+  } else if (exp == 0) {
+    value = std::ldexp(static_cast<float>(man) / 8.0f, -6);
+  } else {
+    value = std::ldexp(1.0f + static_cast<float>(man) / 8.0f, exp - 7);
+  }
+  return sign ? -value : value;
+}
+
+struct Fp8Table {
+  float values[256];
+  Fp8Table() {
+    for (int i = 0; i < 256; ++i) values[i] = fp8_e4m3_to_float(static_cast<uint8_t>(i));
+  }
+};
+
+const Fp8Table& fp8_table() {
+  static const Fp8Table table;
+  return table;
+}
+
+// Widen one row of `dim` elements to fp32.
+inline void load_row(const float* src, float* dst, int64_t dim) { std::memcpy(dst, src, dim * sizeof(float)); }
+
+inline void load_row(const at::BFloat16* src, float* dst, int64_t dim) {
+  const uint16_t* bits = reinterpret_cast<const uint16_t*>(src);
+#pragma omp simd
+  for (int64_t d = 0; d < dim; ++d) {
+    uint32_t wide = static_cast<uint32_t>(bits[d]) << 16;
+    float f;
+    std::memcpy(&f, &wide, sizeof(f));
+    dst[d] = f;
+  }
+}
+
+inline void load_row(const at::Half* src, float* dst, int64_t dim) {
+  for (int64_t d = 0; d < dim; ++d) dst[d] = static_cast<float>(src[d]);
+}
+
+inline void load_row(const int8_t* src, float* dst, int64_t dim) {
+#pragma omp simd
+  for (int64_t d = 0; d < dim; ++d) dst[d] = static_cast<float>(src[d]);
+}
+
+inline void load_row(const uint8_t* src, float* dst, int64_t dim) {  // fp8 e4m3 bits
+  const float* table = fp8_table().values;
+  for (int64_t d = 0; d < dim; ++d) dst[d] = table[src[d]];
+}
+
+inline float dot(const float* a, const float* b, int64_t dim) {
+  float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
+  for (int64_t d = 0; d < dim; ++d) acc += a[d] * b[d];
+  return acc;
+}
+
+inline void axpy(float w, const float* x, float* y, int64_t dim) {
+#pragma omp simd
+  for (int64_t d = 0; d < dim; ++d) y[d] += w * x[d];
+}
+
+inline void store_row(const float* src, float* dst, int64_t dim) { std::memcpy(dst, src, dim * sizeof(float)); }
+
+template <typename T>
+inline void store_row(const float* src, T* dst, int64_t dim) {
+  for (int64_t d = 0; d < dim; ++d) dst[d] = static_cast<T>(src[d]);
+}
+
+struct Problem {
+  int64_t num_seqs, heads, kv_heads, head_dim, slots, block_size, max_blocks;
+  float scale;
+  const int64_t* tables;   // [num_seqs, max_blocks]
+  const int64_t* lengths;  // [num_seqs]
+  const at::Half* k_scale; // [kv_heads, slots] or null
+  const at::Half* v_scale;
+};
+
+#ifdef QG_AVX512_BF16
+// 16x16 transpose of 32-bit lanes: r[i] lane j -> r[j] lane i.
+inline void transpose16(__m512i* r) {
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    t[i] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0x88);
+    t[i + 4] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0xdd);
+    t[i + 8] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0x88);
+    t[i + 12] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0xdd);
+  }
+  for (int i = 0; i < 8; ++i) {
+    r[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88);
+    r[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xdd);
+  }
+}
+
+// Scores of the `group` queries against one block of 16 bf16 rows (`k`, row stride `dim`): the block is
+// transposed as bf16 pairs, so that lane t of a dot-product accumulator is token t (no horizontal sums).
+// `qpairs[g * dim / 2 + j]` holds query g's bf16 pair j; scores land in out[g * stride + t].
+inline void block_scores_bf16(const uint16_t* k, int64_t dim, const uint32_t* qpairs, int64_t group,
+                              float* out, int64_t stride) {
+  __m512 acc[8];
+  for (int64_t g = 0; g < group; ++g) acc[g] = _mm512_setzero_ps();
+  const int64_t pairs = dim / 2;
+  for (int64_t c = 0; c < pairs; c += 16) {
+    __m512i cols[16];
+    for (int t = 0; t < 16; ++t) cols[t] = _mm512_loadu_si512(k + t * dim + 2 * c);
+    transpose16(cols);
+    for (int j = 0; j < 16; ++j) {
+      const __m512bh kj = (__m512bh)cols[j];
+      for (int64_t g = 0; g < group; ++g) {
+        const __m512bh qj = (__m512bh)_mm512_set1_epi32(static_cast<int>(qpairs[g * pairs + c + j]));
+        acc[g] = _mm512_dpbf16_ps(acc[g], kj, qj);
+      }
+    }
+  }
+  for (int64_t g = 0; g < group; ++g) _mm512_storeu_ps(out + g * stride, acc[g]);
+}
+
+// acc[g] += sum_t w[g][t] * v[t] over one pair of bf16 rows (v0 = token t, v1 = token t + 1), as dot
+// products of bf16 pairs. `wpair[g]` holds (w[g][t], w[g][t + 1]) as bf16s. Accumulator lanes come out
+// in unpack order (see store_values_bf16).
+inline void pair_values_bf16(const uint16_t* v0, const uint16_t* v1, int64_t dim, const uint32_t* wpair,
+                             int64_t group, __m512* acc) {
+  const int64_t per_g = dim / 16;
+  for (int64_t c = 0; c < dim / 32; ++c) {
+    const __m512i a = _mm512_loadu_si512(v0 + 32 * c), b = _mm512_loadu_si512(v1 + 32 * c);
+    const __m512bh lo = (__m512bh)_mm512_unpacklo_epi16(a, b), hi = (__m512bh)_mm512_unpackhi_epi16(a, b);
+    for (int64_t g = 0; g < group; ++g) {
+      const __m512bh w = (__m512bh)_mm512_set1_epi32(static_cast<int>(wpair[g]));
+      acc[g * per_g + 2 * c] = _mm512_dpbf16_ps(acc[g * per_g + 2 * c], lo, w);
+      acc[g * per_g + 2 * c + 1] = _mm512_dpbf16_ps(acc[g * per_g + 2 * c + 1], hi, w);
+    }
+  }
+}
+
+// Add the pair accumulators to out[g * dim + d] in dimension order: within each 32-wide chunk, the
+// unpacked "lo" lanes hold d = 0-3, 8-11, 16-19, 24-27 and the "hi" lanes d = 4-7, 12-15, 20-23, 28-31.
+inline void store_values_bf16(const __m512* acc, int64_t group, int64_t dim, float* out) {
+  const int64_t per_g = dim / 16;
+  float lanes[16];
+  for (int64_t g = 0; g < group; ++g) {
+    for (int64_t v = 0; v < per_g; ++v) {
+      _mm512_storeu_ps(lanes, acc[g * per_g + v]);
+      const int64_t base = (v / 2) * 32 + (v % 2) * 4;
+      for (int i = 0; i < 16; ++i) out[g * dim + base + (i / 4) * 8 + i % 4] += lanes[i];
+    }
+  }
+}
+
+// The V pass for bf16 rows in blocks of 16: pairs of tokens through pair_values_bf16, an odd last token
+// in fp32. `probs` (unnormalized, fp32) are rounded to bf16 as the matmul path rounds them.
+inline void context_values_bf16(const uint16_t* v_cache, const int64_t* table, int64_t head_base, int64_t dim,
+                                const float* probs, int64_t stride, int64_t group, int64_t length, float* acc,
+                                std::vector<uint16_t>& wbits) {
+  wbits.resize(group * stride);
+  for (int64_t g = 0; g < group; ++g) {
+    for (int64_t t = 0; t < stride; t += 16) {
+      const __m512 x = _mm512_loadu_ps(probs + g * stride + t);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(wbits.data() + g * stride + t), (__m256i)_mm512_cvtneps_pbh(x));
+    }
+  }
+  __m512 vacc[64];
+  for (int64_t i = 0; i < group * dim / 16; ++i) vacc[i] = _mm512_setzero_ps();
+  uint32_t wpair[8];
+  const int64_t pairs_end = length / 2 * 2;
+  for (int64_t t = 0; t < pairs_end; t += 2) {
+    const uint16_t* v0 = v_cache + (head_base + table[t / 16] * 16 + t % 16) * dim;
+    for (int64_t g = 0; g < group; ++g) wpair[g] = reinterpret_cast<const uint32_t*>(wbits.data() + g * stride)[t / 2];
+    pair_values_bf16(v0, v0 + dim, dim, wpair, group, vacc);
+  }
+  std::fill(acc, acc + group * dim, 0.0f);
+  store_values_bf16(vacc, group, dim, acc);
+  if (length % 2) {
+    const int64_t t = length - 1;
+    const uint16_t* v = v_cache + (head_base + table[t / 16] * 16 + t % 16) * dim;
+    for (int64_t g = 0; g < group; ++g) {
+      uint32_t wide = static_cast<uint32_t>(wbits[g * stride + t]) << 16;
+      float w;
+      std::memcpy(&w, &wide, sizeof(w));
+      for (int64_t d = 0; d < dim; ++d) {
+        uint32_t vb = static_cast<uint32_t>(v[d]) << 16;
+        float vf;
+        std::memcpy(&vf, &vb, sizeof(vf));
+        acc[g * dim + d] += w * vf;
+      }
+    }
+  }
+}
+#endif
+
+// Scaled scores of the `group` query heads over the context: scores[g * stride + t].
+template <typename Q, typename C>
+void context_scores(const Problem& p, const Q* q, const C* k_cache, int64_t seq, int64_t kvh, int64_t length,
+                    float* scores, int64_t stride, float* buf) {
+  const int64_t group = p.heads / p.kv_heads, dim = p.head_dim;
+  const int64_t* table = p.tables + seq * p.max_blocks;
+  const int64_t head_base = kvh * p.slots;
+  const Q* qrow = q + (seq * p.heads + kvh * group) * dim;
+#ifdef QG_AVX512_BF16
+  if constexpr (std::is_same_v<Q, at::BFloat16> && std::is_same_v<C, at::BFloat16>) {
+    if (p.block_size == 16 && dim % 32 == 0 && group <= 8) {
+      const uint32_t* qpairs = reinterpret_cast<const uint32_t*>(qrow);  // the group's rows are adjacent
+      for (int64_t b = 0; b * 16 < length; ++b) {
+        const C* block = k_cache + (head_base + table[b] * 16) * dim;
+        block_scores_bf16(reinterpret_cast<const uint16_t*>(block), dim, qpairs, group, scores + b * 16, stride);
+      }
+      for (int64_t g = 0; g < group; ++g) {
+        float* s = scores + g * stride;
+#pragma omp simd
+        for (int64_t t = 0; t < length; ++t) s[t] *= p.scale;
+      }
+      return;
+    }
+  }
+#endif
+  float* qf = buf;                 // [group, dim] scaled queries
+  float* row = buf + group * dim;  // [dim] one widened K row
+  for (int64_t g = 0; g < group; ++g) {
+    load_row(qrow + g * dim, qf + g * dim, dim);
+    for (int64_t d = 0; d < dim; ++d) qf[g * dim + d] *= p.scale;
+  }
+  for (int64_t t = 0; t < length; ++t) {
+    const int64_t slot = table[t / p.block_size] * p.block_size + t % p.block_size;
+    load_row(k_cache + (head_base + slot) * dim, row, dim);
+    const float ks = p.k_scale ? static_cast<float>(p.k_scale[head_base + slot]) : 1.0f;
+    for (int64_t g = 0; g < group; ++g) scores[g * stride + t] = dot(qf + g * dim, row, dim) * ks;
+  }
+}
+
+// Softmax in place over the first `length` scores of each query head; returns nothing, fills inv_sum.
+inline void softmax_rows(float* scores, int64_t group, int64_t length, int64_t stride, float* inv_sum) {
+  for (int64_t g = 0; g < group; ++g) {
+    float* s = scores + g * stride;
+    float peak = s[0];
+    for (int64_t t = 1; t < length; ++t) peak = std::max(peak, s[t]);
+    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t t = 0; t < length; ++t) {
+      s[t] = std::exp(s[t] - peak);
+      sum += s[t];
+    }
+    inv_sum[g] = 1.0f / sum;
+  }
+}
+
+// Normalize the weighted sums and store them as the output's type.
+template <typename Q>
+inline void finish(float* acc, const float* inv_sum, int64_t group, int64_t dim, Q* out) {
+  for (int64_t g = 0; g < group; ++g) {
+    for (int64_t d = 0; d < dim; ++d) acc[g * dim + d] *= inv_sum[g];
+    store_row(acc + g * dim, out + g * dim, dim);
+  }
+}
+
+// One (sequence, KV head): scores for its `group` query heads over the context, softmax, weighted V sum.
+template <typename Q, typename C>
+void attend_one(const Problem& p, const Q* q, const C* k_cache, const C* v_cache, Q* out, int64_t seq,
+                int64_t kvh, std::vector<float>& scores, std::vector<float>& buf, std::vector<uint16_t>& wbits) {
+  const int64_t group = p.heads / p.kv_heads, dim = p.head_dim, length = p.lengths[seq];
+  if (length <= 0) return;
+  const int64_t stride = (length + 15) / 16 * 16;  // whole blocks of 16 may be scored at once
+  scores.resize(group * stride);
+  buf.resize((2 * group + 1) * dim + group);
+  context_scores<Q, C>(p, q, k_cache, seq, kvh, length, scores.data(), stride, buf.data());
+  float* acc = buf.data();              // [group, dim] weighted V sums
+  float* row = acc + group * dim;       // [dim] one widened V row
+  float* inv_sum = row + dim;           // [group]
+  softmax_rows(scores.data(), group, length, stride, inv_sum);
+  const int64_t* table = p.tables + seq * p.max_blocks;
+  const int64_t head_base = kvh * p.slots;
+#ifdef QG_AVX512_BF16
+  if constexpr (std::is_same_v<Q, at::BFloat16> && std::is_same_v<C, at::BFloat16>) {
+    if (p.block_size == 16 && dim % 32 == 0 && group * dim <= 1024) {
+      context_values_bf16(reinterpret_cast<const uint16_t*>(v_cache), table, head_base, dim, scores.data(),
+                          stride, group, length, acc, wbits);
+      finish(acc, inv_sum, group, dim, out + (seq * p.heads + kvh * group) * dim);
+      return;
+    }
+  }
+#endif
+  std::fill(acc, acc + group * dim, 0.0f);
+  for (int64_t t = 0; t < length; ++t) {
+    const int64_t slot = table[t / p.block_size] * p.block_size + t % p.block_size;
+    load_row(v_cache + (head_base + slot) * dim, row, dim);
+    const float vs = p.v_scale ? static_cast<float>(p.v_scale[head_base + slot]) : 1.0f;
+    for (int64_t g = 0; g < group; ++g) axpy(scores[g * stride + t] * vs, row, acc + g * dim, dim);
+  }
+  finish(acc, inv_sum, group, dim, out + (seq * p.heads + kvh * group) * dim);
+}
+
+template <typename Q, typename C>
+void run(const Problem& p, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+         at::Tensor& out) {
+  const Q* qp = q.data_ptr<Q>();
+  const C* kp = k_cache.data_ptr<C>();
+  const C* vp = v_cache.data_ptr<C>();
+  Q* op = out.data_ptr<Q>();
+  at::parallel_for(0, p.num_seqs * p.kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores, buf;
+    std::vector<uint16_t> wbits;
+    for (int64_t item = begin; item < end; ++item) {
+      attend_one<Q, C>(p, qp, kp, vp, op, item / p.kv_heads, item % p.kv_heads, scores, buf, wbits);
+    }
+  });
+}
+
+template <typename Q>
+void dispatch_cache(const Problem& p, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                    at::Tensor& out, int64_t kv_format) {
+  if (kv_format == kInt8) return run<Q, int8_t>(p, q, k_cache, v_cache, out);
+  if (kv_format == kFp8) return run<Q, uint8_t>(p, q, k_cache, v_cache, out);
+  TORCH_CHECK(k_cache.scalar_type() == q.scalar_type(), "paged_decode: cache dtype ", k_cache.scalar_type(),
+              " differs from the query's ", q.scalar_type());
+  run<Q, Q>(p, q, k_cache, v_cache, out);
+}
+
+at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                        const at::Tensor& block_tables, const at::Tensor& context_lens, int64_t block_size,
+                        double scale, const c10::optional<at::Tensor>& k_scale,
+                        const c10::optional<at::Tensor>& v_scale, int64_t kv_format) {
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && v_cache.dim() == 3, "paged_decode: q [n, heads, dim], "
+              "caches [kv_heads, slots, dim]");
+  TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(), "paged_decode: "
+              "q and caches must be contiguous");
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong,
+              "paged_decode: block_tables and context_lens must be int64");
+  TORCH_CHECK(q.size(1) % k_cache.size(0) == 0, "paged_decode: heads not a multiple of kv_heads");
+  TORCH_CHECK(q.size(2) == k_cache.size(2), "paged_decode: head_dim differs between q and the cache");
+  const bool scaled = kv_format == kInt8;
+  TORCH_CHECK(!scaled || (k_scale && v_scale), "paged_decode: int8 cache needs k_scale and v_scale");
+  auto tables = block_tables.contiguous();
+  auto lengths = context_lens.contiguous();
+  c10::optional<at::Tensor> ks, vs;
+  if (scaled) {
+    ks = k_scale->contiguous();
+    vs = v_scale->contiguous();
+    TORCH_CHECK(ks->scalar_type() == at::kHalf && vs->scalar_type() == at::kHalf, "paged_decode: scales fp16");
+  }
+  Problem p{q.size(0), q.size(1), k_cache.size(0), q.size(2), k_cache.size(1), block_size,
+            tables.size(1), static_cast<float>(scale), tables.data_ptr<int64_t>(), lengths.data_ptr<int64_t>(),
+            scaled ? ks->data_ptr<at::Half>() : nullptr, scaled ? vs->data_ptr<at::Half>() : nullptr};
+  auto out = at::empty_like(q);
+  switch (q.scalar_type()) {
+    case at::kFloat: dispatch_cache<float>(p, q, k_cache, v_cache, out, kv_format); break;
+    case at::kBFloat16: dispatch_cache<at::BFloat16>(p, q, k_cache, v_cache, out, kv_format); break;
+    case at::kHalf: dispatch_cache<at::Half>(p, q, k_cache, v_cache, out, kv_format); break;
+    default: TORCH_CHECK(false, "paged_decode: unsupported query dtype ", q.scalar_type());
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(quantgate, m) {
+  m.def("paged_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor context_lens, "
+        "int block_size, float scale, Tensor? k_scale, Tensor? v_scale, int kv_format) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(quantgate, CPU, m) { m.impl("paged_decode", &paged_decode); }

@@ -1,0 +1,129 @@
+"""The compiled paged-attention decode kernel (serving/kernels) against a plain torch reference, and the
+engine with it against the engine's torch path and HF."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from engine_helpers import hf_greedy
+from test_engine import assert_no_leak, engine_for, random_prompts
+
+from serving import SamplingParams, attention, kernels
+
+
+@pytest.fixture(scope="module")
+def op():
+    kernel = kernels.paged_decode("cpu")
+    assert kernel is not None, "the kernel must build here (g++ and Python headers are on this machine)"
+    return kernel
+
+
+def reference(q, k, v, tables, lengths, block_size, scale):
+    """Gather each context's slots and attend in fp32."""
+    kv_heads, heads, dim = k.shape[0], q.shape[1], q.shape[2]
+    out = []
+    for s, length in enumerate(lengths.tolist()):
+        slots = torch.tensor([int(tables[s, t // block_size]) * block_size + t % block_size for t in range(length)])
+        qs = q[s].float().view(kv_heads, heads // kv_heads, dim)
+        probs = (qs @ k[:, slots].float().transpose(-1, -2) * scale).softmax(-1)
+        out.append((probs @ v[:, slots].float()).reshape(heads, dim))
+    return torch.stack(out)
+
+
+def problem(dtype, heads, kv_heads, dim, block_size, lengths, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    num_blocks = 64
+    k = torch.randn(kv_heads, num_blocks * block_size, dim, generator=gen).to(dtype)
+    v = torch.randn(kv_heads, num_blocks * block_size, dim, generator=gen).to(dtype)
+    width = max(-(-n // block_size) for n in lengths)
+    tables = torch.stack([torch.randperm(num_blocks, generator=gen)[:width] for _ in lengths])
+    q = torch.randn(len(lengths), heads, dim, generator=gen).to(dtype)
+    return q, k, v, tables, torch.tensor(lengths)
+
+
+LENGTHS = [1, 2, 15, 16, 17, 33, 100, 255]
+SHAPES = [(9, 3, 64, 16), (4, 2, 16, 4), (8, 8, 32, 16), (12, 2, 128, 16)]  # heads, kv_heads, dim, block
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "h{}-kv{}-d{}-b{}".format(*s))
+def test_kernel_matches_the_gathered_reference(op, dtype, tol, shape):
+    heads, kv_heads, dim, bs = shape
+    q, k, v, tables, lengths = problem(dtype, heads, kv_heads, dim, bs, LENGTHS)
+    out = op(q, k, v, tables, lengths, bs, dim**-0.5, None, None, 0)
+    assert out.dtype == dtype and out.shape == q.shape
+    torch.testing.assert_close(out.float(), reference(q, k, v, tables, lengths, bs, dim**-0.5), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_kernel_reads_int8_and_fp8_codes(op, dtype):
+    q, k, v, tables, lengths = problem(dtype, 9, 3, 64, 16, LENGTHS, seed=1)
+    (kc, ks), (vc, vs) = attention.quantize_int8(k), attention.quantize_int8(v)
+    out = op(q, kc, vc, tables, lengths, 16, 0.125, ks, vs, 1)
+    deq_k, deq_v = kc.float() * ks.float()[..., None], vc.float() * vs.float()[..., None]
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.float(), reference(q, deq_k, deq_v, tables, lengths, 16, 0.125), atol=tol, rtol=tol)
+    kb, vb = attention.encode_fp8(k), attention.encode_fp8(v)
+    out = op(q, kb, vb, tables, lengths, 16, 0.125, None, None, 2)
+    want = reference(q, attention.decode_fp8(kb, torch.float32), attention.decode_fp8(vb, torch.float32),
+                     tables, lengths, 16, 0.125)
+    torch.testing.assert_close(out.float(), want, atol=tol, rtol=tol)
+
+
+def test_kernel_refuses_what_it_cannot_read(op):
+    q, k, v, tables, lengths = problem(torch.float32, 9, 3, 64, 16, [5])
+    with pytest.raises(RuntimeError, match="cache dtype"):
+        op(q, k.to(torch.bfloat16), v.to(torch.bfloat16), tables, lengths, 16, 0.125, None, None, 0)
+    with pytest.raises(RuntimeError, match="int8 cache needs k_scale"):
+        op(q, k, v, tables, lengths, 16, 0.125, None, None, 1)
+    with pytest.raises(RuntimeError, match="multiple of kv_heads"):
+        op(q[:, :8], k, v, tables, lengths, 16, 0.125, None, None, 0)
+
+
+def test_the_kernel_is_off_on_request_and_on_other_devices(monkeypatch):
+    assert kernels.paged_decode("cuda") is None
+    monkeypatch.setenv("QUANTGATE_PAGED_KERNEL", "0")
+    assert kernels.paged_decode("cpu") is None
+
+
+@pytest.mark.parametrize("kernel", ["kernel", "torch"])
+def test_many_sequences_with_chunked_prefill_and_preemption_match_hf(tiny_model_dir, kernel, monkeypatch):
+    """40 sequences, late arrivals' chunked prefills sharing steps, a cache small enough to preempt: every
+    output equals HF's, through the kernel and through the torch path (gathered groups)."""
+    if kernel == "torch":
+        monkeypatch.setenv("QUANTGATE_PAGED_KERNEL", "0")
+    engine = engine_for(tiny_model_dir, max_num_seqs=40, max_num_batched_tokens=128, num_kv_blocks=100)
+    assert (engine.runner.decode_kernel is not None) == (kernel == "kernel")
+    prompts = random_prompts(40, engine.vocab_size, seed=3)
+    max_tokens = [12 + (7 * i) % 29 for i in range(40)]
+    outs = engine.generate(prompts, [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for m in max_tokens])
+    assert engine.stats().num_preemptions > 0
+    for prompt, m, out in zip(prompts, max_tokens, outs, strict=True):
+        assert out.token_ids == hf_greedy(tiny_model_dir, prompt, m), f"prompt of {len(prompt)} tokens"
+    assert_no_leak(engine)
+
+
+def _greedy_bf16(model_dir, prompts, monkeypatch, kernel: str, kv: str = "auto"):
+    monkeypatch.setenv("QUANTGATE_PAGED_KERNEL", kernel)
+    engine = engine_for(model_dir, device="cpu", dtype="bfloat16", num_kv_blocks=64, kv_cache_dtype=kv)
+    assert (engine.runner.decode_kernel is not None) == (kernel == "1")
+    outs = engine.generate(prompts, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
+    return [o.token_ids for o in outs]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kv", ["auto", "int8"])
+def test_real_model_bf16_kernel_decodes_as_the_torch_path(default_model_dir, monkeypatch, kv):
+    """bf16 on the real model (head_dim 64, blocks of 16: the AVX-512-BF16 path where the CPU has it).
+    The kernel keeps scores in fp32 where the matmul path rounds them to bf16, so outputs may part after a
+    near tie; the first 8 tokens of every prompt and 90 % of all tokens must agree."""
+    from test_engine import PROMPTS
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(default_model_dir)
+    prompts = [tokenizer.encode(p) for p in PROMPTS]
+    fast = _greedy_bf16(default_model_dir, prompts, monkeypatch, "1", kv)
+    plain = _greedy_bf16(default_model_dir, prompts, monkeypatch, "0", kv)
+    assert all(a[:8] == b[:8] for a, b in zip(fast, plain, strict=True))
+    same = sum(x == y for a, b in zip(fast, plain, strict=True) for x, y in zip(a, b, strict=True))
+    assert same / sum(len(a) for a in fast) >= 0.9
