@@ -14,6 +14,8 @@ import pytest
 _SESSION_HOME = Path(tempfile.mkdtemp(prefix="quantgate-test-home-"))
 atexit.register(shutil.rmtree, _SESSION_HOME, ignore_errors=True)
 os.environ["QUANTGATE_HOME"] = str(_SESSION_HOME)
+os.environ["QUANTGATE_KERNEL_DIR"] = str(_SESSION_HOME / "kernels")  # one build per session, also for tests
+# that give a subprocess its own QUANTGATE_HOME
 os.environ["PREFECT_HOME"] = str(_SESSION_HOME / "prefect")
 os.environ["MLFLOW_TRACKING_URI"] = f"sqlite:///{_SESSION_HOME / 'mlflow.db'}"
 os.environ["HF_HOME"] = str(_SESSION_HOME / "hf")

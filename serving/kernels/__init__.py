@@ -2,7 +2,7 @@
 
 `paged_decode()` returns `torch.ops.quantgate.paged_decode` (paged_attention.cpp) or None where it cannot
 run: another device, no compiler, or `QUANTGATE_PAGED_KERNEL=0`; callers then take the torch path. The
-build (~30–60 s) is cached under `QUANTGATE_HOME/kernels/`, keyed by the source, the torch version and
+build (~20–60 s) is cached under `QUANTGATE_HOME/kernels/` (or `QUANTGATE_KERNEL_DIR`), keyed by the source, the torch version and
 the CPU (it is built with `-march=native`, so a cache copied to another CPU is never loaded there).
 """
 
@@ -40,7 +40,8 @@ def build_dir() -> Path:
     key = hashlib.sha256()
     for part in (SOURCE.read_bytes(), torch.__version__.encode(), _cpu_signature().encode(), " ".join(CFLAGS).encode()):
         key.update(part)
-    path = home() / "kernels" / f"paged_attention-{key.hexdigest()[:16]}"
+    root = Path(os.environ.get("QUANTGATE_KERNEL_DIR") or home() / "kernels")
+    path = root / f"paged_attention-{key.hexdigest()[:16]}"
     path.mkdir(parents=True, exist_ok=True)
     return path
 
