@@ -194,14 +194,14 @@ def _serve(args: argparse.Namespace) -> int:
     )
     _configure_dynamic(engine, args)
     app = build_app(engine, served_model_name=args.served_model_name, version=args.model_version,
-                    tenants=tenants, max_waiting=args.max_waiting, metrics_key=args.metrics_key)
+                    tenants=tenants, max_waiting=args.max_waiting, metrics_key=args.metrics_key, engine_thread=False)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                            timeout_graceful_shutdown=5))
     group = getattr(engine, "parallel", None)
     if group is not None:  # a rank that dies stops the server: uvicorn's graceful shutdown
         group.on_failure = lambda _why: setattr(server, "should_exit", True)
     try:
-        server.run()
+        _serve_on_main_thread(server, app.state.engine_loop)
     finally:
         if group is not None:
             group.shutdown()
@@ -211,6 +211,32 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"quantgate serve: {group.failure}", file=sys.stderr)
         return 1
     return 0
+
+
+def _serve_on_main_thread(server, loop) -> None:
+    """uvicorn on a thread, the engine on this (main) thread, where torch's ops run fastest. SIGTERM or
+    SIGINT: drain the engine loop (nothing new admitted, in-flight requests get DRAIN_TIMEOUT_S), then
+    uvicorn's graceful shutdown; a second signal exits at once."""
+    import signal
+    import threading
+
+    from serving.engine_loop import DRAIN_TIMEOUT_S
+
+    def on_signal(signum, frame):
+        if server.should_exit:
+            server.force_exit = True
+        loop.drain(DRAIN_TIMEOUT_S)
+        server.should_exit = True
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+    http = threading.Thread(target=server.run, name="quantgate-http", daemon=True)
+    http.start()
+    try:
+        loop.run_here(http.is_alive)
+        http.join()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def _parallel_options(args: argparse.Namespace) -> dict:

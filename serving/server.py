@@ -34,11 +34,13 @@ def build_app(
     max_waiting: int = 256,
     drain_timeout_s: float = DRAIN_TIMEOUT_S,
     metrics_key: str | None = None,
+    engine_thread: bool = True,
 ) -> FastAPI:
     """The ASGI app over `engine`. With `tenants`, every request needs an API key of a tenant, and
     /metrics the metrics key (`metrics_key`, else the keys file's); without tenants /metrics is open
     unless a `metrics_key` is given. The tenants' KV quotas and fairness are the engine's
-    (`LLMEngine(tenant_fairness=...)`)."""
+    (`LLMEngine(tenant_fairness=...)`). With `engine_thread=False` the caller steps the engine itself
+    (`app.state.engine_loop.run_here`, as `quantgate serve` does on its main thread)."""
     if tenants is not None:
         tenants = tenants.with_metrics_key(metrics_key)
         metrics_key = tenants.metrics_key
@@ -56,7 +58,8 @@ def build_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
-        loop.start()
+        if engine_thread:
+            loop.start()
         restore = drain_on_signals(loop, drain_timeout_s)
         try:
             yield
