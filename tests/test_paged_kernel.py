@@ -3,6 +3,8 @@ engine with it against the engine's torch path and HF."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from engine_helpers import hf_greedy
@@ -127,3 +129,14 @@ def test_real_model_bf16_kernel_decodes_as_the_torch_path(default_model_dir, mon
     assert all(a[:8] == b[:8] for a, b in zip(fast, plain, strict=True))
     same = sum(x == y for a, b in zip(fast, plain, strict=True) for x, y in zip(a, b, strict=True))
     assert same / sum(len(a) for a in fast) >= 0.9
+
+
+def test_the_attention_benchmark_measures_both_paths(monkeypatch, tmp_path):
+    import benchmarks.attention as bench
+
+    monkeypatch.setattr(bench, "CACHE_BLOCKS", 64)
+    monkeypatch.setattr(bench, "SHAPES", ((2, 40),))
+    assert bench.main(["--dtype", "float32", "--out-dir", str(tmp_path), "--no-plots"]) == 0
+    (row,) = json.loads((tmp_path / "attention.json").read_text())["rows"]
+    assert row["sequences"] == 2 and row["context"] == 40
+    assert row["kernel_ms"] > 0 and row["torch_ms"] > 0 and row["speedup"] == pytest.approx(row["torch_ms"] / row["kernel_ms"])
