@@ -182,3 +182,29 @@ def test_bench_parallel_measures_both_and_extrapolates(tiny_model_dir, tmp_path)
     nvlink, pcie = rows[0], rows[-2]  # the measured model on the fastest and the slowest link
     assert nvlink["tp_comm_us_per_step"] < pcie["tp_comm_us_per_step"]
     assert json.loads((tmp_path / "parallel.json").read_text())["runs"]["TP=2"]["allreduce_calls_per_step"] == 4
+
+
+def _sleep_forever() -> None:
+    time.sleep(60)
+
+
+def test_a_dead_rank_is_named_with_its_exit_code_while_two_threads_reap_it():
+    """The monitor and a failed collective both poll the dead child; the loser must still read its code."""
+    import multiprocessing
+    import threading
+
+    from serving.parallel.launcher import _exit_message
+
+    context = multiprocessing.get_context("spawn")
+    for _ in range(5):
+        proc = context.Process(target=_sleep_forever, daemon=True)
+        proc.start()
+        os.kill(proc.pid, signal.SIGKILL)
+        messages: list[str] = []
+        threads = [threading.Thread(target=lambda m=messages, p=proc: m.append(_exit_message(1, p)))
+                   for _ in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert messages == [f"rank 1 (pid {proc.pid}) exited with code -9"] * 4

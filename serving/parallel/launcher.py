@@ -97,8 +97,7 @@ class ParallelGroup:
         while self.failure is None and time.monotonic() < deadline:
             dead = [(rank, p) for rank, p in enumerate(self.procs, start=1) if not p.is_alive()]
             if dead:
-                rank, proc = dead[0]
-                return self.mark_failed(f"rank {rank} (pid {proc.pid}) exited with code {proc.exitcode}")
+                return self.mark_failed(_exit_message(*dead[0]))
             time.sleep(0.05)
         self.mark_failed(f"a collective failed: {exc}")
 
@@ -136,9 +135,16 @@ class ParallelGroup:
         ready = multiprocessing.connection.wait(list(sentinels))
         if self._stopping:
             return
-        rank, proc = sentinels[ready[0]]
-        proc.join(timeout=1)
-        self.mark_failed(f"rank {rank} (pid {proc.pid}) exited with code {proc.exitcode}")
+        self.mark_failed(_exit_message(*sentinels[ready[0]]))
+
+
+def _exit_message(rank: int, proc) -> str:
+    """Name a dead rank and its exit code. Two threads may reap the same child (the monitor and a failed
+    collective), and the loser's poll sees no code until the winner has stored it: wait for that."""
+    deadline = time.monotonic() + 2.0
+    while proc.exitcode is None and time.monotonic() < deadline:
+        proc.join(timeout=0.05)
+    return f"rank {rank} (pid {proc.pid}) exited with code {proc.exitcode}"
 
 
 def launch(model: str | Path, config: ParallelConfig, *, engine_cls: type, device: str | None = None,
