@@ -3,9 +3,10 @@
 w ≈ (q - 8) * scale + zero, q in [0, 15], per group of `group_size` inputs of one output row (the
 semantics of `torch._weight_int4pack_mm_for_cpu`). Decode reads a quarter of the bf16 bytes, which
 is what makes it faster. The codes are kept plain on disk (two per byte, low nibble first); on CPU
-they are repacked at load into the kernel's own layout, which then serves alone. Wide inputs (prefill,
-big decode batches), where the int4 kernel falls behind a bf16 GEMM, dequantize the layer from that
-layout and run the GEMM; other devices always do.
+they are repacked at load into a kernel's own layout, which then serves alone: quantgate's own kernel
+(quantize/kernels, AVX-512-BF16, every batch size) where it runs, else torch's, with wide inputs (prefill,
+big decode batches), where torch's falls behind a bf16 GEMM, dequantized and run as a GEMM; other
+devices always do that.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from functools import lru_cache
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from quantize import kernels as woq
 
 DEFAULT_GROUP_SIZE = 32  # logit cosine to the source on the probe: 0.969 at 32, 0.842 at 64 (default model)
 # Up to this many rows the int4 kernel beats dequantize-then-GEMM on CPU (it costs ~linear in rows;
@@ -87,7 +90,9 @@ class Int4WeightOnlyLinear(nn.Module):
         self.register_buffer("codes", torch.zeros(out_features, in_features // 2, dtype=torch.uint8))
         self.register_buffer("scales_and_zeros",
                              torch.zeros(in_features // group_size, out_features, 2, dtype=torch.bfloat16))
-        self.register_buffer("_packed", None, persistent=False)
+        self.register_buffer("_packed", None, persistent=False)  # torch's kernel layout
+        self.register_buffer("_woq_codes", None, persistent=False)  # quantgate's kernel layout, with:
+        self.register_buffer("_woq_scales", None, persistent=False)
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype), requires_grad=False) if bias else None
 
     @classmethod
@@ -102,7 +107,10 @@ class Int4WeightOnlyLinear(nn.Module):
     def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         if self.codes.numel():
             return dequantize_rows(self.codes, self.scales_and_zeros, self.group_size, dtype)
-        q = unpack_cpu_layout(self._packed, self.out_features, self.in_features)
+        if self._woq_codes is not None:
+            q = woq.unpack_int4(self._woq_codes, self.out_features, self.in_features)
+        else:
+            q = unpack_cpu_layout(self._packed, self.out_features, self.in_features)
         return _dequantize(q, self.scales_and_zeros, self.group_size, dtype)
 
     def _kernel_weights(self) -> torch.Tensor:
@@ -111,15 +119,32 @@ class Int4WeightOnlyLinear(nn.Module):
             self._scales_bf16 = self.scales_and_zeros.to(torch.bfloat16)
         return self._packed
 
+    def _own_kernel(self) -> bool:
+        """quantgate's kernel serves this layer (packed on first use)."""
+        if self._woq_codes is None:
+            if not (self.codes.numel() and self.codes.device.type == "cpu" and woq.available()
+                    and woq.fits(self.in_features, self.out_features, self.group_size)):
+                return False
+            self._woq_codes, self._woq_scales = woq.pack_int4(unpack_nibbles(self.codes), self.scales_and_zeros)
+        return True
+
     def drop_codes(self) -> None:
-        """Serve from the kernel layout alone (a loaded variant is never saved again): half the bytes."""
-        if self.codes.device.type == "cpu" and self.out_features % KERNEL_ROWS == 0 and cpu_layout_known():
-            self._kernel_weights()
+        """Serve from a kernel layout alone (a loaded variant is never saved again): half the bytes."""
+        if self.codes.device.type != "cpu":
+            return
+        if self._own_kernel() or (self.out_features % KERNEL_ROWS == 0 and cpu_layout_known()):
+            if self._woq_codes is None:
+                self._kernel_weights()
             self.codes = torch.empty(0, dtype=torch.uint8)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
-        if x.device.type == "cpu" and rows <= FAST_PATH_MAX_ROWS:
+        if x.device.type == "cpu" and self._own_kernel():
+            flat = x.reshape(rows, self.in_features).to(torch.bfloat16).contiguous()
+            y = woq.int4_linear(flat, self._woq_codes, self._woq_scales, self.group_size, self.out_features,
+                                woq.out_dtype(x.dtype))
+            y = y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+        elif x.device.type == "cpu" and rows <= FAST_PATH_MAX_ROWS:
             flat = x.reshape(rows, self.in_features).to(torch.bfloat16)
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self._kernel_weights(), self.group_size,
                                                            self._scales_bf16)

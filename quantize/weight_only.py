@@ -5,7 +5,8 @@ weights is what makes it faster. `torch._weight_int8pack_mm` does the dequant in
 only fast with bf16 activations. A bf16 model hands it the scales (rounded to bf16, like its output);
 an fp32 model gets unit scales and its fp32 scales applied afterwards. Wider inputs (prefill, big decode
 batches) convert the int8 weight to bf16 (exactly: int8 values are bf16 numbers) and run a bf16 matmul,
-faster than fp32 here, with the fp32 scales applied to its output.
+faster than fp32 here, with the fp32 scales applied to its output. Where quantgate's own kernel runs
+(quantize/kernels: AVX-512-BF16) it serves every batch size instead, reading the int8 weight once per call.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from collections.abc import Iterable
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from quantize import kernels as woq
 
 # Up to this many rows the int8 kernel (a GEMV per row) beats dequantize-then-matmul on CPU (measured,
 # bf16, one thread, SmolLM2 shapes: 10.9 vs 12.3 ms at 8 rows, 17.0 vs 14.3 at 16); beyond, it falls behind fast.
@@ -29,6 +32,7 @@ class Int8WeightOnlyLinear(nn.Module):
         self.register_buffer("weight_int8", torch.zeros(out_features, in_features, dtype=torch.int8))
         self.register_buffer("scales", torch.ones(out_features, dtype=torch.float32))
         self.register_buffer("_unit_scales", torch.ones(out_features, dtype=torch.bfloat16), persistent=False)
+        self.register_buffer("_woq_weight", None, persistent=False)  # quantgate's kernel layout
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype), requires_grad=False) if bias else None
 
     @classmethod
@@ -41,11 +45,32 @@ class Int8WeightOnlyLinear(nn.Module):
         return module.to(linear.weight.device)
 
     def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return self.weight_int8.to(dtype) * self.scales.to(dtype)[:, None]
+        return self.plain_weight().to(dtype) * self.scales.to(dtype)[:, None]
+
+    def plain_weight(self) -> torch.Tensor:
+        return self.weight_int8 if self.weight_int8.numel() else woq.unpack_int8(self._woq_weight)
+
+    def _own_kernel(self) -> bool:
+        """quantgate's kernel serves this layer (packed on first use)."""
+        if self._woq_weight is None:
+            if not (self.weight_int8.numel() and self.weight_int8.device.type == "cpu" and woq.available()
+                    and woq.fits(self.in_features, self.out_features)):
+                return False
+            self._woq_weight = woq.pack_int8(self.weight_int8)
+        return True
+
+    def drop_plain(self) -> None:
+        """Serve from the kernel layout alone (a loaded variant is never saved again): half the bytes."""
+        if self._own_kernel():
+            self.weight_int8 = torch.empty(0, dtype=torch.int8)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
-        if x.device.type == "cpu" and rows <= FAST_PATH_MAX_ROWS and x.dtype == torch.bfloat16:
+        if x.device.type == "cpu" and self._own_kernel():
+            flat = x.reshape(rows, self.in_features).to(torch.bfloat16).contiguous()
+            y = woq.int8_linear(flat, self._woq_weight, self.scales, woq.out_dtype(x.dtype))
+            y = y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+        elif x.device.type == "cpu" and rows <= FAST_PATH_MAX_ROWS and x.dtype == torch.bfloat16:
             # bf16 in, bf16 out: the scales may as well be applied in the kernel (rounding a scale to bf16
             # is an error the size of the output's own rounding); one op, no float32 temporaries
             y = torch._weight_int8pack_mm(x.reshape(rows, self.in_features), self.weight_int8,

@@ -84,9 +84,12 @@ def load_weight_only(directory: Path, device: str = "cpu", dtype: torch.dtype | 
     check_materialised(model, str(path))
     model = model.to(device).eval()
     shared = {id(m.codes) for m in model.modules() if isinstance(m, Int4Embedding)}
+    shared |= {id(m.weight_int8) for m in model.modules() if isinstance(m, Int8Embedding)}
     for module in model.modules():  # serve from the CPU kernel's layout alone, unless an embedding reads it
         if isinstance(module, Int4WeightOnlyLinear) and id(module.codes) not in shared:
             module.drop_codes()
+        elif isinstance(module, Int8WeightOnlyLinear) and id(module.weight_int8) not in shared:
+            module.drop_plain()
     return model
 
 

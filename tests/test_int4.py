@@ -1,5 +1,6 @@
-"""int4wo's layer: quantization error within half a step, the CPU kernel and the wide (dequantize +
-GEMM) path agree, and after dropping the plain codes it serves from the kernel layout alone."""
+"""int4wo's layer: quantization error within half a step, torch's CPU kernel and the wide (dequantize +
+GEMM) path agree, quantgate's kernel matches the exact sums, and after dropping the plain codes each
+serves from its kernel layout alone."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ def test_quantization_error_is_at_most_half_a_step_per_group():
 
 
 def test_kernel_and_wide_paths_agree_and_codes_can_be_dropped(monkeypatch):
+    monkeypatch.setenv("QUANTGATE_WOQ_KERNEL", "0")  # torch's kernels (CPUs without AVX-512-BF16)
     torch.manual_seed(0)
     linear = torch.nn.Linear(128, 192, bias=True)
     layer = Int4WeightOnlyLinear.from_linear(linear, 32)
@@ -42,3 +44,24 @@ def test_kernel_and_wide_paths_agree_and_codes_can_be_dropped(monkeypatch):
     assert torch.equal(layer(x), wide)  # the wide path now dequantizes from the kernel layout
     monkeypatch.setattr(int4, "FAST_PATH_MAX_ROWS", 1 << 20)
     assert torch.equal(layer(x), kernel)
+
+
+def test_own_kernel_gives_the_exact_group_sums_and_serves_after_dropping_codes():
+    from quantize import kernels as woq
+
+    assert woq.available() == woq.cpu_has_avx512_bf16()  # a compiler is there wherever the tests run
+    if not woq.available():
+        return  # torch's kernels serve: covered above
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(128, 192, bias=True)
+    layer = Int4WeightOnlyLinear.from_linear(linear, 32)
+    x = torch.randn(11, 128)
+    weight = layer.dequantized_weight(torch.float32)
+    reference = torch.nn.functional.linear(x.bfloat16().float(), weight, linear.bias)  # the kernel reads bf16 x
+    y = layer(x)
+    assert layer._woq_codes is not None and layer._packed is None
+    assert (y - reference).abs().max() < 1e-5 * reference.abs().max()
+    layer.drop_codes()
+    assert layer.codes.numel() == 0 and layer._woq_codes.numel() * 2 == 192 * 64
+    assert torch.equal(layer(x), y)
+    assert torch.equal(layer.dequantized_weight(torch.float32), weight)

@@ -1,0 +1,83 @@
+"""quantgate's weight-only int8/int4 linear for CPUs with AVX-512-BF16 (woq_linear.cpp).
+
+The kernel dequantizes each block of 48 output channels once per call into a bf16 panel held in L2 and
+runs every row of the input over it, so the weight is read once and dequantized once whatever the batch
+(torch's CPU int8/int4 kernels redo both per row). `available()` says whether it runs here: a CPU with
+avx512_bf16, a compiler, and `QUANTGATE_WOQ_KERNEL` not "0". The pack functions build its layouts.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from quantgate import kernels
+
+SOURCE = Path(__file__).with_name("woq_linear.cpp")
+ENV = "QUANTGATE_WOQ_KERNEL"  # "0" keeps torch's kernels (to measure what this one buys)
+TILE = 16
+
+
+def cpu_has_avx512_bf16() -> bool:
+    return "avx512_bf16" in kernels.cpu_signature().split()
+
+
+def available(device: torch.device | str = "cpu") -> bool:
+    if torch.device(device).type != "cpu" or os.environ.get(ENV, "1").strip() == "0" or not cpu_has_avx512_bf16():
+        return False
+    return kernels.load(SOURCE) and hasattr(torch.ops.quantgate_woq, "woq_linear_int8")
+
+
+def fits(in_features: int, out_features: int, group_size: int | None = None) -> bool:
+    """The kernel's shape rules: N a multiple of 16, K even (int8) or int4 groups a multiple of 8."""
+    if group_size is not None:
+        return out_features % TILE == 0 and group_size % 8 == 0 and in_features % group_size == 0
+    return in_features % 2 == 0 and out_features % TILE == 0
+
+
+def pack_int8(weight_int8: torch.Tensor) -> torch.Tensor:
+    """[N, K] int8 -> [N/16, K/2, 16, 2]: 16 channels at two consecutive inputs per 32 bytes."""
+    n, k = weight_int8.shape
+    return weight_int8.view(n // TILE, TILE, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+
+
+def pack_int4(q: torch.Tensor, scales_and_zeros: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Codes [N, K] in 0..15 and [K/g, N, 2] scales/zeros -> [N/16, K/8, 32] int16 words (four codes each:
+    channel c, input 8j + 2i + parity in nibble i of lane 2c + parity) and fp32 [N/16, K/g, 2, 16]."""
+    n, k = q.shape
+    nibbles = q.to(torch.int32).view(n // TILE, TILE, k // 8, 4, 2).permute(0, 2, 1, 4, 3)
+    words = (nibbles << torch.tensor([0, 4, 8, 12], dtype=torch.int32)).sum(-1)
+    words = torch.where(words >= 1 << 15, words - (1 << 16), words).to(torch.int16).contiguous()
+    groups = scales_and_zeros.shape[0]
+    sz = scales_and_zeros.float().view(groups, n // TILE, TILE, 2).permute(1, 0, 3, 2).contiguous()
+    return words.view(n // TILE, k // 8, 2 * TILE), sz
+
+
+def unpack_int4(words: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """Inverse of `pack_int4`'s codes: [N, K] uint8 in 0..15."""
+    w = words.to(torch.int32).view(n // TILE, k // 8, TILE, 2) & 0xFFFF
+    nibbles = (w.unsqueeze(-1) >> torch.tensor([0, 4, 8, 12], dtype=torch.int32)) & 0xF  # [T, j, c, par, i]
+    return nibbles.permute(0, 2, 1, 4, 3).reshape(n, k).to(torch.uint8)
+
+
+def unpack_int8(packed: torch.Tensor) -> torch.Tensor:
+    """Inverse of `pack_int8`: [N, K] int8."""
+    tiles, pairs = packed.shape[:2]
+    return packed.permute(0, 2, 1, 3).reshape(tiles * TILE, pairs * 2)
+
+
+def out_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The kernels write fp32 or bf16; other dtypes get fp32 and are cast by the caller."""
+    return dtype if dtype in (torch.float32, torch.bfloat16) else torch.float32
+
+
+def int8_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """x [M, K] bf16 (contiguous) -> [M, N] in out_dtype: x @ (q * scales)^T."""
+    return torch.ops.quantgate_woq.woq_linear_int8(x, packed, scales, out_dtype)
+
+
+def int4_linear(x: torch.Tensor, packed: torch.Tensor, scales_zeros: torch.Tensor, group_size: int, n: int,
+                out_dtype: torch.dtype) -> torch.Tensor:
+    return torch.ops.quantgate_woq.woq_linear_int4(x, packed, scales_zeros, group_size, n, out_dtype)

@@ -1,0 +1,268 @@
+// Weight-only int8 / int4 linear for CPUs with AVX-512-BF16: y[M, N] = x[M, K] @ dequant(w)[N, K]^T.
+//
+// torch's CPU kernels for these formats (_weight_int8pack_mm, _weight_int4pack_mm_for_cpu) dequantize the
+// weight again for every row of x, so past a few rows they fall behind a bf16 GEMM, and a dequantize-then-
+// GEMM path writes the whole bf16 weight to memory and reads it back. Here the weight is read from memory
+// once per call whatever M is: int8 blocks of 48 output channels are dequantized once into a bf16 panel
+// that stays in L2 and every row of x runs over it with dpbf16 (fp32 accumulators, 8 rows x 48 channels in
+// registers); int4 codes turn into bf16 through a register lookup table, cheap enough to redo per 4 rows.
+//
+// Packed layouts (quantize/kernels/__init__.py builds them; K even, N a multiple of 16):
+//   int8: [N/16, K/2, 16, 2] int8: one 32-byte load holds channels n..n+15 at inputs k, k+1.
+//         Per-channel fp32 scales are applied to the fp32 accumulators.
+//   int4: [N/16, K/8, 32] 16-bit words, four codes (0..15) each, see int4_rows; scales and zeros
+//         fp32 [N/16, K/g, 2, 16]: w = (q - 8) * scale + zero, applied per group to exact sums.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+
+namespace {
+
+constexpr int kTile = 16;        // output channels per zmm of fp32 accumulators
+constexpr int kTilesPerBlock = 3;  // 48 channels per panel
+constexpr int kRows = 8;         // rows of x per register block: 8 x 3 accumulators + 3 weights + 1 broadcast
+
+struct Problem {
+  const uint16_t* x;  // bf16 bits [M, K]
+  int64_t m, k, n;
+  const void* weight;
+  const float* scales;  // int8: [N]; int4: scales and zeros [N/16, K/g, 2, 16]
+  int64_t group_size;
+  void* out;  // [M, N], fp32 or bf16
+  bool out_bf16;
+};
+
+// Write ROWS x TILES accumulators to out, times the per-channel scales if given (int8).
+template <int ROWS, int TILES>
+void store_rows(const Problem& p, int64_t row0, int64_t tile0, const __m512 (&acc)[ROWS][TILES],
+                const float* scales) {
+  for (int t = 0; t < TILES; ++t) {
+    const int64_t n0 = (tile0 + t) * kTile;
+    const __m512 scale = scales ? _mm512_loadu_ps(scales + n0) : _mm512_set1_ps(1.0f);
+    for (int r = 0; r < ROWS; ++r) {
+      const __m512 y = _mm512_mul_ps(acc[r][t], scale);
+      const int64_t at = (row0 + r) * p.n + n0;
+      if (p.out_bf16) {
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(p.out) + at),
+                            (__m256i)_mm512_cvtneps_pbh(y));
+      } else {
+        _mm512_storeu_ps(static_cast<float*>(p.out) + at, y);
+      }
+    }
+  }
+}
+
+// int8: dequantize tiles [tile0, tile0 + tiles) into panel[kp * tiles + t] (32 bf16 each: 16 channels x 2 inputs).
+void dequant_int8(const Problem& p, int64_t tile0, int tiles, __m512i* panel) {
+  const int64_t pairs = p.k / 2;
+  const int8_t* base = static_cast<const int8_t*>(p.weight);
+  for (int t = 0; t < tiles; ++t) {
+    const int8_t* src = base + (tile0 + t) * pairs * 32;
+    for (int64_t kp = 0; kp < pairs; ++kp, src += 32) {
+      __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src))));
+      __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 16))));
+      panel[kp * tiles + t] = (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+    }
+  }
+}
+
+template <int ROWS, int TILES>
+void rows_over_panel(const Problem& p, int64_t row0, int64_t tile0, const __m512i* panel) {
+  __m512 acc[ROWS][TILES];
+  for (int r = 0; r < ROWS; ++r)
+    for (int t = 0; t < TILES; ++t) acc[r][t] = _mm512_setzero_ps();
+  const int64_t pairs = p.k / 2;
+  const int32_t* x = reinterpret_cast<const int32_t*>(p.x + row0 * p.k);  // one int32 = inputs k, k+1
+  for (int64_t kp = 0; kp < pairs; ++kp) {
+    __m512i w[TILES];
+    for (int t = 0; t < TILES; ++t) w[t] = _mm512_load_si512(panel + kp * TILES + t);
+    for (int r = 0; r < ROWS; ++r) {
+      const __m512i xr = _mm512_set1_epi32(x[r * pairs + kp]);
+      for (int t = 0; t < TILES; ++t) acc[r][t] = _mm512_dpbf16_ps(acc[r][t], (__m512bh)xr, (__m512bh)w[t]);
+    }
+  }
+  store_rows<ROWS, TILES>(p, row0, tile0, acc, p.scales);
+}
+
+template <int TILES>
+void all_rows(const Problem& p, int64_t tile0, const __m512i* panel) {
+  int64_t row0 = 0;
+  for (; row0 + kRows <= p.m; row0 += kRows) rows_over_panel<kRows, TILES>(p, row0, tile0, panel);
+  switch (p.m - row0) {
+    case 7: rows_over_panel<7, TILES>(p, row0, tile0, panel); break;
+    case 6: rows_over_panel<6, TILES>(p, row0, tile0, panel); break;
+    case 5: rows_over_panel<5, TILES>(p, row0, tile0, panel); break;
+    case 4: rows_over_panel<4, TILES>(p, row0, tile0, panel); break;
+    case 3: rows_over_panel<3, TILES>(p, row0, tile0, panel); break;
+    case 2: rows_over_panel<2, TILES>(p, row0, tile0, panel); break;
+    case 1: rows_over_panel<1, TILES>(p, row0, tile0, panel); break;
+    default: break;
+  }
+}
+
+
+// int4: no panel. Codes are packed [N/16, K/8, 32] u16: lane L (channel L/2, input parity L%2) of word j
+// holds the codes of k-pairs 4j..4j+3 in its four nibbles. vpermw reads only an index's low 5 bits, so
+// one load and shifts by 0/4/8/12 give four vectors of bf16(q - 8) through a 32-entry table (the 16 values
+// twice). dpbf16 sums x * (q - 8) per group exactly; the group's scale and zero are applied per channel:
+// y += scale * sum + zero * sum(x over the group).
+template <int ROWS, int TILES>
+void int4_rows(const Problem& p, const float* xsum, int64_t row0, int64_t tile0, __m512i table) {
+  const int64_t pairs = p.k / 2, quads = p.k / 8, groups = p.k / p.group_size;
+  const int64_t quads_per_group = p.group_size / 8;
+  const uint16_t* codes = static_cast<const uint16_t*>(p.weight);
+  const int32_t* x = reinterpret_cast<const int32_t*>(p.x + row0 * p.k);
+  __m512 acc[ROWS][TILES];
+  for (int r = 0; r < ROWS; ++r)
+    for (int t = 0; t < TILES; ++t) acc[r][t] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512 part[ROWS][TILES];
+    for (int r = 0; r < ROWS; ++r)
+      for (int t = 0; t < TILES; ++t) part[r][t] = _mm512_setzero_ps();
+    for (int64_t qd = g * quads_per_group; qd < (g + 1) * quads_per_group; ++qd) {
+      __m512i word[TILES];
+      for (int t = 0; t < TILES; ++t)
+        word[t] = _mm512_loadu_si512(codes + ((tile0 + t) * quads + qd) * 32);
+      for (int i = 0; i < 4; ++i) {
+        const int64_t kp = qd * 4 + i;
+        __m512i w[TILES];
+        for (int t = 0; t < TILES; ++t) w[t] = _mm512_permutexvar_epi16(_mm512_srli_epi16(word[t], 4 * i), table);
+        for (int r = 0; r < ROWS; ++r) {
+          const __m512i xr = _mm512_set1_epi32(x[r * pairs + kp]);
+          for (int t = 0; t < TILES; ++t)
+            part[r][t] = _mm512_dpbf16_ps(part[r][t], (__m512bh)xr, (__m512bh)w[t]);
+        }
+      }
+    }
+    for (int t = 0; t < TILES; ++t) {
+      const float* sz = p.scales + ((tile0 + t) * groups + g) * 32;
+      const __m512 scale = _mm512_loadu_ps(sz), zero = _mm512_loadu_ps(sz + 16);
+      for (int r = 0; r < ROWS; ++r) {
+        acc[r][t] = _mm512_fmadd_ps(part[r][t], scale, acc[r][t]);
+        acc[r][t] = _mm512_fmadd_ps(_mm512_set1_ps(xsum[(row0 + r) * groups + g]), zero, acc[r][t]);
+      }
+    }
+  }
+  store_rows<ROWS, TILES>(p, row0, tile0, acc, nullptr);
+}
+
+constexpr int kInt4Rows = 4, kInt4Tiles = 2;
+
+template <int TILES>
+void int4_all_rows(const Problem& p, const float* xsum, int64_t tile0, __m512i table) {
+  int64_t row0 = 0;
+  for (; row0 + kInt4Rows <= p.m; row0 += kInt4Rows) int4_rows<kInt4Rows, TILES>(p, xsum, row0, tile0, table);
+  switch (p.m - row0) {
+    case 3: int4_rows<3, TILES>(p, xsum, row0, tile0, table); break;
+    case 2: int4_rows<2, TILES>(p, xsum, row0, tile0, table); break;
+    case 1: int4_rows<1, TILES>(p, xsum, row0, tile0, table); break;
+    default: break;
+  }
+}
+
+void run_int4(const Problem& p) {
+  const int64_t groups = p.k / p.group_size, tiles = p.n / kTile;
+  std::vector<float> xsum(p.m * groups, 0.0f);
+  for (int64_t r = 0; r < p.m; ++r)
+    for (int64_t k = 0; k < p.k; ++k) {
+      const uint32_t bits = static_cast<uint32_t>(p.x[r * p.k + k]) << 16;
+      float v;
+      std::memcpy(&v, &bits, sizeof v);
+      xsum[r * groups + k / p.group_size] += v;
+    }
+  alignas(64) uint16_t values[32];
+  for (int i = 0; i < 32; ++i) {
+    const float v = static_cast<float>(i % 16 - 8);
+    uint32_t bits;
+    std::memcpy(&bits, &v, sizeof bits);
+    values[i] = static_cast<uint16_t>(bits >> 16);  // exact: small integers
+  }
+  const __m512i table = _mm512_load_si512(values);
+  const int64_t blocks = (tiles + kInt4Tiles - 1) / kInt4Tiles;
+  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t tile0 = b * kInt4Tiles;
+      if (tiles - tile0 >= 2) int4_all_rows<2>(p, xsum.data(), tile0, table);
+      else int4_all_rows<1>(p, xsum.data(), tile0, table);
+    }
+  });
+}
+
+void run_int8(const Problem& p) {
+  const int64_t tiles = p.n / kTile, blocks = (tiles + kTilesPerBlock - 1) / kTilesPerBlock;
+  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<__m512i> panel(p.k / 2 * kTilesPerBlock);
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t tile0 = b * kTilesPerBlock;
+      const int count = static_cast<int>(std::min<int64_t>(kTilesPerBlock, tiles - tile0));
+      dequant_int8(p, tile0, count, panel.data());
+      if (count == 3) all_rows<3>(p, tile0, panel.data());
+      else if (count == 2) all_rows<2>(p, tile0, panel.data());
+      else all_rows<1>(p, tile0, panel.data());
+    }
+  });
+}
+
+at::Tensor prepare(const at::Tensor& x, int64_t n, at::ScalarType out_dtype, Problem& p) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(),
+              "woq linear: x must be a contiguous 2-D bfloat16 tensor, got ", x.sizes(), " ", x.scalar_type());
+  TORCH_CHECK(x.size(1) % 2 == 0 && n % kTile == 0, "woq linear: needs an even K and N a multiple of 16, got K=",
+              x.size(1), " N=", n);
+  TORCH_CHECK(out_dtype == at::kFloat || out_dtype == at::kBFloat16, "woq linear: output must be fp32 or bf16");
+  auto out = at::empty({x.size(0), n}, x.options().dtype(out_dtype));
+  p.x = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+  p.m = x.size(0), p.k = x.size(1), p.n = n;
+  p.out = out.data_ptr(), p.out_bf16 = out_dtype == at::kBFloat16;
+  return out;
+}
+
+at::Tensor woq_linear_int8(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
+                           at::ScalarType out_dtype) {
+  Problem p{};
+  auto out = prepare(x, scales.numel(), out_dtype, p);
+  TORCH_CHECK(packed.scalar_type() == at::kChar && packed.is_contiguous() && packed.numel() == p.n * p.k,
+              "woq_linear_int8: packed weight must be contiguous int8 with N*K elements");
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous(), "woq_linear_int8: fp32 scales");
+  p.weight = packed.data_ptr(), p.scales = scales.data_ptr<float>(), p.group_size = 0;
+  if (p.m) run_int8(p);
+  return out;
+}
+
+at::Tensor woq_linear_int4(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales_zeros,
+                           int64_t group_size, int64_t n, at::ScalarType out_dtype) {
+  Problem p{};
+  auto out = prepare(x, n, out_dtype, p);
+  TORCH_CHECK(group_size > 0 && group_size % 8 == 0 && p.k % group_size == 0,
+              "woq_linear_int4: group size ", group_size, " must be a multiple of 8 dividing K=", p.k);
+  TORCH_CHECK(packed.scalar_type() == at::kShort && packed.is_contiguous() && packed.numel() == p.n * p.k / 4,
+              "woq_linear_int4: packed codes must be contiguous int16 with N*K/4 elements");
+  TORCH_CHECK(scales_zeros.scalar_type() == at::kFloat && scales_zeros.is_contiguous() &&
+                  scales_zeros.numel() == p.n * (p.k / group_size) * 2,
+              "woq_linear_int4: scales and zeros must be contiguous fp32 [N/16, K/g, 2, 16]");
+  p.weight = packed.data_ptr(), p.scales = scales_zeros.data_ptr<float>(), p.group_size = group_size;
+  if (p.m) run_int4(p);
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(quantgate_woq, m) {
+  m.def("woq_linear_int8(Tensor x, Tensor packed, Tensor scales, ScalarType out_dtype) -> Tensor");
+  m.def("woq_linear_int4(Tensor x, Tensor packed, Tensor scales_zeros, int group_size, int n, "
+        "ScalarType out_dtype) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(quantgate_woq, CPU, m) {
+  m.impl("woq_linear_int8", &woq_linear_int8);
+  m.impl("woq_linear_int4", &woq_linear_int4);
+}
+
+#endif  // AVX-512-BF16: elsewhere nothing is registered and the layers keep torch's kernels
