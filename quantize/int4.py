@@ -91,8 +91,7 @@ class Int4WeightOnlyLinear(nn.Module):
         self.register_buffer("scales_and_zeros",
                              torch.zeros(in_features // group_size, out_features, 2, dtype=torch.bfloat16))
         self.register_buffer("_packed", None, persistent=False)  # torch's kernel layout
-        self.register_buffer("_woq_codes", None, persistent=False)  # quantgate's kernel layout, with:
-        self.register_buffer("_woq_scales", None, persistent=False)
+        self.register_buffer("_woq_codes", None, persistent=False)  # quantgate's kernel layout
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype), requires_grad=False) if bias else None
 
     @classmethod
@@ -125,8 +124,16 @@ class Int4WeightOnlyLinear(nn.Module):
             if not (self.codes.numel() and self.codes.device.type == "cpu" and woq.available()
                     and woq.fits(self.in_features, self.out_features, self.group_size)):
                 return False
-            self._woq_codes, self._woq_scales = woq.pack_int4(unpack_nibbles(self.codes), self.scales_and_zeros)
+            self._woq_codes = woq.pack_int4(unpack_nibbles(self.codes))
         return True
+
+    def _scales_for_kernel(self) -> torch.Tensor:
+        sz = self.scales_and_zeros  # bf16 as stored, unless the model was cast: then converted once
+        if sz.dtype == torch.bfloat16 and sz.is_contiguous():
+            return sz
+        if getattr(self, "_scales_cast", None) is None or self._scales_cast.shape != sz.shape:
+            self._scales_cast = sz.to(torch.bfloat16).contiguous()
+        return self._scales_cast
 
     def drop_codes(self) -> None:
         """Serve from a kernel layout alone (a loaded variant is never saved again): half the bytes."""
@@ -141,8 +148,8 @@ class Int4WeightOnlyLinear(nn.Module):
         rows = x.numel() // self.in_features
         if x.device.type == "cpu" and self._own_kernel():
             flat = x.reshape(rows, self.in_features).to(torch.bfloat16).contiguous()
-            y = woq.int4_linear(flat, self._woq_codes, self._woq_scales, self.group_size, self.out_features,
-                                woq.out_dtype(x.dtype))
+            y = woq.int4_linear(flat, self._woq_codes, self._scales_for_kernel(), self.group_size,
+                                self.out_features, woq.out_dtype(x.dtype))
             y = y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
         elif x.device.type == "cpu" and rows <= FAST_PATH_MAX_ROWS:
             flat = x.reshape(rows, self.in_features).to(torch.bfloat16)

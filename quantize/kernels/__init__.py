@@ -43,16 +43,15 @@ def pack_int8(weight_int8: torch.Tensor) -> torch.Tensor:
     return weight_int8.view(n // TILE, TILE, k // 2, 2).permute(0, 2, 1, 3).contiguous()
 
 
-def pack_int4(q: torch.Tensor, scales_and_zeros: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Codes [N, K] in 0..15 and [K/g, N, 2] scales/zeros -> [N/16, K/8, 32] int16 words (four codes each:
-    channel c, input 8j + 2i + parity in nibble i of lane 2c + parity) and fp32 [N/16, K/g, 2, 16]."""
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """Codes [N, K] in 0..15 -> [N/16, K/8, 32] int16 words, four codes each: channel c, input
+    8j + 2i + parity in nibble i of lane 2c + parity of word j. The kernel reads the layer's own
+    [K/g, N, 2] bf16 scales and zeros."""
     n, k = q.shape
     nibbles = q.to(torch.int32).view(n // TILE, TILE, k // 8, 4, 2).permute(0, 2, 1, 4, 3)
     words = (nibbles << torch.tensor([0, 4, 8, 12], dtype=torch.int32)).sum(-1)
-    words = torch.where(words >= 1 << 15, words - (1 << 16), words).to(torch.int16).contiguous()
-    groups = scales_and_zeros.shape[0]
-    sz = scales_and_zeros.float().view(groups, n // TILE, TILE, 2).permute(1, 0, 3, 2).contiguous()
-    return words.view(n // TILE, k // 8, 2 * TILE), sz
+    words = torch.where(words >= 1 << 15, words - (1 << 16), words).to(torch.int16)
+    return words.reshape(n // TILE, k // 8, 2 * TILE).contiguous()
 
 
 def unpack_int4(words: torch.Tensor, n: int, k: int) -> torch.Tensor:

@@ -10,8 +10,8 @@
 // Packed layouts (quantize/kernels/__init__.py builds them; K even, N a multiple of 16):
 //   int8: [N/16, K/2, 16, 2] int8: one 32-byte load holds channels n..n+15 at inputs k, k+1.
 //         Per-channel fp32 scales are applied to the fp32 accumulators.
-//   int4: [N/16, K/8, 32] 16-bit words, four codes (0..15) each, see int4_rows; scales and zeros
-//         fp32 [N/16, K/g, 2, 16]: w = (q - 8) * scale + zero, applied per group to exact sums.
+//   int4: [N/16, K/8, 32] 16-bit words, four codes (0..15) each, see int4_rows; scales and zeros are the
+//         layer's own bf16 [K/g, N, 2]: w = (q - 8) * scale + zero, applied per group to exact sums.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -34,7 +34,8 @@ struct Problem {
   const uint16_t* x;  // bf16 bits [M, K]
   int64_t m, k, n;
   const void* weight;
-  const float* scales;  // int8: [N]; int4: scales and zeros [N/16, K/g, 2, 16]
+  const float* scales;  // int8: [N] fp32
+  const uint32_t* scale_zero;  // int4: [K/g, N] pairs of bf16 (scale low, zero high), the stored tensor
   int64_t group_size;
   void* out;  // [M, N], fp32 or bf16
   bool out_bf16;
@@ -109,6 +110,12 @@ void all_rows(const Problem& p, int64_t tile0, const __m512i* panel) {
 }
 
 
+void panel_rows(const Problem& p, int64_t tile0, int count, const __m512i* panel) {
+  if (count == 3) all_rows<3>(p, tile0, panel);
+  else if (count == 2) all_rows<2>(p, tile0, panel);
+  else all_rows<1>(p, tile0, panel);
+}
+
 // int4: no panel. Codes are packed [N/16, K/8, 32] u16: lane L (channel L/2, input parity L%2) of word j
 // holds the codes of k-pairs 4j..4j+3 in its four nibbles. vpermw reads only an index's low 5 bits, so
 // one load and shifts by 0/4/8/12 give four vectors of bf16(q - 8) through a 32-entry table (the 16 values
@@ -143,8 +150,9 @@ void int4_rows(const Problem& p, const float* xsum, int64_t row0, int64_t tile0,
       }
     }
     for (int t = 0; t < TILES; ++t) {
-      const float* sz = p.scales + ((tile0 + t) * groups + g) * 32;
-      const __m512 scale = _mm512_loadu_ps(sz), zero = _mm512_loadu_ps(sz + 16);
+      const __m512i pair = _mm512_loadu_si512(p.scale_zero + g * p.n + (tile0 + t) * kTile);
+      const __m512 scale = _mm512_castsi512_ps(_mm512_slli_epi32(pair, 16));
+      const __m512 zero = _mm512_castsi512_ps(_mm512_and_si512(pair, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
       for (int r = 0; r < ROWS; ++r) {
         acc[r][t] = _mm512_fmadd_ps(part[r][t], scale, acc[r][t]);
         acc[r][t] = _mm512_fmadd_ps(_mm512_set1_ps(xsum[(row0 + r) * groups + g]), zero, acc[r][t]);
@@ -155,6 +163,7 @@ void int4_rows(const Problem& p, const float* xsum, int64_t row0, int64_t tile0,
 }
 
 constexpr int kInt4Rows = 4, kInt4Tiles = 2;
+constexpr int64_t kInt4PanelRows = 32;  // from here the panel path is faster (measured, SmolLM2 shapes)
 
 template <int TILES>
 void int4_all_rows(const Problem& p, const float* xsum, int64_t tile0, __m512i table) {
@@ -168,16 +177,38 @@ void int4_all_rows(const Problem& p, const float* xsum, int64_t tile0, __m512i t
   }
 }
 
+
+// int4 for many rows (prefill): the panel path of int8, the panel holding bf16((q - 8) * scale + zero)
+// (the weight rounded once to bf16, as a dequantize-then-GEMM would): its 8 x 48 register block reuses
+// each weight load for 8 rows, where the per-group sums above need twice the accumulators.
+void dequant_int4(const Problem& p, int64_t tile0, int tiles, __m512i table, __m512i* panel) {
+  const int64_t quads = p.k / 8, quads_per_group = p.group_size / 8, groups = p.k / p.group_size;
+  const uint16_t* codes = static_cast<const uint16_t*>(p.weight);
+  const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  alignas(64) int16_t order[32];  // cvtne2ps_pbh(hi, lo) gives [lo0..lo15, hi0..hi15]; dpbf16 wants pairs
+  for (int i = 0; i < 16; ++i) order[2 * i] = static_cast<int16_t>(i), order[2 * i + 1] = static_cast<int16_t>(16 + i);
+  const __m512i interleave = _mm512_load_si512(order);
+  for (int t = 0; t < tiles; ++t) {
+    for (int64_t g = 0; g < groups; ++g) {
+      const __m512i pair = _mm512_loadu_si512(p.scale_zero + g * p.n + (tile0 + t) * kTile);
+      const __m512 scale = _mm512_castsi512_ps(_mm512_slli_epi32(pair, 16));
+      const __m512 zero = _mm512_castsi512_ps(_mm512_and_si512(pair, high));
+      for (int64_t qd = g * quads_per_group; qd < (g + 1) * quads_per_group; ++qd) {
+        const __m512i word = _mm512_loadu_si512(codes + ((tile0 + t) * quads + qd) * 32);
+        for (int i = 0; i < 4; ++i) {
+          const __m512i q = _mm512_permutexvar_epi16(_mm512_srli_epi16(word, 4 * i), table);
+          const __m512 lo = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_slli_epi32(q, 16)), scale, zero);
+          const __m512 hi = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_and_si512(q, high)), scale, zero);
+          panel[(qd * 4 + i) * tiles + t] =
+              _mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+        }
+      }
+    }
+  }
+}
+
 void run_int4(const Problem& p) {
   const int64_t groups = p.k / p.group_size, tiles = p.n / kTile;
-  std::vector<float> xsum(p.m * groups, 0.0f);
-  for (int64_t r = 0; r < p.m; ++r)
-    for (int64_t k = 0; k < p.k; ++k) {
-      const uint32_t bits = static_cast<uint32_t>(p.x[r * p.k + k]) << 16;
-      float v;
-      std::memcpy(&v, &bits, sizeof v);
-      xsum[r * groups + k / p.group_size] += v;
-    }
   alignas(64) uint16_t values[32];
   for (int i = 0; i < 32; ++i) {
     const float v = static_cast<float>(i % 16 - 8);
@@ -186,6 +217,27 @@ void run_int4(const Problem& p) {
     values[i] = static_cast<uint16_t>(bits >> 16);  // exact: small integers
   }
   const __m512i table = _mm512_load_si512(values);
+  if (p.m >= kInt4PanelRows) {
+    const int64_t blocks = (tiles + kTilesPerBlock - 1) / kTilesPerBlock;
+    at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+      std::vector<__m512i> panel(p.k / 2 * kTilesPerBlock);
+      for (int64_t b = begin; b < end; ++b) {
+        const int64_t tile0 = b * kTilesPerBlock;
+        const int count = static_cast<int>(std::min<int64_t>(kTilesPerBlock, tiles - tile0));
+        dequant_int4(p, tile0, count, table, panel.data());
+        panel_rows(p, tile0, count, panel.data());
+      }
+    });
+    return;
+  }
+  std::vector<float> xsum(p.m * groups, 0.0f);
+  for (int64_t r = 0; r < p.m; ++r)
+    for (int64_t k = 0; k < p.k; ++k) {
+      const uint32_t bits = static_cast<uint32_t>(p.x[r * p.k + k]) << 16;
+      float v;
+      std::memcpy(&v, &bits, sizeof v);
+      xsum[r * groups + k / p.group_size] += v;
+    }
   const int64_t blocks = (tiles + kInt4Tiles - 1) / kInt4Tiles;
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b) {
@@ -204,9 +256,7 @@ void run_int8(const Problem& p) {
       const int64_t tile0 = b * kTilesPerBlock;
       const int count = static_cast<int>(std::min<int64_t>(kTilesPerBlock, tiles - tile0));
       dequant_int8(p, tile0, count, panel.data());
-      if (count == 3) all_rows<3>(p, tile0, panel.data());
-      else if (count == 2) all_rows<2>(p, tile0, panel.data());
-      else all_rows<1>(p, tile0, panel.data());
+      panel_rows(p, tile0, count, panel.data());
     }
   });
 }
@@ -244,10 +294,11 @@ at::Tensor woq_linear_int4(const at::Tensor& x, const at::Tensor& packed, const 
               "woq_linear_int4: group size ", group_size, " must be a multiple of 8 dividing K=", p.k);
   TORCH_CHECK(packed.scalar_type() == at::kShort && packed.is_contiguous() && packed.numel() == p.n * p.k / 4,
               "woq_linear_int4: packed codes must be contiguous int16 with N*K/4 elements");
-  TORCH_CHECK(scales_zeros.scalar_type() == at::kFloat && scales_zeros.is_contiguous() &&
+  TORCH_CHECK(scales_zeros.scalar_type() == at::kBFloat16 && scales_zeros.is_contiguous() &&
                   scales_zeros.numel() == p.n * (p.k / group_size) * 2,
-              "woq_linear_int4: scales and zeros must be contiguous fp32 [N/16, K/g, 2, 16]");
-  p.weight = packed.data_ptr(), p.scales = scales_zeros.data_ptr<float>(), p.group_size = group_size;
+              "woq_linear_int4: scales and zeros must be contiguous bf16 [K/g, N, 2]");
+  p.weight = packed.data_ptr(), p.group_size = group_size;
+  p.scale_zero = reinterpret_cast<const uint32_t*>(scales_zeros.data_ptr<at::BFloat16>());
   if (p.m) run_int4(p);
   return out;
 }

@@ -1,0 +1,136 @@
+"""quantgate's weight-only int8/int4 CPU kernel (quantize/kernels) against plain torch references: every
+row-block and channel-block tail, both output dtypes, both int4 paths (exact group sums for few rows, a
+bf16 panel for many), the layouts' round trips, clear errors, the off switch, and a batched engine run of
+an int8wo variant token-identical to HF generate one prompt at a time."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from quantize import kernels as woq
+from quantize.int4 import Int4WeightOnlyLinear, dequantize_rows, quantize_groups, unpack_nibbles
+from quantize.weight_only import Int8WeightOnlyLinear, quantize_per_channel
+
+pytestmark = pytest.mark.skipif(not woq.cpu_has_avx512_bf16(), reason="the kernel needs AVX-512-BF16")
+
+SHAPES = [(48, 64), (160, 64), (16, 32), (192, 576), (576, 1536)]  # N: 1, 3 + 1/3, 1/3 panels; real shapes
+ROWS = [1, 2, 3, 5, 8, 9, 17, 31, 32, 33, 70]  # every register-block tail, both sides of the int4 switch
+
+
+def test_the_kernel_builds_here():
+    assert woq.available()
+
+
+@pytest.mark.parametrize(("n", "k"), SHAPES)
+def test_int8_matches_the_scaled_integer_matmul(n, k):
+    torch.manual_seed(n + k)
+    q, scales = quantize_per_channel(torch.randn(n, k))
+    packed = woq.pack_int8(q)
+    assert torch.equal(woq.unpack_int8(packed), q)
+    for rows in ROWS:
+        x = torch.randn(rows, k).bfloat16()
+        reference = (x.float() @ q.float().t()) * scales
+        out = woq.int8_linear(x, packed, scales, torch.float32)
+        assert out.shape == (rows, n) and out.dtype == torch.float32
+        assert (out - reference).abs().max() <= 1e-5 * reference.abs().max(), f"{rows} rows"
+        out_bf16 = woq.int8_linear(x, packed, scales, torch.bfloat16)
+        assert torch.equal(out_bf16, out.bfloat16())
+
+
+@pytest.mark.parametrize(("n", "k"), SHAPES)
+def test_int4_gives_exact_group_sums_for_few_rows_and_a_bf16_panel_for_many(n, k):
+    torch.manual_seed(n * k)
+    codes, sz = quantize_groups(torch.randn(n, k), 32)
+    q = unpack_nibbles(codes)
+    packed = woq.pack_int4(q)
+    assert torch.equal(woq.unpack_int4(packed, n, k), q)
+    exact = dequantize_rows(codes, sz, 32, torch.float32)  # (q - 8) * scale + zero in fp32
+    rounded = exact.bfloat16().float()  # the panel's weight: rounded once to bf16
+    for rows in ROWS:
+        x = torch.randn(rows, k).bfloat16()
+        weight = exact if rows < 32 else rounded
+        reference = x.float() @ weight.t()
+        out = woq.int4_linear(x, packed, sz, 32, n, torch.float32)
+        assert (out - reference).abs().max() <= 1e-5 * reference.abs().max(), f"{rows} rows"
+        assert torch.equal(woq.int4_linear(x, packed, sz, 32, n, torch.bfloat16), out.bfloat16())
+
+
+def test_each_row_is_computed_alone():
+    """A row's result does not depend on the rows beside it (batching does not change numerics)."""
+    torch.manual_seed(0)
+    q, scales = quantize_per_channel(torch.randn(192, 576))
+    codes, sz = quantize_groups(torch.randn(192, 576), 32)
+    int8, int4 = woq.pack_int8(q), woq.pack_int4(unpack_nibbles(codes))
+    x = torch.randn(31, 576).bfloat16()
+    together8 = woq.int8_linear(x, int8, scales, torch.float32)
+    together4 = woq.int4_linear(x, int4, sz, 32, 192, torch.float32)
+    for row in (0, 7, 30):
+        one = x[row:row + 1].contiguous()
+        assert torch.equal(woq.int8_linear(one, int8, scales, torch.float32)[0], together8[row])
+        assert torch.equal(woq.int4_linear(one, int4, sz, 32, 192, torch.float32)[0], together4[row])
+
+
+def test_bad_inputs_are_refused_with_the_reason():
+    q, scales = quantize_per_channel(torch.randn(32, 64))
+    packed = woq.pack_int8(q)
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        woq.int8_linear(torch.randn(2, 64), packed, scales, torch.float32)
+    with pytest.raises(RuntimeError, match="multiple of 16"):
+        woq.int8_linear(torch.randn(2, 64).bfloat16(), packed[:1].contiguous(), scales[:8].contiguous(),
+                        torch.float32)
+    with pytest.raises(RuntimeError, match="N\\*K elements"):
+        woq.int8_linear(torch.randn(2, 32).bfloat16(), packed, scales, torch.float32)
+    codes, sz = quantize_groups(torch.randn(32, 64), 32)
+    words = woq.pack_int4(unpack_nibbles(codes))
+    with pytest.raises(RuntimeError, match="multiple of 8"):
+        woq.int4_linear(torch.randn(2, 64).bfloat16(), words, sz, 12, 32, torch.float32)
+    with pytest.raises(RuntimeError, match="bf16"):
+        woq.int4_linear(torch.randn(2, 64).bfloat16(), words, sz.float(), 32, 32, torch.float32)
+    assert woq.int8_linear(torch.empty(0, 64).bfloat16(), packed, scales, torch.float32).shape == (0, 32)
+
+
+def test_layers_use_it_drop_their_plain_weights_and_the_switch_turns_it_off(monkeypatch):
+    torch.manual_seed(1)
+    linear = torch.nn.Linear(64, 96, bias=True)
+    x = torch.randn(3, 5, 64)
+    int8 = Int8WeightOnlyLinear.from_linear(linear)
+    int4 = Int4WeightOnlyLinear.from_linear(linear, 32)
+    y8, y4 = int8(x), int4(x)
+    assert int8._woq_weight is not None and int4._woq_codes is not None and int4._packed is None
+    weight8, weight4 = int8.dequantized_weight(), int4.dequantized_weight()
+    int8.drop_plain()
+    int4.drop_codes()
+    assert int8.weight_int8.numel() == 0 and int4.codes.numel() == 0
+    assert torch.equal(int8(x), y8) and torch.equal(int4(x), y4)
+    assert torch.equal(int8.dequantized_weight(), weight8) and torch.equal(int4.dequantized_weight(), weight4)
+
+    monkeypatch.setenv(woq.ENV, "0")
+    assert not woq.available()
+    fresh8, fresh4 = Int8WeightOnlyLinear.from_linear(linear), Int4WeightOnlyLinear.from_linear(linear, 32)
+    torch_y8, torch_y4 = fresh8(x), fresh4(x)
+    assert fresh8._woq_weight is None and fresh4._woq_codes is None
+    scale = y8.abs().max()
+    assert (torch_y8 - y8).abs().max() < 0.02 * scale and (torch_y4 - y4).abs().max() < 0.02 * scale
+
+
+def test_batched_engine_on_int8wo_matches_hf_generate_one_prompt_at_a_time(tiny_model_dir):
+    from test_engine import random_prompts
+
+    import quantize
+    from serving import LLMEngine, SamplingParams
+
+    variant = quantize.quantize(tiny_model_dir, "int8wo")
+    engine = LLMEngine.from_pretrained(str(variant), device="cpu", dtype=torch.float32, num_kv_blocks=64,
+                                       block_size=4, max_num_batched_tokens=48)
+    layer = engine.model.model.layers[0].mlp.up_proj
+    assert isinstance(layer, Int8WeightOnlyLinear) and layer._woq_weight is not None
+    prompts = random_prompts(8, vocab=engine.model.config.vocab_size, seed=3, hi=40)
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    outs = engine.generate(prompts, params)  # chunked prefill and decode batches of several rows
+    reference = quantize.load_model(variant, "cpu", None)
+    for prompt, out in zip(prompts, outs, strict=True):
+        ids = torch.tensor([prompt])
+        hf = reference.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, min_new_tokens=12,
+                                do_sample=False, pad_token_id=0)
+        assert out.token_ids == hf[0, len(prompt):].tolist()
