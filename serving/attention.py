@@ -127,10 +127,12 @@ def paged_attention(
             offset = chunk.context_len - chunk.length
             q_pos = torch.arange(chunk.length, device=q.device)[:, None] + offset
             mask, causal = q_pos >= torch.arange(chunk.context_len, device=q.device)[None, :], False
+        # 4-D inputs: torch's fused CPU (flash) kernel; 3-D ones fall back to its unfused math path,
+        # 2.6-3.2x slower here on 256-token prompts
         o = F.scaled_dot_product_attention(
-            qs, ks, vs, attn_mask=mask, is_causal=causal, scale=scaling, enable_gqa=gqa
+            qs[None], ks[None], vs[None], attn_mask=mask, is_causal=causal, scale=scaling, enable_gqa=gqa
         )
-        outs.append(o.transpose(0, 1))
+        outs.append(o[0].transpose(0, 1))
     out = outs[0] if len(outs) == 1 else torch.cat(outs)
     return out.unsqueeze(0), None  # [1, tokens, heads, dim], viewed by the caller as [1, tokens, heads * dim]
 

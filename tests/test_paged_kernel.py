@@ -109,16 +109,17 @@ def _greedy_bf16(model_dir, prompts, monkeypatch, kernel: str, kv: str = "auto")
     monkeypatch.setenv("QUANTGATE_PAGED_KERNEL", kernel)
     engine = engine_for(model_dir, device="cpu", dtype="bfloat16", num_kv_blocks=64, kv_cache_dtype=kv)
     assert (engine.runner.decode_kernel is not None) == (kernel == "1")
-    outs = engine.generate(prompts, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
-    return [o.token_ids for o in outs]
+    outs = engine.generate(prompts, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=2))
+    return outs
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kv", ["auto", "int8"])
 def test_real_model_bf16_kernel_decodes_as_the_torch_path(default_model_dir, monkeypatch, kv):
     """bf16 on the real model (head_dim 64, blocks of 16: the AVX-512-BF16 path where the CPU has it).
-    The kernel keeps scores in fp32 where the matmul path rounds them to bf16, so outputs may part after a
-    near tie; the first 8 tokens of every prompt and 90 % of all tokens must agree."""
+    The kernel keeps scores in fp32 where the matmul path rounds them to bf16, so outputs may part, but
+    only at a near tie (the torch path's top two within 0.1 nats, both paths' picks among them: after it
+    the texts differ), and at least half of the prompts decode identically."""
     from test_engine import PROMPTS
     from transformers import AutoTokenizer
 
@@ -126,9 +127,12 @@ def test_real_model_bf16_kernel_decodes_as_the_torch_path(default_model_dir, mon
     prompts = [tokenizer.encode(p) for p in PROMPTS]
     fast = _greedy_bf16(default_model_dir, prompts, monkeypatch, "1", kv)
     plain = _greedy_bf16(default_model_dir, prompts, monkeypatch, "0", kv)
-    assert all(a[:8] == b[:8] for a, b in zip(fast, plain, strict=True))
-    same = sum(x == y for a, b in zip(fast, plain, strict=True) for x, y in zip(a, b, strict=True))
-    assert same / sum(len(a) for a in fast) >= 0.9
+    for a, b in zip(fast, plain, strict=True):
+        first = next((i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids, strict=True)) if x != y), None)
+        if first is not None:
+            (top, top_lp), (second, second_lp) = b.logprobs[first].top[:2]
+            assert {a.token_ids[first], b.token_ids[first]} == {top, second} and top_lp - second_lp < 0.1
+    assert sum(a.token_ids == b.token_ids for a, b in zip(fast, plain, strict=True)) >= len(prompts) // 2
 
 
 def test_the_attention_benchmark_measures_both_paths(monkeypatch, tmp_path):
