@@ -6,8 +6,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from quantize import kernels as woq
 from serving import LLMEngine, SamplingParams
-from serving.packed_linear import PACK_ENV, PackedLinear, pack_linears, packing_wanted
+from serving.packed_linear import (
+    PACK_ENV,
+    PackedLinear,
+    PairPackedEmbedding,
+    PairPackedHead,
+    pack_linears,
+    packing_wanted,
+)
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
 
@@ -23,9 +31,10 @@ def test_packed_linear_is_bit_identical_to_f_linear(rows, bias):
     assert packed(x).shape == (2, rows, 80)
 
 
-def test_pack_linears_swaps_plain_bf16_layers_and_keeps_tied_weights(tiny_model_dir):
+def test_pack_linears_swaps_plain_bf16_layers_and_keeps_tied_weights(tiny_model_dir, monkeypatch):
     from quantgate.loading import load_causal_lm, resident_bytes
 
+    monkeypatch.setenv(woq.ENV, "0")  # without quantgate's kernel the tied lm_head stays a plain Linear
     model = load_causal_lm(tiny_model_dir, dtype=torch.bfloat16)
     before = resident_bytes(model)
     layers = model.config.num_hidden_layers
@@ -33,6 +42,26 @@ def test_pack_linears_swaps_plain_bf16_layers_and_keeps_tied_weights(tiny_model_
     assert type(model.lm_head) is torch.nn.Linear and model.lm_head.weight is model.model.embed_tokens.weight
     assert isinstance(model.model.layers[0].self_attn.q_proj, PackedLinear)
     assert resident_bytes(model) == before  # the packed buffers are counted, nothing is held twice
+
+
+@pytest.mark.skipif(not woq.cpu_has_avx512_bf16(), reason="quantgate's kernel needs AVX-512-BF16")
+def test_a_tied_head_and_its_embedding_share_one_pair_packed_weight(tiny_model_dir):
+    from quantgate.loading import load_causal_lm, resident_bytes
+
+    model = load_causal_lm(tiny_model_dir, dtype=torch.bfloat16)
+    weight = model.lm_head.weight.detach().clone()
+    before = resident_bytes(model)
+    assert pack_linears(model) == 7 * model.config.num_hidden_layers + 1
+    head, embed = model.lm_head, model.model.embed_tokens
+    assert isinstance(head, PairPackedHead) and isinstance(embed, PairPackedEmbedding)
+    assert embed.packed_weight is head.packed_weight and resident_bytes(model) == before
+    assert embed.weight.shape == weight.shape and embed.weight.dtype == torch.bfloat16
+    ids = torch.tensor([[0, 3, weight.shape[0] - 1], [7, 7, 1]])
+    assert torch.equal(embed(ids), weight[ids])
+    x = torch.randn(2, 5, weight.shape[1], dtype=torch.bfloat16)
+    reference = x.float() @ weight.float().T
+    assert ((head(x).float() - reference).abs() <= 0.01 * reference.abs() + 0.02).all()
+    assert head(x).dtype == torch.bfloat16 and head(x).shape == (2, 5, weight.shape[0])
 
     fp32 = load_causal_lm(tiny_model_dir, dtype=torch.float32)
     assert pack_linears(fp32) == 0
@@ -47,24 +76,44 @@ def test_packing_is_wanted_for_cpu_bf16_only(monkeypatch):
     assert not packing_wanted(cpu, torch.bfloat16)
 
 
-def _greedy(model_dir, prompts, monkeypatch, pack: str, **kwargs):
+def _greedy(model_dir, prompts, monkeypatch, pack: str, own_kernel: str = "0", **kwargs):
     monkeypatch.setenv(PACK_ENV, pack)
+    monkeypatch.setenv(woq.ENV, own_kernel)
     engine = LLMEngine.from_pretrained(str(model_dir), device="cpu", dtype="bfloat16", **kwargs)
-    packed = sum(isinstance(m, PackedLinear) for m in engine.model.modules())
-    outs = engine.generate(prompts, SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, logprobs=1))
-    return packed, [o.token_ids for o in outs], [[lp.logprob for lp in o.logprobs] for o in outs]
+    packed = sum(isinstance(m, PackedLinear | PairPackedHead) for m in engine.model.modules())
+    outs = engine.generate(prompts, SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, logprobs=2))
+    return packed, [o.token_ids for o in outs], [[lp.logprob for lp in o.logprobs] for o in outs], outs
 
 
 @pytest.mark.parametrize("model", ["tiny", "default"])
 def test_engine_with_packed_weights_decodes_exactly_as_without(model, tiny_model_dir, default_model_dir, monkeypatch):
     """Many sequences, chunked prefill and preemption: the packed engine's tokens and logprobs equal the
     plain-Linear engine's bit for bit (bf16 on CPU is not token-identical to HF's SDPA path, so the
-    reference is the same engine with packing off)."""
+    reference is the same engine with packing off). oneDNN packing only: the tied head stays plain."""
     model_dir = tiny_model_dir if model == "tiny" else default_model_dir
     prompts = [[100 + (7 * i + 13 * j) % 3000 for j in range(5 + 9 * i)] for i in range(6)]
     kwargs = dict(max_num_batched_tokens=32, block_size=4, num_kv_blocks=40, max_num_seqs=6)
-    n_plain, tokens_plain, lps_plain = _greedy(model_dir, prompts, monkeypatch, "0", **kwargs)
-    n_packed, tokens_packed, lps_packed = _greedy(model_dir, prompts, monkeypatch, "1", **kwargs)
+    n_plain, tokens_plain, lps_plain, _ = _greedy(model_dir, prompts, monkeypatch, "0", **kwargs)
+    n_packed, tokens_packed, lps_packed, _ = _greedy(model_dir, prompts, monkeypatch, "1", **kwargs)
     assert n_plain == 0 and n_packed > 0
     assert tokens_packed == tokens_plain
     assert lps_packed == lps_plain
+
+
+@pytest.mark.skipif(not woq.cpu_has_avx512_bf16(), reason="quantgate's kernel needs AVX-512-BF16")
+def test_engine_with_the_pair_packed_head_decodes_as_without(default_model_dir, monkeypatch):
+    """The tied head through our kernel sums in another order than oneDNN: logprobs agree to bf16
+    rounding, and a text may only part at a near tie (the plain engine's top two within 0.1 nats)."""
+    prompts = [[100 + (7 * i + 13 * j) % 3000 for j in range(5 + 9 * i)] for i in range(6)]
+    kwargs = dict(max_num_batched_tokens=32, block_size=4, num_kv_blocks=40, max_num_seqs=6)
+    *_, plain = _greedy(default_model_dir, prompts, monkeypatch, "1", "0", **kwargs)
+    count, *_, ours = _greedy(default_model_dir, prompts, monkeypatch, "1", "1", **kwargs)
+    assert count == 7 * 30 + 1
+    for a, b in zip(ours, plain, strict=True):
+        first = next((i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids, strict=True)) if x != y), None)
+        same = len(a.token_ids) if first is None else first
+        for x, y in zip(a.logprobs[:same], b.logprobs[:same], strict=True):
+            assert abs(x.logprob - y.logprob) < 0.05
+        if first is not None:
+            (top, top_lp), (second, second_lp) = b.logprobs[first].top[:2]
+            assert {a.token_ids[first], b.token_ids[first]} == {top, second} and top_lp - second_lp < 0.1

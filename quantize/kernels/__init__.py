@@ -37,10 +37,19 @@ def fits(in_features: int, out_features: int, group_size: int | None = None) -> 
     return in_features % 2 == 0 and out_features % TILE == 0
 
 
-def pack_int8(weight_int8: torch.Tensor) -> torch.Tensor:
-    """[N, K] int8 -> [N/16, K/2, 16, 2]: 16 channels at two consecutive inputs per 32 bytes."""
-    n, k = weight_int8.shape
-    return weight_int8.view(n // TILE, TILE, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+def pack_int8(weight: torch.Tensor) -> torch.Tensor:
+    """[N, K] int8 (or bf16) -> [N/16, K/2, 16, 2]: 16 channels at two consecutive inputs per vector."""
+    n, k = weight.shape
+    return weight.view(n // TILE, TILE, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+
+
+pack_bf16 = pack_int8  # the same layout: dpbf16 reads bf16 pairs in place
+
+
+def packed_rows(packed: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` of the [N, K] weight behind a `pack_int8`/`pack_bf16` layout: an embedding lookup."""
+    flat = ids.reshape(-1)
+    return packed[flat // TILE, :, flat % TILE, :].reshape(*ids.shape, packed.shape[1] * 2)
 
 
 def pack_int4(q: torch.Tensor) -> torch.Tensor:
@@ -75,6 +84,10 @@ def out_dtype(dtype: torch.dtype) -> torch.dtype:
 def int8_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     """x [M, K] bf16 (contiguous) -> [M, N] in out_dtype: x @ (q * scales)^T."""
     return torch.ops.quantgate_woq.woq_linear_int8(x, packed, scales, out_dtype)
+
+
+def bf16_linear(x: torch.Tensor, packed: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    return torch.ops.quantgate_woq.woq_linear_bf16(x, packed, out_dtype)
 
 
 def int4_linear(x: torch.Tensor, packed: torch.Tensor, scales_zeros: torch.Tensor, group_size: int, n: int,

@@ -6,6 +6,7 @@
 // once per call whatever M is: int8 blocks of 48 output channels are dequantized once into a bf16 panel
 // that stays in L2 and every row of x runs over it with dpbf16 (fp32 accumulators, 8 rows x 48 channels in
 // registers); int4 codes turn into bf16 through a register lookup table, cheap enough to redo per 4 rows.
+// A bf16 weight packed the same way (a tied lm_head, shared with its embedding) runs in place.
 //
 // Packed layouts (quantize/kernels/__init__.py builds them; K even, N a multiple of 16):
 //   int8: [N/16, K/2, 16, 2] int8: one 32-byte load holds channels n..n+15 at inputs k, k+1.
@@ -75,8 +76,16 @@ void dequant_int8(const Problem& p, int64_t tile0, int tiles, __m512i* panel) {
   }
 }
 
+// Weights as bf16 pairs for dpbf16, 32 per zmm (16 channels x 2 inputs): vector (k-pair kp, tile t) at
+// base[kp * kp_stride + t * tile_stride]. A dequantized panel interleaves its tiles (kp_stride = tiles,
+// tile_stride = 1); a bf16 weight packed tile by tile is read in place (kp_stride = 1, tile_stride = K/2).
+struct Panel {
+  const __m512i* base;
+  int64_t kp_stride, tile_stride;
+};
+
 template <int ROWS, int TILES>
-void rows_over_panel(const Problem& p, int64_t row0, int64_t tile0, const __m512i* panel) {
+void rows_over_panel(const Problem& p, int64_t row0, int64_t tile0, Panel panel) {
   __m512 acc[ROWS][TILES];
   for (int r = 0; r < ROWS; ++r)
     for (int t = 0; t < TILES; ++t) acc[r][t] = _mm512_setzero_ps();
@@ -84,7 +93,7 @@ void rows_over_panel(const Problem& p, int64_t row0, int64_t tile0, const __m512
   const int32_t* x = reinterpret_cast<const int32_t*>(p.x + row0 * p.k);  // one int32 = inputs k, k+1
   for (int64_t kp = 0; kp < pairs; ++kp) {
     __m512i w[TILES];
-    for (int t = 0; t < TILES; ++t) w[t] = _mm512_load_si512(panel + kp * TILES + t);
+    for (int t = 0; t < TILES; ++t) w[t] = _mm512_loadu_si512(panel.base + kp * panel.kp_stride + t * panel.tile_stride);
     for (int r = 0; r < ROWS; ++r) {
       const __m512i xr = _mm512_set1_epi32(x[r * pairs + kp]);
       for (int t = 0; t < TILES; ++t) acc[r][t] = _mm512_dpbf16_ps(acc[r][t], (__m512bh)xr, (__m512bh)w[t]);
@@ -94,7 +103,7 @@ void rows_over_panel(const Problem& p, int64_t row0, int64_t tile0, const __m512
 }
 
 template <int TILES>
-void all_rows(const Problem& p, int64_t tile0, const __m512i* panel) {
+void all_rows(const Problem& p, int64_t tile0, Panel panel) {
   int64_t row0 = 0;
   for (; row0 + kRows <= p.m; row0 += kRows) rows_over_panel<kRows, TILES>(p, row0, tile0, panel);
   switch (p.m - row0) {
@@ -110,7 +119,7 @@ void all_rows(const Problem& p, int64_t tile0, const __m512i* panel) {
 }
 
 
-void panel_rows(const Problem& p, int64_t tile0, int count, const __m512i* panel) {
+void panel_rows(const Problem& p, int64_t tile0, int count, Panel panel) {
   if (count == 3) all_rows<3>(p, tile0, panel);
   else if (count == 2) all_rows<2>(p, tile0, panel);
   else all_rows<1>(p, tile0, panel);
@@ -225,7 +234,7 @@ void run_int4(const Problem& p) {
         const int64_t tile0 = b * kTilesPerBlock;
         const int count = static_cast<int>(std::min<int64_t>(kTilesPerBlock, tiles - tile0));
         dequant_int4(p, tile0, count, table, panel.data());
-        panel_rows(p, tile0, count, panel.data());
+        panel_rows(p, tile0, count, Panel{panel.data(), count, 1});
       }
     });
     return;
@@ -256,7 +265,19 @@ void run_int8(const Problem& p) {
       const int64_t tile0 = b * kTilesPerBlock;
       const int count = static_cast<int>(std::min<int64_t>(kTilesPerBlock, tiles - tile0));
       dequant_int8(p, tile0, count, panel.data());
-      panel_rows(p, tile0, count, panel.data());
+      panel_rows(p, tile0, count, Panel{panel.data(), count, 1});
+    }
+  });
+}
+
+void run_bf16(const Problem& p) {
+  const int64_t tiles = p.n / kTile, blocks = (tiles + kTilesPerBlock - 1) / kTilesPerBlock, pairs = p.k / 2;
+  const __m512i* weight = static_cast<const __m512i*>(p.weight);
+  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t tile0 = b * kTilesPerBlock;
+      const int count = static_cast<int>(std::min<int64_t>(kTilesPerBlock, tiles - tile0));
+      panel_rows(p, tile0, count, Panel{weight + tile0 * pairs, 1, pairs});
     }
   });
 }
@@ -303,9 +324,22 @@ at::Tensor woq_linear_int4(const at::Tensor& x, const at::Tensor& packed, const 
   return out;
 }
 
+at::Tensor woq_linear_bf16(const at::Tensor& x, const at::Tensor& packed, at::ScalarType out_dtype) {
+  Problem p{};
+  TORCH_CHECK(packed.dim() == 4 && packed.size(2) == kTile && packed.size(3) == 2,
+              "woq_linear_bf16: packed weight must be [N/16, K/2, 16, 2], got ", packed.sizes());
+  auto out = prepare(x, packed.size(0) * kTile, out_dtype, p);
+  TORCH_CHECK(packed.scalar_type() == at::kBFloat16 && packed.is_contiguous() && packed.size(1) * 2 == p.k,
+              "woq_linear_bf16: packed weight must be contiguous bf16 with K/2 = ", p.k / 2, " pairs");
+  p.weight = packed.data_ptr();
+  if (p.m) run_bf16(p);
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(quantgate_woq, m) {
+  m.def("woq_linear_bf16(Tensor x, Tensor packed, ScalarType out_dtype) -> Tensor");
   m.def("woq_linear_int8(Tensor x, Tensor packed, Tensor scales, ScalarType out_dtype) -> Tensor");
   m.def("woq_linear_int4(Tensor x, Tensor packed, Tensor scales_zeros, int group_size, int n, "
         "ScalarType out_dtype) -> Tensor");
@@ -313,6 +347,7 @@ TORCH_LIBRARY(quantgate_woq, m) {
 
 TORCH_LIBRARY_IMPL(quantgate_woq, CPU, m) {
   m.impl("woq_linear_int8", &woq_linear_int8);
+  m.impl("woq_linear_bf16", &woq_linear_bf16);
   m.impl("woq_linear_int4", &woq_linear_int4);
 }
 
