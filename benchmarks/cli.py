@@ -152,6 +152,8 @@ def _add_script_benchmarks(verbs: argparse._SubParsersAction) -> None:
         ("autoscale", "benchmarks.autoscale", "fleet cold starts + service rate on Ray, then reactive vs warm pool "
                                               "vs predictive simulated on a 10x burst"),
         ("fleet-router", "benchmarks.fleet_kv_router", "fleet: KV-aware vs power-of-two router, 2 replicas, p99 TTFT"),
+        ("attention", "benchmarks.attention", "paged decode attention: the compiled kernel vs the torch path"),
+        ("woq", "benchmarks.woq_linear", "weight-only int8/int4 linear: quantgate's kernel vs torch's vs bf16"),
     ):
         p = verbs.add_parser(name, help=what, add_help=False)  # its options (and --help) are the script's
         p.set_defaults(func=_script, module=module, passes_extra_args=True, script_args=[])

@@ -134,3 +134,17 @@ def test_batched_engine_on_int8wo_matches_hf_generate_one_prompt_at_a_time(tiny_
         hf = reference.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, min_new_tokens=12,
                                 do_sample=False, pad_token_id=0)
         assert out.token_ids == hf[0, len(prompt):].tolist()
+
+
+def test_the_benchmark_measures_every_path(monkeypatch, tmp_path):
+    import json
+
+    import benchmarks.woq_linear as bench
+
+    monkeypatch.setattr(bench, "SHAPES", ((48, 64),))
+    assert bench.main(["--rows", "1,40", "--out-dir", str(tmp_path), "--no-plots"]) == 0
+    rows = json.loads((tmp_path / "woq_linear.json").read_text())["rows"]
+    assert [r["rows"] for r in rows] == [1, 40]
+    for row in rows:
+        assert all(row[f"{name}_ms"] > 0 for name in bench.PATHS)
+        assert row["int4_ours_vs_bf16"] == pytest.approx(row["bf16_ms"] / row["int4_ours_ms"])
