@@ -10,7 +10,10 @@ per block, and max concurrent sequences of --seq-len tokens at a fixed --memory-
 to the baseline side by side, writes JSON and a PNG bar chart.
 
     python benchmarks/variants.py [--model smollm2-135m] [--variants baseline,int8wo,int4wo,int8,nf4,int4wo+kv8]
-        [--dtype auto] [--memory-gb 2] [--decode-tokens 32] [--batches 1,16,32] [--repeats 2] [--threads N]
+        [--dtype auto] [--memory-gb 2] [--decode-tokens 32] [--batches 1,16,32] [--repeats 3] [--threads N]
+
+All variants are loaded first and timed in interleaved rounds (each round times every variant once), so a
+change in the machine's speed during the run falls on all of them alike; each figure is the best round.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ if __package__ in (None, ""):  # run as a script: import the repo's packages
 from benchmarks.common import fmt, machine, output_dir, pyplot, save_figure, write_json  # noqa: E402
 from quantgate.env import apply_defaults  # noqa: E402
 
+BLOCK_SIZE = 16
 FIXED_TEXT = (
     "The water cycle describes how water moves between the oceans, the atmosphere and the land. "
     "Heat from the sun evaporates water from the surface of seas and lakes; the vapour rises, cools "
@@ -110,22 +114,39 @@ def score_text(engine, token_ids: list[int], text_bytes: int) -> tuple[list[int]
     return [lp.top[0][0] for lp in lps], bits / text_bytes
 
 
-def run_variant(name: str, args, baseline_top1: list[int] | None, text_ids: list[int]) -> tuple[VariantResult, list[int]]:
-    from quantgate.loading import resident_bytes
-    from quantize.capacity import ModelShape, capacity_row, split_variant
+def load_engine(name: str, args, text_tokens: int):
+    """The variant's engine with a KV cache just big enough for the timings (all variants stay loaded)."""
+    from quantize.capacity import split_variant
     from serving import LLMEngine
 
-    directory = variant_dir(args.model, name)
-    kv = split_variant(name)[1]
+    longest = max(args.prompt_len, args.decode_context + args.decode_tokens + 1, text_tokens) + 1
+    blocks = max(*args.batches, 4) * (-(-longest // BLOCK_SIZE) + 1)
     start = time.perf_counter()
-    engine = LLMEngine.from_pretrained(str(directory), device=args.device, dtype=args.dtype, kv_cache_dtype=kv,
-                                       enable_prefix_caching=False, max_num_seqs=max(args.batches))
-    load_s = time.perf_counter() - start
-    weights = resident_bytes(engine.model)
+    engine = LLMEngine.from_pretrained(str(variant_dir(args.model, name)), device=args.device, dtype=args.dtype,
+                                       kv_cache_dtype=split_variant(name)[1], enable_prefix_caching=False,
+                                       max_num_seqs=max(args.batches), block_size=BLOCK_SIZE, num_kv_blocks=blocks)
+    return engine, time.perf_counter() - start
+
+
+def measure_round(engine, args) -> tuple[float, dict[int, float]]:
+    """One timing of prefill and of decode at every batch size."""
     vocab = engine.vocab_size
-    prefill = time_prefill(engine, vocab, args.prompt_len, 4, args.repeats, args.seed)
-    decode = {b: time_decode(engine, vocab, b, args.decode_tokens, args.repeats, args.seed, args.decode_context)
+    prefill = time_prefill(engine, vocab, args.prompt_len, 4, 1, args.seed)
+    decode = {b: time_decode(engine, vocab, b, args.decode_tokens, 1, args.seed, args.decode_context)
               for b in args.batches}
+    return prefill, decode
+
+
+def finish_variant(name: str, engine, load_s: float, speeds: list[tuple[float, dict[int, float]]], args,
+                   baseline_top1: list[int] | None, text_ids: list[int]) -> tuple[VariantResult, list[int]]:
+    """Best of the interleaved rounds, quality on the fixed text and the capacity row."""
+    from quantgate.loading import resident_bytes
+    from quantize.capacity import ModelShape, capacity_row, split_variant
+
+    kv = split_variant(name)[1]
+    weights = resident_bytes(engine.model)
+    prefill = max(p for p, _ in speeds)
+    decode = {b: max(d[b] for _, d in speeds) for b in args.batches}
     top1, bpb = score_text(engine, text_ids, len(FIXED_TEXT.encode()))
     agreement = None
     if baseline_top1 is not None:
@@ -135,11 +156,32 @@ def run_variant(name: str, args, baseline_top1: list[int] | None, text_ids: list
                        block_size=engine.block_size, kv_dtype_bytes=engine.runner.shape.dtype.itemsize,
                        kv_cache_dtype=kv)
     assert row.kv_bytes_per_block == engine.runner.shape.bytes_per_block(engine.block_size)
-    del engine
-    gc.collect()
-    result = VariantResult(name, str(directory), weights, load_s, prefill, decode, agreement, row.num_blocks,
-                           row.max_seqs, kv, row.kv_bytes_per_block, bpb)
+    result = VariantResult(name, str(variant_dir(args.model, name)), weights, load_s, prefill, decode, agreement,
+                           row.num_blocks, row.max_seqs, kv, row.kv_bytes_per_block, bpb)
     return result, top1
+
+
+def run_all(names: list[str], args, text_ids: list[int]) -> list[VariantResult]:
+    """Load every variant, then time them in interleaved rounds (baseline, a, b, baseline, a, b, ...), so
+    that a change in the machine's speed during the run falls on every variant alike; best of the rounds."""
+    engines = {}
+    for name in names:
+        print(f"[{name}] quantize (cached), load ...", flush=True)
+        engines[name] = load_engine(name, args, len(text_ids))
+    speeds: dict[str, list] = {name: [] for name in names}
+    for round_ in range(args.repeats):
+        print(f"round {round_ + 1}/{args.repeats}: " + ", ".join(names), flush=True)
+        for name in names:
+            speeds[name].append(measure_round(engines[name][0], args))
+    results, baseline_top1 = [], None
+    for name in names:
+        engine, load_s = engines.pop(name)
+        result, top1 = finish_variant(name, engine, load_s, speeds[name], args, baseline_top1, text_ids)
+        baseline_top1 = top1 if name == "baseline" else baseline_top1
+        results.append(result)
+        del engine
+        gc.collect()
+    return results
 
 
 def plot(results: list[VariantResult], batches: list[int], path: Path) -> Path:
@@ -173,7 +215,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--batches", default="1,16,32")
     parser.add_argument("--decode-context", type=int, default=16,
                         help="prompt tokens before decode timing (long contexts make KV reads dominate)")
-    parser.add_argument("--repeats", type=int, default=2, help="best of N for each timing")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="interleaved timing rounds over all variants; best of N for each")
     parser.add_argument("--memory-gb", type=float, default=2.0, help="fixed budget for the capacity column")
     parser.add_argument("--seq-len", type=int, default=1024)
     parser.add_argument("--seed", type=int, default=0)
@@ -195,15 +238,7 @@ def main(argv: list[str] | None = None) -> dict:
     from quantgate.models import resolve_model
 
     text_ids = AutoTokenizer.from_pretrained(resolve_model(args.model))(FIXED_TEXT).input_ids
-    results: list[VariantResult] = []
-    baseline_top1 = None
-    for name in names:
-        print(f"[{name}] quantize (cached), load, measure ...", flush=True)
-        result, top1 = run_variant(name, args, baseline_top1, text_ids)
-        if name == "baseline":
-            baseline_top1 = top1
-        results.append(result)
-
+    results = run_all(names, args, text_ids)
     base = results[0]
     header = f"{'variant':<15}{'MiB':>8}{'load s':>8}{'prefill t/s':>13}" + "".join(
         f"{f'decode b{b} t/s':>16}" for b in args.batches) + f"{'top-1':>8}{'bpb':>7}{'KV B/blk':>10}{'max seqs':>11}"

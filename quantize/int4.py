@@ -179,6 +179,12 @@ class Int4Embedding(nn.Module):
         self.register_buffer("codes", torch.zeros(num_embeddings, embedding_dim // 2, dtype=torch.uint8))
         self.register_buffer("scales_and_zeros",
                              torch.zeros(embedding_dim // group_size, num_embeddings, 2, dtype=torch.bfloat16))
+        self.register_buffer("_words", None, persistent=False)  # the tied lm_head's kernel layout
+
+    def read_packed(self, words: torch.Tensor) -> None:
+        """Look rows up in the tied lm_head's kernel layout and free the plain codes (never saved again)."""
+        self._words = words
+        self.codes = torch.empty(0, dtype=torch.uint8)
 
     @classmethod
     def sharing(cls, linear: Int4WeightOnlyLinear, dtype: torch.dtype) -> Int4Embedding:
@@ -199,7 +205,8 @@ class Int4Embedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         flat = ids.reshape(-1)
-        rows = dequantize_rows(self.codes[flat], self.scales_and_zeros[:, flat], self.group_size, self.dtype)
+        q = woq.int4_rows(self._words, flat) if self._words is not None else unpack_nibbles(self.codes[flat])
+        rows = _dequantize(q, self.scales_and_zeros[:, flat], self.group_size, self.dtype)
         return rows.view(*ids.shape, self.embedding_dim)
 
     def extra_repr(self) -> str:

@@ -102,6 +102,12 @@ class Int8Embedding(nn.Module):
         self.dtype = dtype
         self.register_buffer("weight_int8", torch.zeros(num_embeddings, embedding_dim, dtype=torch.int8))
         self.register_buffer("scales", torch.ones(num_embeddings, dtype=torch.float32))
+        self.register_buffer("_packed", None, persistent=False)  # the tied lm_head's kernel layout
+
+    def read_packed(self, packed: torch.Tensor) -> None:
+        """Look rows up in the tied lm_head's kernel layout and free the plain table (never saved again)."""
+        self._packed = packed
+        self.weight_int8 = torch.empty(0, dtype=torch.int8)
 
     @classmethod
     def from_embedding(cls, embedding: nn.Embedding) -> Int8Embedding:
@@ -122,8 +128,8 @@ class Int8Embedding(nn.Module):
         return torch.empty(self.num_embeddings, self.embedding_dim, dtype=self.dtype, device="meta")
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        rows = F.embedding(ids, self.weight_int8).to(torch.float32)
-        return (rows * self.scales[ids].unsqueeze(-1)).to(self.dtype)
+        codes = woq.packed_rows(self._packed, ids) if self._packed is not None else F.embedding(ids, self.weight_int8)
+        return (codes.to(torch.float32) * self.scales[ids].unsqueeze(-1)).to(self.dtype)
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, dtype={self.dtype}"

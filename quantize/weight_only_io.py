@@ -83,6 +83,7 @@ def load_weight_only(directory: Path, device: str = "cpu", dtype: torch.dtype | 
         setattr(model.get_submodule(module_name), attr, getattr(model.get_submodule(source_module), source_attr))
     check_materialised(model, str(path))
     model = model.to(device).eval()
+    _embedding_reads_head_layout(model)
     shared = {id(m.codes) for m in model.modules() if isinstance(m, Int4Embedding)}
     shared |= {id(m.weight_int8) for m in model.modules() if isinstance(m, Int8Embedding)}
     for module in model.modules():  # serve from the CPU kernel's layout alone, unless an embedding reads it
@@ -91,6 +92,17 @@ def load_weight_only(directory: Path, device: str = "cpu", dtype: torch.dtype | 
         elif isinstance(module, Int8WeightOnlyLinear) and id(module.weight_int8) not in shared:
             module.drop_plain()
     return model
+
+
+def _embedding_reads_head_layout(model: PreTrainedModel) -> None:
+    """A tied embedding looks its rows up in the lm_head's kernel layout, so one copy serves both."""
+    embed, head = model.get_input_embeddings(), model.get_output_embeddings()
+    if isinstance(embed, Int8Embedding) and isinstance(head, Int8WeightOnlyLinear):
+        if embed.weight_int8 is head.weight_int8 and head._own_kernel():
+            embed.read_packed(head._woq_weight)
+    elif isinstance(embed, Int4Embedding) and isinstance(head, Int4WeightOnlyLinear):
+        if embed.codes is head.codes and head._own_kernel():
+            embed.read_packed(head._woq_codes)
 
 
 def _config_dtype(config) -> torch.dtype:

@@ -157,3 +157,20 @@ def test_script_benchmarks_take_their_own_options(capsys):
     assert exit_info.value.code == 0 and "--num-requests" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         main(["bench", "tenants", "--no-such-option"])
+
+
+def test_variants_benchmark_times_interleaved_rounds_on_tiny_model(tiny_model_dir, tmp_path):
+    import benchmarks.variants as bench
+
+    report = bench.main(["--model", str(tiny_model_dir), "--variants", "baseline,int8wo,int4wo", "--batches", "1,3",
+                         "--decode-tokens", "4", "--prompt-len", "16", "--repeats", "2", "--dtype", "float32",
+                         "--out-dir", str(tmp_path)])
+    names = [r["variant"] for r in report["results"]]
+    assert names == ["baseline", "int8wo", "int4wo"]
+    for r in report["results"]:
+        assert r["prefill_tokens_per_s"] > 0 and set(r["decode_tokens_per_s"]) == {1, 3}
+        assert all(v > 0 for v in r["decode_tokens_per_s"].values())
+    ratios = report["ratios_to_baseline"]
+    assert ratios["int4wo"]["weight_bytes"] < ratios["int8wo"]["weight_bytes"] < 0.6
+    assert report["results"][1]["top1_agreement"] > 0.5
+    assert (tmp_path / "variants.json").is_file() and (tmp_path / "variants.png").is_file()

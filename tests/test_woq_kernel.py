@@ -148,3 +148,31 @@ def test_the_benchmark_measures_every_path(monkeypatch, tmp_path):
     for row in rows:
         assert all(row[f"{name}_ms"] > 0 for name in bench.PATHS)
         assert row["int4_ours_vs_bf16"] == pytest.approx(row["bf16_ms"] / row["int4_ours_ms"])
+
+
+@pytest.mark.parametrize("method", ["int8wo", "int4wo"])
+def test_a_loaded_variant_holds_one_copy_of_its_tied_table(tiny_model_dir, monkeypatch, method):
+    """The tied embedding looks rows up in the lm_head's kernel layout; the plain table is freed, and
+    lookups and logits equal those of the same variant served by torch's kernels."""
+    import quantize
+    from quantgate.loading import resident_bytes
+
+    variant = quantize.quantize(tiny_model_dir, method)
+    ours = quantize.load_model(variant, "cpu", None)
+    embed, head = ours.get_input_embeddings(), ours.get_output_embeddings()
+    layout = head._woq_weight if method == "int8wo" else head._woq_codes
+    assert layout is not None and (embed._packed if method == "int8wo" else embed._words) is layout
+    plain = head.weight_int8 if method == "int8wo" else head.codes
+    assert plain.numel() == 0
+    monkeypatch.setenv(woq.ENV, "0")
+    theirs = quantize.load_model(variant, "cpu", None)
+    ids = torch.tensor([[1, 17, 5, 200, 3]])
+    assert torch.equal(embed(ids), theirs.get_input_embeddings()(ids))
+    with torch.inference_mode():
+        a, b = ours(ids).logits, theirs(ids).logits
+    assert (a - b).abs().max() < 0.05 * b.abs().max()
+    theirs(ids)  # torch's kernels build their layout on first use: compare what each serves from
+    if method == "int8wo":  # torch's int8 kernel reads the plain table: one copy each
+        assert resident_bytes(ours) == resident_bytes(theirs)
+    else:  # torch's int4 layout cannot be indexed: it keeps the plain codes beside it
+        assert resident_bytes(ours) < resident_bytes(theirs)

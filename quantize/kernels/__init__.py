@@ -70,6 +70,16 @@ def unpack_int4(words: torch.Tensor, n: int, k: int) -> torch.Tensor:
     return nibbles.permute(0, 2, 1, 4, 3).reshape(n, k).to(torch.uint8)
 
 
+def int4_rows(words: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Codes [len(ids), K] (0..15) of rows `ids` behind a `pack_int4` layout: an embedding lookup."""
+    flat = ids.reshape(-1)
+    tile, channel = flat // TILE, flat % TILE
+    lanes = torch.stack([2 * channel, 2 * channel + 1], dim=-1)  # [n, parity]
+    picked = torch.gather(words[tile], 2, lanes[:, None, :].expand(-1, words.shape[1], 2))  # [n, K/8, parity]
+    nibbles = ((picked.to(torch.int32) & 0xFFFF).unsqueeze(-1) >> torch.tensor([0, 4, 8, 12], dtype=torch.int32)) & 0xF
+    return nibbles.transpose(2, 3).reshape(flat.numel(), words.shape[1] * 8).to(torch.uint8)  # k = 8j + 2i + parity
+
+
 def unpack_int8(packed: torch.Tensor) -> torch.Tensor:
     """Inverse of `pack_int8`: [N, K] int8."""
     tiles, pairs = packed.shape[:2]
