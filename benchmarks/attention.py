@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a script: import the repo's packages
@@ -20,21 +19,13 @@ if __package__ in (None, ""):  # run as a script: import the repo's packages
 
 import torch  # noqa: E402
 
-from benchmarks.common import machine, output_dir, pyplot, save_figure, write_json  # noqa: E402
+from benchmarks.common import add_kernel_bench_options, mean_seconds, pyplot, save_figure, write_rows_report  # noqa: E402
 from benchmarks.peers import cpu_info  # noqa: E402
 from serving import attention, kernels  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
 SHAPES = ((1, 256), (8, 256), (32, 320), (64, 256), (64, 512))  # (sequences, context tokens)
 CACHE_BLOCKS = 16384  # 2 x 96 MiB of bf16 K/V: contexts come from DRAM, as in a real step
-
-
-def _time(fn, reps: int) -> float:
-    fn()
-    start = time.perf_counter()
-    for _ in range(reps):
-        fn()
-    return (time.perf_counter() - start) / reps
 
 
 def measure(num_seqs: int, length: int, dtype: torch.dtype, reps: int = 20) -> dict:
@@ -49,8 +40,8 @@ def measure(num_seqs: int, length: int, dtype: torch.dtype, reps: int = 20) -> d
     group = attention.DecodeGroup(0, tables.reshape(-1), pad)
     op = kernels.paged_decode("cpu")
     lengths = torch.full((num_seqs,), length)
-    kernel_s = _time(lambda: op(q, k, v, tables, lengths, BLOCK, HEAD_DIM**-0.5, None, None, 0), reps)
-    torch_s = _time(lambda: attention._decode(q, ctx, 0, group, HEAD_DIM**-0.5), reps)
+    kernel_s = mean_seconds(lambda: op(q, k, v, tables, lengths, BLOCK, HEAD_DIM**-0.5, None, None, 0), reps)
+    torch_s = mean_seconds(lambda: attention._decode(q, ctx, 0, group, HEAD_DIM**-0.5), reps)
     kv_bytes = 2 * num_seqs * length * KV_HEADS * HEAD_DIM * k.element_size()
     return {"sequences": num_seqs, "context": length, "kernel_ms": kernel_s * 1e3, "torch_ms": torch_s * 1e3,
             "speedup": torch_s / kernel_s, "kernel_kv_gb_s": kv_bytes / kernel_s / 1e9}
@@ -73,9 +64,7 @@ def _plot(rows: list[dict], path: Path) -> Path:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--out-dir", default=None)
-    p.add_argument("--no-plots", dest="plots", action="store_false")
+    add_kernel_bench_options(p)
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -91,13 +80,10 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(row)
         print(f"{num_seqs:3d} seqs x {length:4d} tokens: kernel {row['kernel_ms']:7.3f} ms  torch "
               f"{row['torch_ms']:7.3f} ms  {row['speedup']:5.2f}x  ({row['kernel_kv_gb_s']:.1f} GB/s of KV)")
-    out = output_dir(args.out_dir, "attention")
-    report = {"dtype": args.dtype, "threads": torch.get_num_threads(), "cpu": cpu, "machine": machine(),
-              "layer": {"heads": HEADS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM, "block_size": BLOCK},
-              "rows": rows}
-    if args.plots:
-        report["png"] = str(_plot(rows, out / "attention.png"))
-    print(f"wrote {write_json(out / 'attention.json', report)}")
+    path = write_rows_report(args.out_dir, "attention", rows, _plot, args.plots, dtype=args.dtype,
+                             threads=torch.get_num_threads(), cpu=cpu,
+                             layer={"heads": HEADS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM, "block_size": BLOCK})
+    print(f"wrote {path}")
     return 0
 
 

@@ -121,6 +121,32 @@ def save_figure(fig, path: str | Path, dpi: int = 110) -> Path:
     return path
 
 
+def add_kernel_bench_options(parser: argparse.ArgumentParser) -> None:
+    """--threads, --out-dir and --no-plots, as every kernel benchmark takes them."""
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    parser.add_argument("--out-dir", default=None)
+    parser.add_argument("--no-plots", dest="plots", action="store_false")
+
+
+def mean_seconds(fn, reps: int) -> float:
+    """Seconds per call of `fn` over `reps` calls, after one untimed warm-up call."""
+    fn()
+    start = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    return (time.perf_counter() - start) / reps
+
+
+def write_rows_report(out_dir: str | Path | None, name: str, rows: list[dict], plot, plots: bool,
+                      **fields: Any) -> Path:
+    """<name>.json (the fields, the machine, the rows) and, with `plots`, <name>.png drawn by `plot`."""
+    out = output_dir(out_dir, name)
+    report = {**fields, "machine": machine(), "rows": rows}
+    if plots:
+        report["png"] = str(plot(rows, out / f"{name}.png"))
+    return write_json(out / f"{name}.json", report)
+
+
 def fmt(value: float | None, digits: int = 3) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -24,7 +23,7 @@ if __package__ in (None, ""):  # run as a script: import the repo's packages
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from benchmarks.common import machine, output_dir, pyplot, save_figure, write_json  # noqa: E402
+from benchmarks.common import add_kernel_bench_options, mean_seconds, pyplot, save_figure, write_rows_report  # noqa: E402
 from benchmarks.peers import cpu_info  # noqa: E402
 from quantize import kernels as woq  # noqa: E402
 from quantize.int4 import pack_for_cpu, quantize_groups, unpack_nibbles  # noqa: E402
@@ -34,14 +33,6 @@ from serving.packed_linear import PackedLinear  # noqa: E402
 # (out, in) of q, k, v, o, gate, up, down, then the lm_head
 SHAPES = ((576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536), (49152, 576))
 PATHS = ("bf16", "int8_torch", "int8_ours", "int4_torch", "int4_ours")
-
-
-def _time(fn: Callable[[], object], reps: int) -> float:
-    fn()
-    start = time.perf_counter()
-    for _ in range(reps):
-        fn()
-    return (time.perf_counter() - start) / reps
 
 
 def _layer_calls(out_features: int, in_features: int, x: torch.Tensor) -> dict[str, Callable[[], object]]:
@@ -76,7 +67,7 @@ def measure(rows: int, shapes: tuple[tuple[int, int], ...]) -> dict:
             x = torch.randn(rows, in_features).bfloat16()
             reps = 4 if out_features > 10_000 else 20
             for name, call in _layer_calls(out_features, in_features, x).items():
-                totals[name] += _time(call, reps)
+                totals[name] += mean_seconds(call, reps)
     row = {"rows": rows, **{f"{name}_ms": seconds * 1e3 for name, seconds in totals.items()}}
     row.update({f"{name}_vs_bf16": totals["bf16"] / totals[name] for name in PATHS[1:]})
     return row
@@ -99,9 +90,7 @@ def _plot(rows: list[dict], path: Path) -> Path:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rows", default="1,2,4,8,16,32,64,128")
-    p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--out-dir", default=None)
-    p.add_argument("--no-plots", dest="plots", action="store_false")
+    add_kernel_bench_options(p)
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -118,12 +107,9 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(row)
         cells = "  ".join(f"{row[name + '_ms']:7.2f} {row[name + '_vs_bf16']:5.2f}x  " for name in PATHS[1:])
         print(f"{count:4d}  {row['bf16_ms']:8.2f}  {cells}")
-    out = output_dir(args.out_dir, "woq_linear")
-    report = {"threads": torch.get_num_threads(), "cpu": cpu, "machine": machine(), "shapes": SHAPES,
-              "rows": rows}
-    if args.plots:
-        report["png"] = str(_plot(rows, out / "woq_linear.png"))
-    print(f"wrote {write_json(out / 'woq_linear.json', report)}")
+    path = write_rows_report(args.out_dir, "woq_linear", rows, _plot, args.plots, threads=torch.get_num_threads(),
+                             cpu=cpu, shapes=SHAPES)
+    print(f"wrote {path}")
     return 0
 
 
