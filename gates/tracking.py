@@ -109,7 +109,15 @@ def ensure_experiment(model_name: str, client: MlflowClient | None = None) -> st
     if is_local_store():
         location = (artifact_root() / model_name).resolve().as_uri()
     tags = {TAG_MODEL: model_name, EXPERIMENT_KIND_TAG: EXPERIMENT_KIND}
-    return client.create_experiment(name, artifact_location=location, tags=tags)
+    from mlflow.exceptions import MlflowException
+
+    try:
+        return client.create_experiment(name, artifact_location=location, tags=tags)
+    except MlflowException as err:  # two releases of a new model at once: the other one created it first
+        experiment = client.get_experiment_by_name(name)
+        if err.error_code != "RESOURCE_ALREADY_EXISTS" or experiment is None:
+            raise
+        return experiment.experiment_id
 
 
 def library_versions() -> dict[str, str]:

@@ -99,3 +99,20 @@ def test_the_next_release_fails_runs_whose_process_is_gone_and_leaves_live_ones(
         alive.kill()
         alive.wait(timeout=30)
 
+
+
+def test_two_releases_creating_the_experiment_at_once_share_it(store, monkeypatch):
+    """The other process inserts the experiment between our lookup and our insert: we take theirs."""
+    from gates.tracking import ensure_experiment, experiment_name, get_client
+
+    client = get_client()
+    theirs = ensure_experiment("race-model", client)
+    real_lookup, calls = client.get_experiment_by_name, []
+
+    def lookup(name):
+        calls.append(name)
+        return None if len(calls) == 1 else real_lookup(name)  # the first lookup ran before their insert
+
+    monkeypatch.setattr(client, "get_experiment_by_name", lookup)
+    assert ensure_experiment("race-model", client) == theirs
+    assert calls == [experiment_name("race-model")] * 2
