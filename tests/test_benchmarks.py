@@ -56,13 +56,14 @@ def test_hol_lab_static_blocks_short_requests(tiny_model_dir, tmp_path):
     for name in ("static", "continuous", "dynamic"):
         assert {d["request_id"]: d["output_tokens"] for d in report["runs"][name]["requests"]} == workload
     assert report["schedulers"]["dynamic"]["padding_waste"] > 0  # batches of 3 mixed lengths pad
-    # head-of-line blocking: in engine steps (deterministic) and in seconds
+    # head-of-line blocking in engine steps (deterministic); the seconds, on a tiny model a few ms per
+    # step, are the machine's noise (CI once measured static 0.144 s vs continuous 0.151 s), so only their
+    # bookkeeping is checked here: speed lives in `quantgate bench hol`
     assert static["completion_short_steps"]["p99"] > 1.5 * cont["completion_short_steps"]["p99"]
     assert report["short_p99_speedup_steps"] > 1.5
-    assert static["completion_short_s"]["p99"] >= cont["completion_short_s"]["p99"]
     assert report["short_p99_speedup"] == pytest.approx(
         static["completion_short_s"]["p99"] / cont["completion_short_s"]["p99"])
-    assert report["short_p99_continuous_over_static"] < 1
+    assert report["short_p99_continuous_over_static"] == pytest.approx(1 / report["short_p99_speedup"])
     # the Gantt data: slots within the batch size, never two requests in one slot at once
     for name in ("static", "continuous", "dynamic"):
         intervals = report["runs"][name]["intervals"]
