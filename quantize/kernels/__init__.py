@@ -1,8 +1,8 @@
 """quantgate's weight-only int8/int4 linear for CPUs with AVX-512-BF16 (woq_linear.cpp).
 
-The kernel dequantizes each block of 48 output channels once per call into a bf16 panel held in L2 and
-runs every row of the input over it, so the weight is read once and dequantized once whatever the batch
-(torch's CPU int8/int4 kernels redo both per row). `available()` says whether it runs here: a CPU with
+The kernel reads each weight once per call whatever the batch (torch's CPU int8/int4 kernels redo the
+dequantization per row): int8 through a bf16 panel per 48 output channels held in L2, int4 through a
+register lookup table (a panel too from 32 rows), a packed bf16 weight in place. `available()` says whether it runs here: a CPU with
 avx512_bf16, a compiler, and `QUANTGATE_WOQ_KERNEL` not "0". The pack functions build its layouts.
 """
 
@@ -63,10 +63,14 @@ def pack_int4(q: torch.Tensor) -> torch.Tensor:
     return words.reshape(n // TILE, k // 8, 2 * TILE).contiguous()
 
 
+def _nibbles(words: torch.Tensor) -> torch.Tensor:
+    """[..., ] int16 words -> [..., 4] their codes, nibble i last."""
+    return ((words.to(torch.int32) & 0xFFFF).unsqueeze(-1) >> torch.tensor([0, 4, 8, 12], dtype=torch.int32)) & 0xF
+
+
 def unpack_int4(words: torch.Tensor, n: int, k: int) -> torch.Tensor:
     """Inverse of `pack_int4`'s codes: [N, K] uint8 in 0..15."""
-    w = words.to(torch.int32).view(n // TILE, k // 8, TILE, 2) & 0xFFFF
-    nibbles = (w.unsqueeze(-1) >> torch.tensor([0, 4, 8, 12], dtype=torch.int32)) & 0xF  # [T, j, c, par, i]
+    nibbles = _nibbles(words.view(n // TILE, k // 8, TILE, 2))  # [T, j, c, parity, i]
     return nibbles.permute(0, 2, 1, 4, 3).reshape(n, k).to(torch.uint8)
 
 
@@ -76,8 +80,7 @@ def int4_rows(words: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     tile, channel = flat // TILE, flat % TILE
     lanes = torch.stack([2 * channel, 2 * channel + 1], dim=-1)  # [n, parity]
     picked = torch.gather(words[tile], 2, lanes[:, None, :].expand(-1, words.shape[1], 2))  # [n, K/8, parity]
-    nibbles = ((picked.to(torch.int32) & 0xFFFF).unsqueeze(-1) >> torch.tensor([0, 4, 8, 12], dtype=torch.int32)) & 0xF
-    return nibbles.transpose(2, 3).reshape(flat.numel(), words.shape[1] * 8).to(torch.uint8)  # k = 8j + 2i + parity
+    return _nibbles(picked).transpose(2, 3).reshape(flat.numel(), words.shape[1] * 8).to(torch.uint8)  # k = 8j + 2i + parity
 
 
 def unpack_int8(packed: torch.Tensor) -> torch.Tensor:

@@ -16,10 +16,6 @@ from quantgate import kernels
 SOURCE = Path(__file__).with_name("paged_attention.cpp")
 
 
-def build_dir() -> Path:
-    return kernels.build_dir(SOURCE)
-
-
 def enabled() -> bool:
     return os.environ.get("QUANTGATE_PAGED_KERNEL", "1") != "0"
 
