@@ -10,6 +10,8 @@ Not part of `make test`; the full validation sets take hours on 2 CPU cores.
     OMP_NUM_THREADS=1 python benchmarks/smollm2_table.py [--model smollm2-135m] [--limit N]
         [--tasks hellaswag,arc_easy,...] [--dtype float32] [--backends engine,hf] [--out DIR]
     python benchmarks/smollm2_table.py --merge A/smollm2_engine.json B/smollm2_hf.json   # runs side by side
+    python benchmarks/smollm2_table.py --tasks hellaswag --docs 1000:3000 ...   # one shard of a long run;
+        --merge joins shards of the same backend (items concatenated, scores recomputed over all of them)
 """
 
 from __future__ import annotations
@@ -59,13 +61,13 @@ def make_backend(name: str, model_dir: Path, dtype: str, batch_size: int) -> Any
 
 
 def run_backend(name: str, model_dir: Path, tasks: list[str], limit: int | None, dtype: str,
-                batch_size: int) -> dict[str, Any]:
+                batch_size: int, docs: range | None = None) -> dict[str, Any]:
     from evals.run import run_suite
 
     t0 = time.perf_counter()
     lm = make_backend(name, model_dir, dtype, batch_size)
     load_s = time.perf_counter() - t0
-    result = run_suite(lm, tasks, limit=limit)
+    result = run_suite(lm, tasks, limit=limit, docs=docs)
     out: dict[str, Any] = {"load_s": load_s, "eval_s": time.perf_counter() - t0 - load_s, "tasks": {}}
     for task, t in result.tasks.items():
         out["tasks"][task] = {
@@ -154,7 +156,9 @@ def build_report(args: argparse.Namespace, model_dir: Path, tasks: list[str], re
                 c["delta_acc_norm"] = abs(e["acc_norm"] - h["acc_norm"])
             c["within_target"] = c["delta_acc"] <= TARGET_DELTA
             comparison[task] = c
-    return {"model": args.model, "model_dir": str(model_dir), "limit": args.limit, "dtype": args.dtype,
+    docs = getattr(args, "docs", None)
+    shards = [[docs.start, docs.stop]] if isinstance(docs, range) else docs
+    return {"model": args.model, "model_dir": str(model_dir), "limit": args.limit, "docs": shards, "dtype": args.dtype,
             "tasks": tasks, "backends": list(results), "card_instruct": CARD_INSTRUCT, "card_base": CARD_BASE,
             "card_source": CARD_SOURCE, "target_delta_acc": TARGET_DELTA, "results": results,
             "comparison": comparison, "machine": machine()}
@@ -171,7 +175,7 @@ def measure(args: argparse.Namespace, out: Path) -> dict[str, Any]:
     for backend in [b.strip() for b in args.backends.split(",") if b.strip()]:
         print(f"[{backend}] {len(tasks)} tasks, limit {args.limit or 'none'}, dtype {args.dtype}", flush=True)
         t0 = time.process_time()
-        results[backend] = run_backend(backend, model_dir, tasks, args.limit, args.dtype, args.batch_size)
+        results[backend] = run_backend(backend, model_dir, tasks, args.limit, args.dtype, args.batch_size, args.docs)
         results[backend]["cpu_s"] = time.process_time() - t0
         print(f"[{backend}] eval {results[backend]['eval_s']:.0f} s wall, {results[backend]['cpu_s']:.0f} s CPU",
               flush=True)
@@ -179,16 +183,59 @@ def measure(args: argparse.Namespace, out: Path) -> dict[str, Any]:
     return build_report(args, model_dir, tasks, results)
 
 
+def _join_shards(shards: list[dict[str, Any]]) -> dict[str, Any]:
+    """One backend's result from runs over disjoint item ranges: items concatenated, scores recomputed."""
+    joined: dict[str, Any] = {"load_s": sum(r["load_s"] for r in shards), "eval_s": sum(r["eval_s"] for r in shards),
+                              "cpu_s": sum(r.get("cpu_s", 0.0) for r in shards), "tasks": {}}
+    for task in shards[0]["tasks"]:
+        items = [item for r in shards for item in r["tasks"][task]["items"]]
+        ids = [item["doc_id"] for item in items]
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"shards of {task} overlap: an item was scored twice")
+        norms = [item["acc_norm"] for item in items]
+        joined["tasks"][task] = {"n": len(items), "acc": sum(item["acc"] for item in items) / len(items),
+                                 "acc_norm": None if None in norms else sum(norms) / len(items), "items": items}
+    return joined
+
+
+def _shards(report: dict[str, Any]) -> list[list[int]]:
+    """The item ranges a report covers ([] for a full set); a `--limit N` run covers items 0..N-1."""
+    return report.get("docs") or ([[0, report["limit"]]] if report.get("limit") else [])
+
+
 def merge_reports(reports: list[dict[str, Any]]) -> dict[str, Any]:
-    """One report from runs of the same tasks, limit and dtype (e.g. the engine and hf run side by side)."""
+    """One report from runs of the same tasks and dtype: different backends side by side, and shards of
+    one backend (disjoint `--docs` ranges) joined."""
     first = reports[0]
     for r in reports[1:]:
-        for key in ("tasks", "limit", "dtype", "model_dir"):
+        for key in ("tasks", "dtype", "model_dir"):
             if r[key] != first[key]:
                 raise ValueError(f"cannot merge runs with different {key}: {first[key]!r} vs {r[key]!r}")
-    results = {b: res for r in reports for b, res in r["results"].items()}
-    args = argparse.Namespace(model=first["model"], limit=first["limit"], dtype=first["dtype"])
+    by_backend: dict[str, list[tuple[dict, dict]]] = {}
+    for r in reports:
+        for backend, res in r["results"].items():
+            by_backend.setdefault(backend, []).append((r, res))
+    results = {}
+    shard_sets = set()
+    for backend, runs in by_backend.items():
+        runs.sort(key=lambda pair: (_shards(pair[0]) or [[0, 0]])[0][0])
+        results[backend] = runs[0][1] if len(runs) == 1 else _join_shards([res for _, res in runs])
+        shard_sets.add(tuple(tuple(d) for r, _ in runs for d in _shards(r)))
+    if len(shard_sets) > 1:
+        raise ValueError(f"backends cover different items: {sorted(shard_sets)}")
+    docs = [list(d) for d in next(iter(shard_sets))] or None
+    limits = {r["limit"] for r in reports}
+    args = argparse.Namespace(model=first["model"], limit=limits.pop() if len(limits) == 1 else None,
+                              dtype=first["dtype"], docs=docs)
     return build_report(args, Path(first["model_dir"]), first["tasks"], results)
+
+
+def _docs(text: str) -> range:
+    start, _, stop = text.partition(":")
+    docs = range(int(start), int(stop))
+    if not docs:
+        raise argparse.ArgumentTypeError(f"--docs START:STOP needs START < STOP, got {text!r}")
+    return docs
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -196,6 +243,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default="smollm2-135m", help="model reference (quantgate.models)")
     parser.add_argument("--tasks", default=",".join(DEFAULT_TASKS))
     parser.add_argument("--limit", type=int, default=None, help="items per task (default: the full set)")
+    parser.add_argument("--docs", type=_docs, default=None, metavar="START:STOP",
+                        help="only items START..STOP-1 of each task (a shard; join shards with --merge)")
     parser.add_argument("--dtype", default="float32", help="both backends' dtype (float32: compare kernels, not rounding)")
     parser.add_argument("--backends", default="engine,hf")
     parser.add_argument("--batch-size", type=int, default=16, help="the hf backend's batch size")
@@ -205,6 +254,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.limit is not None and args.limit < 1:
         parser.error("--limit must be >= 1")
+    if args.limit is not None and args.docs is not None:
+        parser.error("--limit and --docs exclude each other")
     out = output_dir(args.out, "smollm2_table")
     if args.merge:
         report = merge_reports([json.loads(Path(p).read_text()) for p in args.merge])

@@ -141,8 +141,10 @@ def markdown_table(result: EvalResult) -> str:
 
 
 def run_suite(model: Any, suites: list[str] | str = ("accuracy", "safety"), limit: int | None = None,
-              out_dir: Path | str | None = None, data_dir: Path | None = None) -> EvalResult:
-    """Evaluate `model` (reference, LLMEngine or lm-eval LM) on suites and/or task names.
+              out_dir: Path | str | None = None, data_dir: Path | None = None,
+              docs: range | None = None) -> EvalResult:
+    """Evaluate `model` (reference, LLMEngine or lm-eval LM) on suites and/or task names; `docs` instead
+    of `limit` picks the same items of every task by index (a shard of a long run).
 
     Writes to out_dir (if given) only when every task finished: files are staged in a hidden sibling
     directory and moved into place at the end, summary.json last.
@@ -151,11 +153,13 @@ def run_suite(model: Any, suites: list[str] | str = ("accuracy", "safety"), limi
     specs = resolve_tasks(list(suites) if not isinstance(suites, str) else suites)
     if limit is not None and int(limit) < 1:
         raise ValueError(f"--limit must be a positive number of items, got {limit}")
+    if docs is not None and (limit is not None or len(docs) == 0):
+        raise ValueError("docs takes a non-empty range of item indices, and no limit beside it")
     for spec in specs:
         validate_task_data(spec, data_dir)
     staging = _prepare_out_dir(Path(out_dir)) if out_dir is not None else None
     try:
-        result, lm_eval_out = _evaluate(model, specs, limit, data_dir)
+        result, lm_eval_out = _evaluate(model, specs, limit, data_dir, docs)
         if staging is not None:
             _write(result, lm_eval_out, staging, Path(out_dir).resolve())
         return result
@@ -165,7 +169,7 @@ def run_suite(model: Any, suites: list[str] | str = ("accuracy", "safety"), limi
 
 
 def _evaluate(model: Any, specs: list[TaskSpec], limit: int | None,
-              data_dir: Path | None) -> tuple[EvalResult, dict]:
+              data_dir: Path | None, docs: range | None = None) -> tuple[EvalResult, dict]:
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
 
@@ -180,6 +184,7 @@ def _evaluate(model: Any, specs: list[TaskSpec], limit: int | None,
             continue
         out = simple_evaluate(model=lm, tasks=[lm_eval_config(s, data_dir) for s in group], task_manager=manager,
                               limit=limit, apply_chat_template=chat, fewshot_as_multiturn=chat,
+                              samples=None if docs is None else {s.name: list(docs) for s in group},
                               bootstrap_iters=0, log_samples=True)
         for spec in group:
             tasks[spec.name] = _task_result(spec, out["results"][spec.name], out["samples"][spec.name])

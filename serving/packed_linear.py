@@ -1,4 +1,4 @@
-"""Linear layers whose weights are packed once for oneDNN (CPU, bfloat16).
+"""Linear layers whose weights are packed once at load (CPU, bfloat16): for quantgate's kernel or oneDNN.
 
 `F.linear` on a bf16 CPU tensor hands oneDNN a plain row-major weight, which it re-lays out into its
 blocked format on every call: at decode sizes (a few rows) that reordering reads and writes the whole
@@ -7,10 +7,12 @@ SmolLM2-135M's 210 projections, one thread: 1.5x at 1 row, 1.7-2.2x at 4-16 rows
 results bit-identical to `F.linear`). This is what IPEX and inductor's CPU freezing do; we do it on the
 unmodified model by swapping `nn.Linear` modules, so quantized layers (ours, bitsandbytes) are untouched.
 
+Where quantgate's own kernel runs (quantize/kernels, AVX-512-BF16) it replaces oneDNN for every bf16
+projection: the weight is re-laid out once as bf16 pairs that `woq_linear_bf16` reads in place. Measured on
+SmolLM2-135M's 210 projections (2 threads, weights out of cache): 2.3x oneDNN's packed kernel at 1 row,
+1.3-1.5x at 4-128 rows, 1.15x at a 2048-token prefill chunk (`quantgate bench woq`).
 A tied lm_head shares its weight with the embedding, and oneDNN's packed tensor is opaque (no rows to
-look up). Where quantgate's weight-only kernel runs (quantize/kernels, AVX-512-BF16), the shared weight is
-re-laid out once as bf16 pairs that its kernel reads in place and the embedding indexes directly: one
-copy, 1.2x faster than the unpacked `F.linear` at 64 rows and 2.3x at one row (SmolLM2's 49152 x 576).
+look up); the pair layout has rows, so the embedding indexes the head's copy: one copy.
 """
 
 from __future__ import annotations
@@ -50,25 +52,33 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
-class PairPackedHead(nn.Module):
-    """A tied bf16 lm_head over the pair layout it shares with `PairPackedEmbedding`."""
+class PairPackedLinear(nn.Module):
+    """A bf16 `nn.Linear` over the pair layout quantgate's kernel reads in place (a tied lm_head shares
+    it with `PairPackedEmbedding`)."""
 
-    def __init__(self, packed: torch.Tensor):
+    def __init__(self, packed: torch.Tensor, bias: torch.Tensor | None = None):
         super().__init__()
         self.out_features, self.in_features = packed.shape[0] * woq.TILE, packed.shape[1] * 2
         self.register_buffer("packed_weight", packed, persistent=False)
+        self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
+
+    @classmethod
+    def of(cls, linear: nn.Linear) -> PairPackedLinear:
+        return cls(woq.pack_bf16(linear.weight.detach()), linear.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features).to(torch.bfloat16).contiguous()
         y = woq.bf16_linear(flat, self.packed_weight, woq.out_dtype(x.dtype))
+        if self.bias is not None:
+            y = y + self.bias.to(y.dtype)
         return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias=False"
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
 class PairPackedEmbedding(nn.Module):
-    def __init__(self, head: PairPackedHead):
+    def __init__(self, head: PairPackedLinear):
         super().__init__()
         self.num_embeddings, self.embedding_dim = head.out_features, head.in_features
         self.register_buffer("packed_weight", head.packed_weight, persistent=False)
@@ -91,27 +101,34 @@ def pack_tied_head(model: nn.Module) -> bool:
     if (weight.dtype != torch.bfloat16 or weight.device.type != "cpu" or head.bias is not None
             or not woq.fits(weight.shape[1], weight.shape[0]) or not woq.available()):
         return False
-    new_head = PairPackedHead(woq.pack_bf16(weight.detach()))
+    new_head = PairPackedLinear.of(head)
     model.set_output_embeddings(new_head)
     model.set_input_embeddings(PairPackedEmbedding(new_head))
     return True
 
 
+def _packed(linear: nn.Linear, own_kernel: bool) -> nn.Module:
+    if own_kernel and woq.fits(linear.in_features, linear.out_features):
+        return PairPackedLinear.of(linear)
+    return PackedLinear(linear)
+
+
 def pack_linears(model: nn.Module) -> int:
-    """Swap every plain bf16 `nn.Linear` for a `PackedLinear`; returns how many. Subclasses (bitsandbytes'
-    Linear8bitLt is one) and other dtypes keep their own kernels. A weight shared with another module
-    (tied embeddings and lm_head) stays shared: oneDNN packing would hold a second copy, so it is
-    pair-packed for our kernel where that runs (`pack_tied_head`, counted here), else left plain."""
+    """Swap every plain bf16 `nn.Linear` for a `PairPackedLinear` (where quantgate's kernel runs) or a
+    `PackedLinear` (oneDNN); returns how many. Subclasses (bitsandbytes' Linear8bitLt is one) and other
+    dtypes keep their own kernels. A weight shared with another module (tied embeddings and lm_head) stays
+    shared: oneDNN packing would hold a second copy, so it is pair-packed for our kernel where that runs
+    (`pack_tied_head`, counted here), else left plain."""
     counts: dict[int, int] = {}
     for _, tensor in model.named_parameters(remove_duplicate=False):
         counts[id(tensor)] = counts.get(id(tensor), 0) + 1
-    swapped = int(pack_tied_head(model))
+    swapped, own_kernel = int(pack_tied_head(model)), woq.available()
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is not nn.Linear or child.weight.dtype != torch.bfloat16:
                 continue
             if counts.get(id(child.weight), 0) > 1:
                 continue
-            setattr(parent, name, PackedLinear(child))
+            setattr(parent, name, _packed(child, own_kernel))
             swapped += 1
     return swapped

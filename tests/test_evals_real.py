@@ -116,3 +116,14 @@ def test_real_tasks_run_through_the_engine_and_compare_item_by_item(tiny_lm, tmp
     comparison = compare(loaded, {"same": loaded})
     rows = {r.task: r for r in comparison.rows if r.variant == "same"}
     assert set(rows) == set(names) and all(r.delta == 0.0 for r in rows.values())
+
+
+def test_a_shard_of_a_real_task_scores_the_items_it_names(tiny_lm) -> None:
+    from evals.run import run_suite
+
+    result = run_suite(tiny_lm, ["hellaswag"], docs=range(5, 8))
+    task = result.tasks["hellaswag"]
+    assert task.n == 3 and [s.doc_id for s in task.samples] == [5, 6, 7]
+    assert all(len(s.extra["lls"]) == 4 for s in task.samples)
+    with pytest.raises(ValueError, match="no limit beside it"):
+        run_suite(tiny_lm, ["hellaswag"], limit=2, docs=range(5, 8))

@@ -12,7 +12,7 @@ from serving.packed_linear import (
     PACK_ENV,
     PackedLinear,
     PairPackedEmbedding,
-    PairPackedHead,
+    PairPackedLinear,
     pack_linears,
     packing_wanted,
 )
@@ -45,6 +45,33 @@ def test_pack_linears_swaps_plain_bf16_layers_and_keeps_tied_weights(tiny_model_
 
 
 @pytest.mark.skipif(not woq.cpu_has_avx512_bf16(), reason="quantgate's kernel needs AVX-512-BF16")
+@pytest.mark.parametrize("rows", [1, 7, 300])
+@pytest.mark.parametrize("bias", [False, True])
+def test_pair_packed_linear_is_f_linear_to_bf16_rounding(rows, bias):
+    assert woq.available()
+    torch.manual_seed(rows)
+    linear = torch.nn.Linear(96, 80, bias=bias).to(torch.bfloat16)
+    x = torch.randn(2, rows, 96, dtype=torch.bfloat16)
+    ours = PairPackedLinear.of(linear)(x)
+    reference = F.linear(x.float(), linear.weight.float(), None if linear.bias is None else linear.bias.float())
+    assert ours.dtype == torch.bfloat16 and ours.shape == (2, rows, 80)
+    assert ((ours.float() - reference).abs() <= 0.01 * reference.abs() + 0.02).all()
+    x32 = x.float()
+    assert PairPackedLinear.of(linear)(x32).dtype == torch.float32
+
+
+@pytest.mark.skipif(not woq.cpu_has_avx512_bf16(), reason="quantgate's kernel needs AVX-512-BF16")
+def test_pack_linears_takes_our_kernel_for_every_projection_where_it_runs(tiny_model_dir):
+    from quantgate.loading import load_causal_lm, resident_bytes
+
+    model = load_causal_lm(tiny_model_dir, dtype=torch.bfloat16)
+    before = resident_bytes(model)
+    pack_linears(model)
+    kinds = {type(m) for m in model.model.layers.modules() if isinstance(m, PackedLinear | PairPackedLinear)}
+    assert kinds == {PairPackedLinear} and resident_bytes(model) == before
+
+
+@pytest.mark.skipif(not woq.cpu_has_avx512_bf16(), reason="quantgate's kernel needs AVX-512-BF16")
 def test_a_tied_head_and_its_embedding_share_one_pair_packed_weight(tiny_model_dir):
     from quantgate.loading import load_causal_lm, resident_bytes
 
@@ -53,7 +80,7 @@ def test_a_tied_head_and_its_embedding_share_one_pair_packed_weight(tiny_model_d
     before = resident_bytes(model)
     assert pack_linears(model) == 7 * model.config.num_hidden_layers + 1
     head, embed = model.lm_head, model.model.embed_tokens
-    assert isinstance(head, PairPackedHead) and isinstance(embed, PairPackedEmbedding)
+    assert isinstance(head, PairPackedLinear) and isinstance(embed, PairPackedEmbedding)
     assert embed.packed_weight is head.packed_weight and resident_bytes(model) == before
     assert embed.weight.shape == weight.shape and embed.weight.dtype == torch.bfloat16
     ids = torch.tensor([[0, 3, weight.shape[0] - 1], [7, 7, 1]])
@@ -80,7 +107,7 @@ def _greedy(model_dir, prompts, monkeypatch, pack: str, own_kernel: str = "0", *
     monkeypatch.setenv(PACK_ENV, pack)
     monkeypatch.setenv(woq.ENV, own_kernel)
     engine = LLMEngine.from_pretrained(str(model_dir), device="cpu", dtype="bfloat16", **kwargs)
-    packed = sum(isinstance(m, PackedLinear | PairPackedHead) for m in engine.model.modules())
+    packed = sum(isinstance(m, PackedLinear | PairPackedLinear) for m in engine.model.modules())
     outs = engine.generate(prompts, SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, logprobs=2))
     return packed, [o.token_ids for o in outs], [[lp.logprob for lp in o.logprobs] for o in outs], outs
 
@@ -100,20 +127,27 @@ def test_engine_with_packed_weights_decodes_exactly_as_without(model, tiny_model
     assert lps_packed == lps_plain
 
 
+def _prompt_logprobs(model_dir, prompts, monkeypatch, dtype: str, own_kernel: str) -> tuple[int, list[float]]:
+    monkeypatch.setenv(woq.ENV, own_kernel)
+    engine = LLMEngine.from_pretrained(str(model_dir), device="cpu", dtype=dtype, max_num_batched_tokens=64)
+    ours = sum(isinstance(m, PairPackedLinear) for m in engine.model.modules())
+    outs = engine.generate(prompts, SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=1))
+    return ours, [lp.logprob for o in outs for lp in o.prompt_logprobs[1:]]
+
+
 @pytest.mark.skipif(not woq.cpu_has_avx512_bf16(), reason="quantgate's kernel needs AVX-512-BF16")
-def test_engine_with_the_pair_packed_head_decodes_as_without(default_model_dir, monkeypatch):
-    """The tied head through our kernel sums in another order than oneDNN: logprobs agree to bf16
-    rounding, and a text may only part at a near tie (the plain engine's top two within 0.1 nats)."""
-    prompts = [[100 + (7 * i + 13 * j) % 3000 for j in range(5 + 9 * i)] for i in range(6)]
-    kwargs = dict(max_num_batched_tokens=32, block_size=4, num_kv_blocks=40, max_num_seqs=6)
-    *_, plain = _greedy(default_model_dir, prompts, monkeypatch, "1", "0", **kwargs)
-    count, *_, ours = _greedy(default_model_dir, prompts, monkeypatch, "1", "1", **kwargs)
-    assert count == 7 * 30 + 1
-    for a, b in zip(ours, plain, strict=True):
-        first = next((i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids, strict=True)) if x != y), None)
-        same = len(a.token_ids) if first is None else first
-        for x, y in zip(a.logprobs[:same], b.logprobs[:same], strict=True):
-            assert abs(x.logprob - y.logprob) < 0.05
-        if first is not None:
-            (top, top_lp), (second, second_lp) = b.logprobs[first].top[:2]
-            assert {a.token_ids[first], b.token_ids[first]} == {top, second} and top_lp - second_lp < 0.1
+def test_engine_with_our_bf16_kernel_is_as_accurate_as_with_onednn(default_model_dir, monkeypatch):
+    """Every projection and the tied head through our kernel sum in another order than oneDNN, so bf16
+    texts can part; teacher-forced on the same tokens (chunked prefill), both engines' logprobs are as far
+    from the fp32 engine's (itself token-identical to HF): measured 0.0572 vs 0.0573 nats mean."""
+    prompts = [[100 + (7 * i + 13 * j) % 3000 for j in range(40 + 9 * i)] for i in range(6)]
+    _, reference = _prompt_logprobs(default_model_dir, prompts, monkeypatch, "float32", "1")
+    n_onednn, onednn = _prompt_logprobs(default_model_dir, prompts, monkeypatch, "bfloat16", "0")
+    n_ours, ours = _prompt_logprobs(default_model_dir, prompts, monkeypatch, "bfloat16", "1")
+    assert n_onednn == 0 and n_ours == 7 * 30 + 1 and len(ours) == len(reference) == sum(map(len, prompts)) - 6
+
+    def error(lps: list[float]) -> float:
+        return sum(abs(a - b) for a, b in zip(lps, reference, strict=True)) / len(reference)
+
+    assert 0 < error(ours) <= 1.1 * error(onednn) + 0.005
+    assert ours != onednn  # the two kernels did run

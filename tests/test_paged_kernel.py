@@ -117,9 +117,11 @@ def _greedy_bf16(model_dir, prompts, monkeypatch, kernel: str, kv: str = "auto")
 @pytest.mark.parametrize("kv", ["auto", "int8"])
 def test_real_model_bf16_kernel_decodes_as_the_torch_path(default_model_dir, monkeypatch, kv):
     """bf16 on the real model (head_dim 64, blocks of 16: the AVX-512-BF16 path where the CPU has it).
-    The kernel keeps scores in fp32 where the matmul path rounds them to bf16, so outputs may part, but
-    only at a near tie (the torch path's top two within 0.1 nats, both paths' picks among them: after it
-    the texts differ), and at least half of the prompts decode identically."""
+    The kernel keeps scores in fp32 where the matmul path rounds them to bf16, so outputs may part: while
+    the texts agree, logprobs agree to bf16 noise (mean |diff| < 0.05 nats); where they part, both picks
+    are the torch path's top two, within 1 nat (the bf16 engine's logprobs sit up to 0.87 nats from the
+    fp32 engine's on teacher-forced text, whichever kernels: tests/test_packed_linear.py); at least half
+    of the prompts decode identically."""
     from test_engine import PROMPTS
     from transformers import AutoTokenizer
 
@@ -127,11 +129,16 @@ def test_real_model_bf16_kernel_decodes_as_the_torch_path(default_model_dir, mon
     prompts = [tokenizer.encode(p) for p in PROMPTS]
     fast = _greedy_bf16(default_model_dir, prompts, monkeypatch, "1", kv)
     plain = _greedy_bf16(default_model_dir, prompts, monkeypatch, "0", kv)
+    gaps = []
     for a, b in zip(fast, plain, strict=True):
         first = next((i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids, strict=True)) if x != y), None)
+        same = len(a.token_ids) if first is None else first
+        gaps += [abs(x.logprob - y.logprob) for x, y in zip(a.logprobs[:same], b.logprobs[:same], strict=True)]
         if first is not None:
             (top, top_lp), (second, second_lp) = b.logprobs[first].top[:2]
-            assert {a.token_ids[first], b.token_ids[first]} == {top, second} and top_lp - second_lp < 0.1
+            assert {a.token_ids[first], b.token_ids[first]} == {top, second} and top_lp - second_lp < 1.0
+    print(f"mean |dlogprob| {sum(gaps) / len(gaps):.4f}, max {max(gaps):.3f}")
+    assert sum(gaps) / len(gaps) < 0.05
     assert sum(a.token_ids == b.token_ids for a, b in zip(fast, plain, strict=True)) >= len(prompts) // 2
 
 

@@ -3,21 +3,27 @@
 // torch's CPU kernels for these formats (_weight_int8pack_mm, _weight_int4pack_mm_for_cpu) dequantize the
 // weight again for every row of x, so past a few rows they fall behind a bf16 GEMM, and a dequantize-then-
 // GEMM path writes the whole bf16 weight to memory and reads it back. Here the weight is read from memory
-// once per call whatever M is: int8 blocks of 48 output channels are dequantized once into a bf16 panel
-// that stays in L2 and every row of x runs over it with dpbf16 (fp32 accumulators, 8 rows x 48 channels in
-// registers); int4 codes turn into bf16 through a register lookup table, cheap enough to redo per 4 rows.
-// A bf16 weight packed the same way (a tied lm_head, shared with its embedding) runs in place.
+// once per call whatever M is. Few rows (decode: int8 under 24, int4 under 8): x is rounded to int16 per
+// row and the codes widened to int16 in registers, so vpdpwssd sums exact integer products with no
+// per-weight float conversion (a float conversion per weight cost more than the bytes it saved). More rows
+// (prefill, big batches): blocks of 48 output channels are dequantized once into a bf16 panel that stays
+// in L2 and every row of x runs over it with dpbf16 (fp32 accumulators, 8 rows x 48 channels in
+// registers). A bf16 weight packed the same way (every bf16 projection of the baseline) runs in place.
+// Within a path each row's result depends on that row alone; the path follows the call's row count.
 //
 // Packed layouts (quantize/kernels/__init__.py builds them; K even, N a multiple of 16):
 //   int8: [N/16, K/2, 16, 2] int8: one 32-byte load holds channels n..n+15 at inputs k, k+1.
 //         Per-channel fp32 scales are applied to the fp32 accumulators.
 //   int4: [N/16, K/8, 32] 16-bit words, four codes (0..15) each, see int4_rows; scales and zeros are the
 //         layer's own bf16 [K/g, N, 2]: w = (q - 8) * scale + zero, applied per group to exact sums.
+//   bf16: [N/16, K/2, 16, 2] bf16: the int8 layout, read by dpbf16 in place.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -42,15 +48,17 @@ struct Problem {
   bool out_bf16;
 };
 
-// Write ROWS x TILES accumulators to out, times the per-channel scales if given (int8).
+// Write ROWS x TILES accumulators to out, times the per-channel scales (int8) and the per-row scales
+// (x rounded to int16) where given.
 template <int ROWS, int TILES>
 void store_rows(const Problem& p, int64_t row0, int64_t tile0, const __m512 (&acc)[ROWS][TILES],
-                const float* scales) {
+                const float* scales, const float* row_scales = nullptr) {
   for (int t = 0; t < TILES; ++t) {
     const int64_t n0 = (tile0 + t) * kTile;
     const __m512 scale = scales ? _mm512_loadu_ps(scales + n0) : _mm512_set1_ps(1.0f);
     for (int r = 0; r < ROWS; ++r) {
-      const __m512 y = _mm512_mul_ps(acc[r][t], scale);
+      // one product per output, the same in every instantiation: a row's result is the row's alone
+      const __m512 y = _mm512_mul_ps(acc[r][t], row_scales ? _mm512_mul_ps(scale, _mm512_set1_ps(row_scales[row0 + r])) : scale);
       const int64_t at = (row0 + r) * p.n + n0;
       if (p.out_bf16) {
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(p.out) + at),
@@ -125,24 +133,88 @@ void panel_rows(const Problem& p, int64_t tile0, int count, Panel panel) {
   else all_rows<1>(p, tile0, panel);
 }
 
-// int4: no panel. Codes are packed [N/16, K/8, 32] u16: lane L (channel L/2, input parity L%2) of word j
-// holds the codes of k-pairs 4j..4j+3 in its four nibbles. vpermw reads only an index's low 5 bits, so
-// one load and shifts by 0/4/8/12 give four vectors of bf16(q - 8) through a 32-entry table (the 16 values
-// twice). dpbf16 sums x * (q - 8) per group exactly; the group's scale and zero are applied per channel:
-// y += scale * sum + zero * sum(x over the group).
+// Few rows (decode): each row of x is rounded once to int16 (scale absmax/32767: finer than x's own bf16
+// rounding for every element above absmax/128) and the weights are widened to int16 in registers (int8:
+// one sign extension; int4: a shift and a mask per four codes), so one vpdpwssd makes 32 exact products
+// per row, with no per-weight float conversion: the step stays bound by reading the weights. Sums are
+// exact int32 (int8: flushed to fp32 every 256 inputs, |sum| < 256 * 128 * 32768 = 2^30; int4: per group).
+// Each row's result depends on that row alone.
+struct Int16Rows {
+  std::vector<int16_t> x;  // [M, K]
+  std::vector<float> scale;  // [M]: x ~ scale * x16
+  std::vector<float> xsum;  // int4: [M, K/g] sums of x16 over each group (exact in fp32: < 2^24)
+};
+
+Int16Rows round_rows(const Problem& p) {
+  const int64_t groups = p.group_size ? p.k / p.group_size : 0;
+  Int16Rows q{std::vector<int16_t>(p.m * p.k), std::vector<float>(p.m), std::vector<float>(p.m * groups, 0.0f)};
+  std::vector<float> row(p.k);
+  for (int64_t r = 0; r < p.m; ++r) {
+    float absmax = 0.0f;
+    for (int64_t k = 0; k < p.k; ++k) {
+      const uint32_t bits = static_cast<uint32_t>(p.x[r * p.k + k]) << 16;
+      std::memcpy(&row[k], &bits, sizeof(float));
+      absmax = std::max(absmax, std::abs(row[k]));
+    }
+    const float inv = absmax > 0.0f ? 32767.0f / absmax : 1.0f;
+    q.scale[r] = absmax > 0.0f ? absmax / 32767.0f : 1.0f;
+    for (int64_t k = 0; k < p.k; ++k) {
+      const long v = std::max(-32767L, std::min(32767L, std::lrintf(row[k] * inv)));
+      q.x[r * p.k + k] = static_cast<int16_t>(v);
+      if (groups) q.xsum[r * groups + k / p.group_size] += static_cast<float>(v);
+    }
+  }
+  return q;
+}
+
+constexpr int kSmallRows = 4;  // rows per register block on the int16 paths (8 would spill registers: measured 2x slower)
+constexpr int64_t kFlushPairs = 128;  // int8: k-pairs per exact int32 sum
+
 template <int ROWS, int TILES>
-void int4_rows(const Problem& p, const float* xsum, int64_t row0, int64_t tile0, __m512i table) {
+void int8_rows(const Problem& p, const Int16Rows& xq, int64_t row0, int64_t tile0) {
+  const int64_t pairs = p.k / 2;
+  const int8_t* base = static_cast<const int8_t*>(p.weight);
+  const int32_t* x = reinterpret_cast<const int32_t*>(xq.x.data() + row0 * p.k);  // one int32 = inputs k, k+1
+  __m512 acc[ROWS][TILES];
+  for (int r = 0; r < ROWS; ++r)
+    for (int t = 0; t < TILES; ++t) acc[r][t] = _mm512_setzero_ps();
+  for (int64_t k0 = 0; k0 < pairs; k0 += kFlushPairs) {
+    __m512i sum[ROWS][TILES];
+    for (int r = 0; r < ROWS; ++r)
+      for (int t = 0; t < TILES; ++t) sum[r][t] = _mm512_setzero_si512();
+    for (int64_t kp = k0; kp < std::min(pairs, k0 + kFlushPairs); ++kp) {
+      __m512i w[TILES];
+      for (int t = 0; t < TILES; ++t)
+        w[t] = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(base + ((tile0 + t) * pairs + kp) * 32)));
+      for (int r = 0; r < ROWS; ++r) {
+        const __m512i xr = _mm512_set1_epi32(x[r * pairs + kp]);
+        for (int t = 0; t < TILES; ++t) sum[r][t] = _mm512_dpwssd_epi32(sum[r][t], xr, w[t]);
+      }
+    }
+    for (int r = 0; r < ROWS; ++r)
+      for (int t = 0; t < TILES; ++t) acc[r][t] = _mm512_add_ps(acc[r][t], _mm512_cvtepi32_ps(sum[r][t]));
+  }
+  store_rows<ROWS, TILES>(p, row0, tile0, acc, p.scales, xq.scale.data());
+}
+
+// int4 codes are packed [N/16, K/8, 32] u16: lane L (channel L/2, input parity L%2) of word j holds the
+// codes of k-pairs 4j..4j+3 in its four nibbles. Per group: y += scale * sum(x16 * q) +
+// (zero - 8 * scale) * sum(x16), times the row's scale at the end.
+template <int ROWS, int TILES>
+void int4_rows(const Problem& p, const Int16Rows& xq, int64_t row0, int64_t tile0) {
+  const float* xsum = xq.xsum.data();
   const int64_t pairs = p.k / 2, quads = p.k / 8, groups = p.k / p.group_size;
   const int64_t quads_per_group = p.group_size / 8;
   const uint16_t* codes = static_cast<const uint16_t*>(p.weight);
-  const int32_t* x = reinterpret_cast<const int32_t*>(p.x + row0 * p.k);
+  const int32_t* x = reinterpret_cast<const int32_t*>(xq.x.data() + row0 * p.k);
+  const __m512i nibble = _mm512_set1_epi16(0xF);
   __m512 acc[ROWS][TILES];
   for (int r = 0; r < ROWS; ++r)
     for (int t = 0; t < TILES; ++t) acc[r][t] = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
-    __m512 part[ROWS][TILES];
+    __m512i part[ROWS][TILES];
     for (int r = 0; r < ROWS; ++r)
-      for (int t = 0; t < TILES; ++t) part[r][t] = _mm512_setzero_ps();
+      for (int t = 0; t < TILES; ++t) part[r][t] = _mm512_setzero_si512();
     for (int64_t qd = g * quads_per_group; qd < (g + 1) * quads_per_group; ++qd) {
       __m512i word[TILES];
       for (int t = 0; t < TILES; ++t)
@@ -150,11 +222,11 @@ void int4_rows(const Problem& p, const float* xsum, int64_t row0, int64_t tile0,
       for (int i = 0; i < 4; ++i) {
         const int64_t kp = qd * 4 + i;
         __m512i w[TILES];
-        for (int t = 0; t < TILES; ++t) w[t] = _mm512_permutexvar_epi16(_mm512_srli_epi16(word[t], 4 * i), table);
+        for (int t = 0; t < TILES; ++t)
+          w[t] = _mm512_and_si512(_mm512_srli_epi16(word[t], 4 * i), nibble);
         for (int r = 0; r < ROWS; ++r) {
           const __m512i xr = _mm512_set1_epi32(x[r * pairs + kp]);
-          for (int t = 0; t < TILES; ++t)
-            part[r][t] = _mm512_dpbf16_ps(part[r][t], (__m512bh)xr, (__m512bh)w[t]);
+          for (int t = 0; t < TILES; ++t) part[r][t] = _mm512_dpwssd_epi32(part[r][t], xr, w[t]);
         }
       }
     }
@@ -162,30 +234,50 @@ void int4_rows(const Problem& p, const float* xsum, int64_t row0, int64_t tile0,
       const __m512i pair = _mm512_loadu_si512(p.scale_zero + g * p.n + (tile0 + t) * kTile);
       const __m512 scale = _mm512_castsi512_ps(_mm512_slli_epi32(pair, 16));
       const __m512 zero = _mm512_castsi512_ps(_mm512_and_si512(pair, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+      const __m512 shifted = _mm512_fnmadd_ps(_mm512_set1_ps(8.0f), scale, zero);  // (q - 8) s + z = q s + (z - 8 s)
       for (int r = 0; r < ROWS; ++r) {
-        acc[r][t] = _mm512_fmadd_ps(part[r][t], scale, acc[r][t]);
-        acc[r][t] = _mm512_fmadd_ps(_mm512_set1_ps(xsum[(row0 + r) * groups + g]), zero, acc[r][t]);
+        acc[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(part[r][t]), scale, acc[r][t]);
+        acc[r][t] = _mm512_fmadd_ps(_mm512_set1_ps(xsum[(row0 + r) * groups + g]), shifted, acc[r][t]);
       }
     }
   }
-  store_rows<ROWS, TILES>(p, row0, tile0, acc, nullptr);
+  store_rows<ROWS, TILES>(p, row0, tile0, acc, nullptr, xq.scale.data());
 }
 
-constexpr int kInt4Rows = 4, kInt4Tiles = 2;
-constexpr int64_t kInt4PanelRows = 32;  // from here the panel path is faster (measured, SmolLM2 shapes)
+template <bool INT4, int ROWS, int TILES>
+void small_block(const Problem& p, const Int16Rows& xq, int64_t row0, int64_t tile0) {
+  if constexpr (INT4) int4_rows<ROWS, TILES>(p, xq, row0, tile0);
+  else int8_rows<ROWS, TILES>(p, xq, row0, tile0);
+}
 
-template <int TILES>
-void int4_all_rows(const Problem& p, const float* xsum, int64_t tile0, __m512i table) {
+template <bool INT4, int TILES>
+void small_rows(const Problem& p, const Int16Rows& xq, int64_t tile0) {
   int64_t row0 = 0;
-  for (; row0 + kInt4Rows <= p.m; row0 += kInt4Rows) int4_rows<kInt4Rows, TILES>(p, xsum, row0, tile0, table);
+  for (; row0 + kSmallRows <= p.m; row0 += kSmallRows) small_block<INT4, kSmallRows, TILES>(p, xq, row0, tile0);
   switch (p.m - row0) {
-    case 3: int4_rows<3, TILES>(p, xsum, row0, tile0, table); break;
-    case 2: int4_rows<2, TILES>(p, xsum, row0, tile0, table); break;
-    case 1: int4_rows<1, TILES>(p, xsum, row0, tile0, table); break;
+    case 3: small_block<INT4, 3, TILES>(p, xq, row0, tile0); break;
+    case 2: small_block<INT4, 2, TILES>(p, xq, row0, tile0); break;
+    case 1: small_block<INT4, 1, TILES>(p, xq, row0, tile0); break;
     default: break;
   }
 }
 
+template <bool INT4>
+void run_small(const Problem& p) {
+  const Int16Rows xq = round_rows(p);
+  const int64_t tiles = p.n / kTile, blocks = (tiles + kTilesPerBlock - 1) / kTilesPerBlock;
+  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t tile0 = b * kTilesPerBlock;
+      const int64_t count = std::min<int64_t>(kTilesPerBlock, tiles - tile0);
+      if (count == 3) small_rows<INT4, 3>(p, xq, tile0);
+      else if (count == 2) small_rows<INT4, 2>(p, xq, tile0);
+      else small_rows<INT4, 1>(p, xq, tile0);
+    }
+  });
+}
+
+constexpr int64_t kInt8PanelRows = 24, kInt4PanelRows = 8;  // from here the panel paths are faster
 
 // int4 for many rows (prefill): the panel path of int8, the panel holding bf16((q - 8) * scale + zero)
 // (the weight rounded once to bf16, as a dequantize-then-GEMM would): its 8 x 48 register block reuses
@@ -217,7 +309,8 @@ void dequant_int4(const Problem& p, int64_t tile0, int tiles, __m512i table, __m
 }
 
 void run_int4(const Problem& p) {
-  const int64_t groups = p.k / p.group_size, tiles = p.n / kTile;
+  if (p.m < kInt4PanelRows) return run_small<true>(p);
+  const int64_t tiles = p.n / kTile, blocks = (tiles + kTilesPerBlock - 1) / kTilesPerBlock;
   alignas(64) uint16_t values[32];
   for (int i = 0; i < 32; ++i) {
     const float v = static_cast<float>(i % 16 - 8);
@@ -225,39 +318,20 @@ void run_int4(const Problem& p) {
     std::memcpy(&bits, &v, sizeof bits);
     values[i] = static_cast<uint16_t>(bits >> 16);  // exact: small integers
   }
-  const __m512i table = _mm512_load_si512(values);
-  if (p.m >= kInt4PanelRows) {
-    const int64_t blocks = (tiles + kTilesPerBlock - 1) / kTilesPerBlock;
-    at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
-      std::vector<__m512i> panel(p.k / 2 * kTilesPerBlock);
-      for (int64_t b = begin; b < end; ++b) {
-        const int64_t tile0 = b * kTilesPerBlock;
-        const int count = static_cast<int>(std::min<int64_t>(kTilesPerBlock, tiles - tile0));
-        dequant_int4(p, tile0, count, table, panel.data());
-        panel_rows(p, tile0, count, Panel{panel.data(), count, 1});
-      }
-    });
-    return;
-  }
-  std::vector<float> xsum(p.m * groups, 0.0f);
-  for (int64_t r = 0; r < p.m; ++r)
-    for (int64_t k = 0; k < p.k; ++k) {
-      const uint32_t bits = static_cast<uint32_t>(p.x[r * p.k + k]) << 16;
-      float v;
-      std::memcpy(&v, &bits, sizeof v);
-      xsum[r * groups + k / p.group_size] += v;
-    }
-  const int64_t blocks = (tiles + kInt4Tiles - 1) / kInt4Tiles;
+  const __m512i table = _mm512_load_si512(values);  // vpermw reads an index's low 5 bits: the 16 values twice
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<__m512i> panel(p.k / 2 * kTilesPerBlock);
     for (int64_t b = begin; b < end; ++b) {
-      const int64_t tile0 = b * kInt4Tiles;
-      if (tiles - tile0 >= 2) int4_all_rows<2>(p, xsum.data(), tile0, table);
-      else int4_all_rows<1>(p, xsum.data(), tile0, table);
+      const int64_t tile0 = b * kTilesPerBlock;
+      const int count = static_cast<int>(std::min<int64_t>(kTilesPerBlock, tiles - tile0));
+      dequant_int4(p, tile0, count, table, panel.data());
+      panel_rows(p, tile0, count, Panel{panel.data(), count, 1});
     }
   });
 }
 
 void run_int8(const Problem& p) {
+  if (p.m < kInt8PanelRows) return run_small<false>(p);
   const int64_t tiles = p.n / kTile, blocks = (tiles + kTilesPerBlock - 1) / kTilesPerBlock;
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
     std::vector<__m512i> panel(p.k / 2 * kTilesPerBlock);
