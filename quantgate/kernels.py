@@ -1,9 +1,10 @@
 """Build and cache quantgate's own C++ CPU kernels (torch extensions) with the machine's compiler.
 
-Each kernel is one source file compiled on first use (~20–60 s) with `-march=native`, cached under
-`QUANTGATE_HOME/kernels/` (or `QUANTGATE_KERNEL_DIR`) in a folder keyed by the source, the torch version,
-the CPU and the flags, so a cache copied to another CPU is never loaded there. A failed build (no
-compiler, no headers) is logged once and reported as False: callers keep their torch path.
+Each kernel is one source file (and the headers beside it) compiled on first use (~20–60 s) with
+`-march=native`, cached under `QUANTGATE_HOME/kernels/` (or `QUANTGATE_KERNEL_DIR`) in a folder keyed by
+the sources, the torch version, the CPU and the flags, so a cache copied to another CPU is never loaded
+there. A failed build (no compiler, no headers) is logged once and reported as False: callers keep their
+torch path.
 """
 
 from __future__ import annotations
@@ -37,7 +38,9 @@ def build_dir(source: Path) -> Path:
     from quantgate.env import home
 
     key = hashlib.sha256()
-    for part in (source.read_bytes(), torch.__version__.encode(), cpu_signature().encode(), " ".join(CFLAGS).encode()):
+    headers = [h.read_bytes() for h in sorted(source.parent.glob("*.h"))]  # what the source includes beside it
+    for part in (source.read_bytes(), *headers, torch.__version__.encode(), cpu_signature().encode(),
+                 " ".join(CFLAGS).encode()):
         key.update(part)
     root = Path(os.environ.get("QUANTGATE_KERNEL_DIR") or home() / "kernels")
     path = root / f"{source.stem}-{key.hexdigest()[:16]}"

@@ -210,3 +210,15 @@ def test_a_loaded_variant_holds_one_copy_of_its_tied_table(tiny_model_dir, monke
         assert resident_bytes(ours) == resident_bytes(theirs)
     else:  # torch's int4 layout cannot be indexed: it keeps the plain codes beside it
         assert resident_bytes(ours) < resident_bytes(theirs)
+
+
+def test_the_build_cache_is_keyed_by_the_headers_beside_the_source_too(tmp_path, monkeypatch):
+    from quantgate import kernels
+
+    monkeypatch.setenv("QUANTGATE_KERNEL_DIR", str(tmp_path / "cache"))
+    (tmp_path / "op.cpp").write_text('#include "op.h"\n')
+    (tmp_path / "op.h").write_text("// one\n")
+    before = kernels.build_dir(tmp_path / "op.cpp")
+    assert kernels.build_dir(tmp_path / "op.cpp") == before
+    (tmp_path / "op.h").write_text("// two\n")
+    assert kernels.build_dir(tmp_path / "op.cpp") != before

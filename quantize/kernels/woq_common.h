@@ -1,0 +1,47 @@
+// Shared by woq_linear.cpp and woq_few_rows.h: the problem, the block sizes and the output store.
+#pragma once
+
+#include <immintrin.h>
+
+#include <cstdint>
+
+namespace {
+
+constexpr int kTile = 16;        // output channels per zmm of fp32 accumulators
+constexpr int kTilesPerBlock = 3;  // 48 channels per panel
+constexpr int kRows = 8;         // rows of x per register block: 8 x 3 accumulators + 3 weights + 1 broadcast
+
+struct Problem {
+  const uint16_t* x;  // bf16 bits [M, K]
+  int64_t m, k, n;
+  const void* weight;
+  const float* scales;  // int8: [N] fp32
+  const uint32_t* scale_zero;  // int4: [K/g, N] pairs of bf16 (scale low, zero high), the stored tensor
+  int64_t group_size;
+  void* out;  // [M, N], fp32 or bf16
+  bool out_bf16;
+};
+
+// Write ROWS x TILES accumulators to out, times the per-channel scales (int8) and the per-row scales
+// (x rounded to int16) where given.
+template <int ROWS, int TILES>
+void store_rows(const Problem& p, int64_t row0, int64_t tile0, const __m512 (&acc)[ROWS][TILES],
+                const float* scales, const float* row_scales = nullptr) {
+  for (int t = 0; t < TILES; ++t) {
+    const int64_t n0 = (tile0 + t) * kTile;
+    const __m512 scale = scales ? _mm512_loadu_ps(scales + n0) : _mm512_set1_ps(1.0f);
+    for (int r = 0; r < ROWS; ++r) {
+      // one product per output, the same in every instantiation: a row's result is the row's alone
+      const __m512 y = _mm512_mul_ps(acc[r][t], row_scales ? _mm512_mul_ps(scale, _mm512_set1_ps(row_scales[row0 + r])) : scale);
+      const int64_t at = (row0 + r) * p.n + n0;
+      if (p.out_bf16) {
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(p.out) + at),
+                            (__m256i)_mm512_cvtneps_pbh(y));
+      } else {
+        _mm512_storeu_ps(static_cast<float*>(p.out) + at, y);
+      }
+    }
+  }
+}
+
+}  // namespace
