@@ -1,7 +1,8 @@
 """The serving benchmark of one model inside the release flow.
 
 The model's engine is served by our OpenAI-compatible server (`serving.server`) on a free loopback port
-in this process, and `benchmarks.serving` drives it: the shipped prompt set, a fixed concurrency
+in this process, stepped on the calling thread (where torch's ops run fastest: `run_beside_engine`), and
+`benchmarks.serving` drives it from another thread: the shipped prompt set, a fixed concurrency
 (`bench_concurrency` streaming clients in a closed loop), greedy, `ignore_eos` so every request decodes
 exactly `bench_max_tokens` tokens. TTFT and TPOT are measured on the client side, as a user sees them.
 """
@@ -20,16 +21,16 @@ def benchmark(engine, config: MeasureConfig, name: str, out_json: Path) -> dict:
     from benchmarks.serving import run_serving_benchmark
     from serving import SamplingParams
     from serving.server import build_app
-    from serving.server_thread import ServerThread
+    from serving.server_thread import ServerThread, run_beside_engine
 
     engine.generate(["warm up"], SamplingParams(max_tokens=2, temperature=0.0))  # first-call costs out
-    app = build_app(engine, served_model_name=name, version=name)
+    app = build_app(engine, served_model_name=name, version=name, engine_thread=False)
     with ServerThread(app) as server:
-        return run_serving_benchmark(
+        return run_beside_engine(app.state.engine_loop, lambda: run_serving_benchmark(
             server.url, name, output_json=out_json, num_requests=config.bench_requests,
             concurrency=config.bench_concurrency, max_tokens=config.bench_max_tokens, ignore_eos=True,
             temperature=0.0, seed=config.seed,
-        )
+        ))
 
 
 def to_metrics(report: dict) -> dict[str, float]:
