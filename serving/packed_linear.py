@@ -9,8 +9,9 @@ unmodified model by swapping `nn.Linear` modules, so quantized layers (ours, bit
 
 Where quantgate's own kernel runs (quantize/kernels, AVX-512-BF16) it replaces oneDNN for every bf16
 projection: the weight is re-laid out once as bf16 pairs that `woq_linear_bf16` reads in place. Measured on
-SmolLM2-135M's 210 projections (2 threads, weights out of cache): 2.3x oneDNN's packed kernel at 1 row,
-1.3-1.5x at 4-128 rows, 1.15x at a 2048-token prefill chunk (`quantgate bench woq`).
+SmolLM2-135M's 30 layers of projections as a decode step streams them (2 threads, `quantgate bench woq`):
+1.8-2.0x oneDNN's packed kernel at 1-2 rows, 1.6x at 4, 1.45x at 16, ~1.05x at 128; 1.15x at a
+2048-token prefill chunk.
 A tied lm_head shares its weight with the embedding, and oneDNN's packed tensor is opaque (no rows to
 look up); the pair layout has rows, so the embedding indexes the head's copy: one copy.
 """
