@@ -21,6 +21,7 @@ import torch
 log = logging.getLogger(__name__)
 
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math"]  # fast-math: vectorized expf (libmvec)
+PRECISE_CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"]  # ops that round where torch does
 _lock = threading.Lock()
 _loaded: dict[str, bool] = {}
 
@@ -34,13 +35,13 @@ def cpu_signature() -> str:
     return "\n".join(sorted(set(lines)))
 
 
-def build_dir(source: Path) -> Path:
+def build_dir(source: Path, cflags: list[str] = CFLAGS) -> Path:
     from quantgate.env import home
 
     key = hashlib.sha256()
     headers = [h.read_bytes() for h in sorted(source.parent.glob("*.h"))]  # what the source includes beside it
     for part in (source.read_bytes(), *headers, torch.__version__.encode(), cpu_signature().encode(),
-                 " ".join(CFLAGS).encode()):
+                 " ".join(cflags).encode()):
         key.update(part)
     root = Path(os.environ.get("QUANTGATE_KERNEL_DIR") or home() / "kernels")
     path = root / f"{source.stem}-{key.hexdigest()[:16]}"
@@ -48,20 +49,20 @@ def build_dir(source: Path) -> Path:
     return path
 
 
-def load(source: Path) -> bool:
+def load(source: Path, cflags: list[str] = CFLAGS) -> bool:
     """Compile (or reuse) and load `source` once per process; True if it loaded."""
     with _lock:
         if source.stem not in _loaded:
-            _loaded[source.stem] = _build(source)
+            _loaded[source.stem] = _build(source, cflags)
         return _loaded[source.stem]
 
 
-def _build(source: Path) -> bool:
+def _build(source: Path, cflags: list[str]) -> bool:
     from torch.utils.cpp_extension import load as load_extension
 
     try:
-        load_extension(name=f"quantgate_{source.stem}", sources=[str(source)], extra_cflags=CFLAGS,
-                       extra_ldflags=["-fopenmp"], build_directory=str(build_dir(source)),
+        load_extension(name=f"quantgate_{source.stem}", sources=[str(source)], extra_cflags=cflags,
+                       extra_ldflags=["-fopenmp"], build_directory=str(build_dir(source, cflags)),
                        is_python_module=False, verbose=False)
         return True
     except Exception as err:  # no compiler, no headers: the torch path still serves

@@ -145,6 +145,9 @@ class Int4WeightOnlyLinear(nn.Module):
             self.codes = torch.empty(0, dtype=torch.uint8)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._woq_codes is not None and x.dim() == 2 and x.dtype == torch.bfloat16 and self.bias is None:
+            return woq.int4_linear(x.contiguous(), self._woq_codes, self._scales_for_kernel(), self.group_size,
+                                   self.out_features, torch.bfloat16)  # the decoder's rows: no reshapes
         rows = x.numel() // self.in_features
         if x.device.type == "cpu" and self._own_kernel():
             flat = x.reshape(rows, self.in_features).to(torch.bfloat16).contiguous()

@@ -65,6 +65,8 @@ class Int8WeightOnlyLinear(nn.Module):
             self.weight_int8 = torch.empty(0, dtype=torch.int8)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._woq_weight is not None and x.dim() == 2 and x.dtype == torch.bfloat16 and self.bias is None:
+            return woq.int8_linear(x.contiguous(), self._woq_weight, self.scales, torch.bfloat16)  # decoder rows
         rows = x.numel() // self.in_features
         if x.device.type == "cpu" and self._own_kernel():
             flat = x.reshape(rows, self.in_features).to(torch.bfloat16).contiguous()

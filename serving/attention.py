@@ -107,10 +107,15 @@ def paged_attention(
     dropout: float = 0.0,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    ctx = get_context()
-    layer = module.layer_idx
-    q = query[0].transpose(0, 1)  # [tokens, heads, head_dim]
-    k, v = _write(ctx, layer, key[0], value[0])  # [kv_heads, tokens, head_dim], as the cache will return them
+    out = attend(get_context(), module.layer_idx, query[0].transpose(0, 1), key[0], value[0], scaling)
+    return out.unsqueeze(0), None  # [1, tokens, heads, dim], viewed by the caller as [1, tokens, heads * dim]
+
+
+def attend(ctx: AttentionContext, layer: int, q: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+           scaling: float | None) -> torch.Tensor:
+    """One layer's attention for the step's tokens: q [tokens, heads, dim], key and value [kv_heads, tokens,
+    dim]; stores K/V in the cache and returns [tokens, heads, dim]."""
+    k, v = _write(ctx, layer, key, value)  # [kv_heads, tokens, head_dim], as the cache will return them
 
     gqa = q.shape[1] != k.shape[0]
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5
@@ -133,8 +138,7 @@ def paged_attention(
             qs[None], ks[None], vs[None], attn_mask=mask, is_causal=causal, scale=scaling, enable_gqa=gqa
         )
         outs.append(o[0].transpose(0, 1))
-    out = outs[0] if len(outs) == 1 else torch.cat(outs)
-    return out.unsqueeze(0), None  # [1, tokens, heads, dim], viewed by the caller as [1, tokens, heads * dim]
+    return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
 def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -11,6 +11,7 @@ from quantgate.model_shape import kv_shape
 from serving import attention
 from serving.attention import AttentionContext, DecodeBatch, DecodeGroup, PrefillChunk
 from serving.kernels import paged_decode
+from serving.llama_forward import LlamaForward
 from serving.packed_linear import pack_linears, packing_wanted
 from serving.sampler import sample, token_logprobs
 from serving.scheduler import ScheduledSeq
@@ -107,6 +108,7 @@ class ModelRunner:
             self.v_scale = [torch.zeros_like(s) for s in self.k_scale]
         self.generators: dict[str, torch.Generator] = {}
         self.decode_kernel = paged_decode(device)  # None: gathered groups and matmuls (CUDA, no compiler)
+        self.fast_forward = LlamaForward.of(model, torch.device(device))  # None: the model's own forward
 
     def kv_cache_bytes(self) -> int:
         """Bytes the cache tensors hold (codes and scales): what `bytes_per_block` promises."""
@@ -159,17 +161,20 @@ class ModelRunner:
             decode_batch=self._decode_batch(decode_seqs),
         )
         keep_rows = sample_rows + [r for rows in prompt_rows.values() for r in rows]
+        logits = self._forward(ctx, torch.tensor(input_ids, device=self.device),
+                               torch.tensor(positions, device=self.device),
+                               torch.tensor(keep_rows, dtype=torch.long, device=self.device))
+        return self._postprocess(scheduled, logits.float(), sample_idx, prompt_rows)
+
+    def _forward(self, ctx: AttentionContext, input_ids, positions, keep_rows) -> torch.Tensor:
+        if self.fast_forward is not None:
+            return self.fast_forward(ctx, input_ids, positions, keep_rows)
         attention.set_context(ctx)
         try:
-            logits = self.model(
-                input_ids=torch.tensor([input_ids], device=self.device),
-                position_ids=torch.tensor([positions], device=self.device),
-                use_cache=False,
-                logits_to_keep=torch.tensor(keep_rows, dtype=torch.long, device=self.device),
-            ).logits[0].float()
+            return self.model(input_ids=input_ids[None], position_ids=positions[None], use_cache=False,
+                              logits_to_keep=keep_rows).logits[0]
         finally:
             attention.set_context(None)
-        return self._postprocess(scheduled, logits, sample_idx, prompt_rows)
 
     def _decode_batch(self, seqs: list[Sequence]) -> DecodeBatch | None:
         if self.decode_kernel is None or not seqs:

@@ -1,0 +1,58 @@
+"""Projections that read the same input, run as one matmul: q/k/v, and the MLP's gate/up.
+
+At decode sizes every kernel call has a fixed cost (~8 us here: threads woken, output allocated) and the
+small k/v projections (192 x 576 for SmolLM2-135M) are too short to keep two cores streaming; one call over
+the concatenated weight does both jobs once. The modules keep working on their own: their weights become
+views into the fused tensor (slices along the output tiles are contiguous), so nothing is held twice
+and `resident_bytes` still counts every byte once. Only quantgate's own kernel layouts fuse (bf16 pairs,
+int8, int4 of one group size, no bias); any other mix returns None and the caller runs the modules.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from quantize import kernels as woq
+from quantize.int4 import Int4WeightOnlyLinear
+from quantize.weight_only import Int8WeightOnlyLinear
+from serving.packed_linear import PairPackedLinear
+
+Projection = Callable[[torch.Tensor], torch.Tensor]
+
+
+def fuse(modules: list) -> Projection | None:
+    """One call computing every module's output side by side (for fp32 or bf16 rows), or None."""
+    kinds = {type(m) for m in modules}
+    if len(kinds) != 1 or any(getattr(m, "bias", None) is not None for m in modules):
+        return None
+    kind = kinds.pop()
+    if kind is PairPackedLinear:
+        packed = _share(modules, "packed_weight")
+        return lambda x: woq.bf16_linear(_bf16(x), packed, woq.out_dtype(x.dtype))
+    if kind is Int8WeightOnlyLinear and all(m._own_kernel() for m in modules):
+        packed, scales = _share(modules, "_woq_weight"), _share(modules, "scales")
+        return lambda x: woq.int8_linear(_bf16(x), packed, scales, woq.out_dtype(x.dtype))
+    if kind is Int4WeightOnlyLinear and len({m.group_size for m in modules}) == 1 and all(
+            m._own_kernel() for m in modules):
+        codes = _share(modules, "_woq_codes")
+        scales = torch.cat([m._scales_for_kernel() for m in modules], dim=1).contiguous()  # [K/g, N, 2]: a copy
+        group, n = modules[0].group_size, sum(m.out_features for m in modules)
+        return lambda x: woq.int4_linear(_bf16(x), codes, scales, group, n, woq.out_dtype(x.dtype))
+    return None
+
+
+def _bf16(x: torch.Tensor) -> torch.Tensor:
+    return x.to(torch.bfloat16).contiguous()  # what the kernels read; no copy for the bf16 rows they get
+
+
+def _share(modules: list, name: str) -> torch.Tensor:
+    """Concatenate the modules' `name` tensors along dim 0 and hand each module back its slice (a view)."""
+    fused = torch.cat([getattr(m, name) for m in modules], dim=0).contiguous()
+    start = 0
+    for m in modules:
+        size = getattr(m, name).shape[0]
+        setattr(m, name, fused[start : start + size])
+        start += size
+    return fused
