@@ -3,8 +3,8 @@
 At decode sizes every kernel call has a fixed cost (~8 us here: threads woken, output allocated) and the
 small k/v projections (192 x 576 for SmolLM2-135M) are too short to keep two cores streaming; one call over
 the concatenated weight does both jobs once. The modules keep working on their own: their weights become
-views into the fused tensor (slices along the output tiles are contiguous), so nothing is held twice
-and `resident_bytes` still counts every byte once. Only quantgate's own kernel layouts fuse (bf16 pairs,
+views into the fused tensor (slices along the output tiles are contiguous; int4's scales, laid out by
+group first, are strided views), so nothing is held twice and `resident_bytes` still counts every byte once. Only quantgate's own kernel layouts fuse (bf16 pairs,
 int8, int4 of one group size, no bias); any other mix returns None and the caller runs the modules.
 """
 
@@ -36,11 +36,23 @@ def fuse(modules: list) -> Projection | None:
         return lambda x: woq.int8_linear(_bf16(x), packed, scales, woq.out_dtype(x.dtype))
     if kind is Int4WeightOnlyLinear and len({m.group_size for m in modules}) == 1 and all(
             m._own_kernel() for m in modules):
-        codes = _share(modules, "_woq_codes")
-        scales = torch.cat([m._scales_for_kernel() for m in modules], dim=1).contiguous()  # [K/g, N, 2]: a copy
+        codes, scales = _share(modules, "_woq_codes"), _share_scales(modules)
         group, n = modules[0].group_size, sum(m.out_features for m in modules)
         return lambda x: woq.int4_linear(_bf16(x), codes, scales, group, n, woq.out_dtype(x.dtype))
     return None
+
+
+def _share_scales(modules: list) -> torch.Tensor:
+    """int4's [K/g, N, 2] scales concatenated along N; each module keeps a (strided) view, which its own
+    forward copies only if it is ever called on its own (the fused call is what the decoder runs)."""
+    fused = torch.cat([m._scales_for_kernel() for m in modules], dim=1).contiguous()
+    start = 0
+    for m in modules:
+        size = m.out_features
+        if m.scales_and_zeros.dtype == fused.dtype:
+            m.scales_and_zeros = fused[:, start : start + size]
+        start += size
+    return fused
 
 
 def _bf16(x: torch.Tensor) -> torch.Tensor:

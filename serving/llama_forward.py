@@ -4,8 +4,8 @@ transformers' forward costs ~80 torch ops and a dozen Python module calls per la
 decode step made 5 700 ops and ~9 ms of Python around 12 ms of matmuls). Here a layer is ~12 ops: the
 fused RMSNorm, residual-add + RMSNorm and in-place rotary of serving/kernels, the model's own projection
 modules (so quantized layers — ours, bitsandbytes, torchao — run unchanged), and paged attention called
-directly. The math is the model's, rounding for rounding (fused_ops.cpp), so greedy outputs stay
-token-identical to HF in fp32. Anything else (another architecture, a pipeline stage's stub layers,
+directly. The math is the model's, rounded where it rounds (fused_ops.cpp; only RMSNorm's variance is
+summed in another order), so greedy outputs stay token-identical to HF in fp32. Anything else (another architecture, a pipeline stage's stub layers,
 `QUANTGATE_FAST_FORWARD=0`, no compiled ops) runs through the model's own forward.
 """
 
@@ -110,10 +110,11 @@ class LlamaForward:
         x = ops.rms_norm(residual, *plans[0].input_norm)
         for i, plan in enumerate(plans):
             out = plan.o_proj(self._attention(ctx, i, plan, x, cos, sin))
-            x = ops.add_rms_norm(residual, out, *plan.post_norm)
+            x = ops.add_rms_norm(residual, out.contiguous(), *plan.post_norm)
             gate, up = plan.gate_up(x)
             out = plan.down_proj(F.silu(gate) * up)
-            x = ops.add_rms_norm(residual, out, *(plans[i + 1].input_norm if i + 1 < len(plans) else self.final_norm))
+            norm = plans[i + 1].input_norm if i + 1 < len(plans) else self.final_norm
+            x = ops.add_rms_norm(residual, out.contiguous(), *norm)
         return model.lm_head(x.index_select(0, keep_rows))
 
     def _attention(self, ctx, layer_idx: int, plan: LayerPlan, x, cos, sin) -> torch.Tensor:
