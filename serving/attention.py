@@ -112,10 +112,11 @@ def paged_attention(
 
 
 def attend(ctx: AttentionContext, layer: int, q: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-           scaling: float | None) -> torch.Tensor:
+           scaling: float | None, stored: bool = False) -> torch.Tensor:
     """One layer's attention for the step's tokens: q [tokens, heads, dim], key and value [kv_heads, tokens,
-    dim]; stores K/V in the cache and returns [tokens, heads, dim]."""
-    k, v = _write(ctx, layer, key, value)  # [kv_heads, tokens, head_dim], as the cache will return them
+    dim]; stores K/V in the cache (unless the caller has: `stored`) and returns [tokens, heads, dim]."""
+    # [kv_heads, tokens, head_dim], as the cache will return them
+    k, v = (key, value) if stored else _write(ctx, layer, key, value)
 
     gqa = q.shape[1] != k.shape[0]
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5

@@ -2,9 +2,9 @@
 
 transformers' forward costs ~80 torch ops and a dozen Python module calls per layer (a 135M model's batch-1
 decode step made 5 700 ops and ~9 ms of Python around 12 ms of matmuls). Here a layer is ~12 ops: the
-fused RMSNorm, residual-add + RMSNorm and in-place rotary of serving/kernels, the model's own projection
-modules (so quantized layers — ours, bitsandbytes, torchao — run unchanged), and paged attention called
-directly. The math is the model's, rounded where it rounds (fused_ops.cpp; only RMSNorm's variance is
+fused RMSNorm, residual-add + RMSNorm and in-place rotary of serving/kernels (which also writes K and V to
+their cache slots when the cache holds the model's dtype), the model's own projection modules (so quantized
+layers — ours, bitsandbytes, torchao — run unchanged), and paged attention called directly. The math is the model's, rounded where it rounds (fused_ops.cpp; only RMSNorm's variance is
 summed in another order), so greedy outputs stay token-identical to HF in fp32. Anything else (another architecture, a pipeline stage's stub layers,
 `QUANTGATE_FAST_FORWARD=0`, no compiled ops) runs through the model's own forward.
 """
@@ -120,7 +120,12 @@ class LlamaForward:
     def _attention(self, ctx, layer_idx: int, plan: LayerPlan, x, cos, sin) -> torch.Tensor:
         tokens, dim = x.shape[0], self.head_dim
         q, k, v = plan.qkv(x)
-        self.ops.rotary(q, k, cos, sin, dim)
+        k_cache, v_cache = ctx.k_cache[layer_idx], ctx.v_cache[layer_idx]
+        stored = ctx.kv_format == "auto" and k_cache.dtype == k.dtype  # K/V go to their slots in the same pass
+        if stored:
+            self.ops.rotary_store(q, k, v, cos, sin, dim, k_cache, v_cache, ctx.slot_mapping)
+        else:
+            self.ops.rotary(q, k, cos, sin, dim)
         out = attention.attend(ctx, layer_idx, q.view(tokens, -1, dim), k.view(tokens, -1, dim).transpose(0, 1),
-                               v.view(tokens, -1, dim).transpose(0, 1), plan.scaling)
+                               v.view(tokens, -1, dim).transpose(0, 1), plan.scaling, stored)
         return out.reshape(tokens, -1)

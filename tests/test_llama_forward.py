@@ -80,6 +80,27 @@ def test_rotary_is_bit_identical_to_hf_on_column_slices_of_one_qkv_row(dtype, ro
     assert torch.equal(qkv[:, (heads + kv_heads) * dim:], v_before)  # v's columns untouched
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_store_writes_what_attention_would_store(dtype):
+    torch.manual_seed(3)
+    rows, kv_heads, dim, slots = 21, 3, 64, 50
+    qkv = torch.randn(rows, (9 + 2 * kv_heads) * dim).to(dtype)
+    q, k, v = qkv.split([9 * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+    cos, sin = torch.randn(rows, dim).to(dtype), torch.randn(rows, dim).to(dtype)
+    where = torch.randperm(slots)[:rows]
+    want_q, want_k = q.clone(), k.clone()
+    OPS.rotary(want_q, want_k, cos, sin, dim)
+    want_cache = [torch.zeros(kv_heads, slots, dim, dtype=dtype) for _ in range(2)]
+    for cache, rows_ in zip(want_cache, (want_k, v), strict=True):
+        cache.index_copy_(1, where, rows_.reshape(rows, kv_heads, dim).transpose(0, 1))
+    caches = [torch.zeros(kv_heads, slots, dim, dtype=dtype) for _ in range(2)]
+    OPS.rotary_store(q, k, v, cos, sin, dim, caches[0], caches[1], where)
+    assert torch.equal(q, want_q) and torch.equal(k, want_k)
+    assert torch.equal(caches[0], want_cache[0]) and torch.equal(caches[1], want_cache[1])
+    with pytest.raises(RuntimeError, match="slot out of range"):
+        OPS.rotary_store(q, k, v, cos, sin, dim, caches[0], caches[1], where + slots)
+
+
 def test_ops_refuse_what_they_cannot_compute():
     x = torch.randn(4, 64)
     with pytest.raises(RuntimeError, match="share a dtype"):

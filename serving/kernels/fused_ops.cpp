@@ -1,6 +1,6 @@
 // The small per-layer ops of a Llama-family decoder, each one pass over its rows instead of the 7-12 torch
 // ops (and their temporaries) the model's Python forward makes of it: RMSNorm, residual add + RMSNorm, and
-// rotary embedding of q and k in place.
+// rotary embedding of q and k in place (`rotary_store` also writes K and V to their cache slots).
 //
 // Each op rounds where the model's forward rounds, so results match it: in bfloat16 the residual sum, the
 // normalized row and its product with the weight are each rounded to bf16 (HF's RMSNorm computes in fp32,
@@ -154,16 +154,50 @@ void rotary(at::Tensor q, at::Tensor k, const at::Tensor& cos, const at::Tensor&
   else TORCH_CHECK(false, "float32 or bfloat16 only");
 }
 
+// rotary, then each token's K and V rows written to their cache slots ([kv_heads, slots, head_dim] caches of
+// the rows' dtype): what attention's index_copy_ of K and V did, in the same pass.
+void rotary_store(at::Tensor q, at::Tensor k, const at::Tensor& v, const at::Tensor& cos, const at::Tensor& sin,
+                  int64_t head_dim, at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& slots) {
+  rotary(q, k, cos, sin, head_dim);
+  const int64_t rows = k.size(0), kv_heads = k.size(1) / head_dim;
+  TORCH_CHECK(v.dim() == 2 && v.stride(1) == 1 && v.size(0) == rows && v.size(1) == k.size(1) &&
+              v.scalar_type() == k.scalar_type(), "v must be shaped and typed as k");
+  for (const at::Tensor& cache : {k_cache, v_cache}) {
+    TORCH_CHECK(cache.dim() == 3 && cache.is_contiguous() && cache.size(0) == kv_heads && cache.size(2) == head_dim &&
+                cache.scalar_type() == k.scalar_type(), "caches must be contiguous [kv_heads, slots, head_dim] of k's dtype");
+  }
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.numel() == rows,
+              "one int64 slot per token");
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  const int64_t num_slots = k_cache.size(1), bytes = head_dim * k.element_size();
+  for (int64_t r = 0; r < rows; ++r) TORCH_CHECK(slot[r] >= 0 && slot[r] < num_slots, "slot out of range");
+  const char *kp = static_cast<const char*>(k.data_ptr()), *vp = static_cast<const char*>(v.data_ptr());
+  char *kc = static_cast<char*>(k_cache.data_ptr()), *vc = static_cast<char*>(v_cache.data_ptr());
+  const int64_t k_row = k.stride(0) * k.element_size(), v_row = v.stride(0) * v.element_size();
+  at::parallel_for(0, rows, kGrainRows, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      for (int64_t h = 0; h < kv_heads; ++h) {
+        const int64_t dst = (h * num_slots + slot[r]) * bytes;
+        std::memcpy(kc + dst, kp + r * k_row + h * bytes, bytes);
+        std::memcpy(vc + dst, vp + r * v_row + h * bytes, bytes);
+      }
+    }
+  });
+}
+
 }  // namespace
 
 TORCH_LIBRARY(quantgate_ops, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("add_rms_norm(Tensor(a!) residual, Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("rotary(Tensor(a!) q, Tensor(b!) k, Tensor cos, Tensor sin, int head_dim) -> ()");
+  m.def("rotary_store(Tensor(a!) q, Tensor(b!) k, Tensor v, Tensor cos, Tensor sin, int head_dim, "
+        "Tensor(c!) k_cache, Tensor(d!) v_cache, Tensor slots) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(quantgate_ops, CPU, m) {
   m.impl("rms_norm", &rms_norm);
   m.impl("add_rms_norm", &add_rms_norm);
   m.impl("rotary", &rotary);
+  m.impl("rotary_store", &rotary_store);
 }
