@@ -4,8 +4,9 @@ At decode sizes every kernel call has a fixed cost (~8 us here: threads woken, o
 small k/v projections (192 x 576 for SmolLM2-135M) are too short to keep two cores streaming; one call over
 the concatenated weight does both jobs once. The modules keep working on their own: their weights become
 views into the fused tensor (slices along the output tiles are contiguous; int4's scales, laid out by
-group first, are strided views), so nothing is held twice and `resident_bytes` still counts every byte once. Only quantgate's own kernel layouts fuse (bf16 pairs,
-int8, int4 of one group size, no bias); any other mix returns None and the caller runs the modules.
+group first, are strided views), so nothing is held twice and `resident_bytes` still counts every byte
+once. Only quantgate's own kernel layouts fuse (bf16 pairs, int8, int4 of one group size, no bias); any
+other mix returns None and the caller runs the modules.
 """
 
 from __future__ import annotations
@@ -36,35 +37,26 @@ def fuse(modules: list) -> Projection | None:
         return lambda x: woq.int8_linear(_bf16(x), packed, scales, woq.out_dtype(x.dtype))
     if kind is Int4WeightOnlyLinear and len({m.group_size for m in modules}) == 1 and all(
             m._own_kernel() for m in modules):
-        codes, scales = _share(modules, "_woq_codes"), _share_scales(modules)
+        codes = _share(modules, "_woq_codes")
+        # [K/g, N, 2], joined along N: the modules keep strided views, which their own forward would copy
+        scales = _share(modules, "scales_and_zeros", [m._scales_for_kernel() for m in modules], dim=1)
         group, n = modules[0].group_size, sum(m.out_features for m in modules)
         return lambda x: woq.int4_linear(_bf16(x), codes, scales, group, n, woq.out_dtype(x.dtype))
     return None
-
-
-def _share_scales(modules: list) -> torch.Tensor:
-    """int4's [K/g, N, 2] scales concatenated along N; each module keeps a (strided) view, which its own
-    forward copies only if it is ever called on its own (the fused call is what the decoder runs)."""
-    fused = torch.cat([m._scales_for_kernel() for m in modules], dim=1).contiguous()
-    start = 0
-    for m in modules:
-        size = m.out_features
-        if m.scales_and_zeros.dtype == fused.dtype:
-            m.scales_and_zeros = fused[:, start : start + size]
-        start += size
-    return fused
 
 
 def _bf16(x: torch.Tensor) -> torch.Tensor:
     return x.to(torch.bfloat16).contiguous()  # what the kernels read; no copy for the bf16 rows they get
 
 
-def _share(modules: list, name: str) -> torch.Tensor:
-    """Concatenate the modules' `name` tensors along dim 0 and hand each module back its slice (a view)."""
-    fused = torch.cat([getattr(m, name) for m in modules], dim=0).contiguous()
+def _share(modules: list, name: str, parts: list[torch.Tensor] | None = None, dim: int = 0) -> torch.Tensor:
+    """Concatenate `parts` (by default each module's `name` tensor) along `dim` and hand each module back
+    its slice of the result (a view) as its `name`, where the dtypes agree."""
+    parts = parts if parts is not None else [getattr(m, name) for m in modules]
+    fused = torch.cat(parts, dim=dim).contiguous()
     start = 0
-    for m in modules:
-        size = getattr(m, name).shape[0]
-        setattr(m, name, fused[start : start + size])
-        start += size
+    for m, part in zip(modules, parts, strict=True):
+        if getattr(m, name).dtype == fused.dtype:
+            setattr(m, name, fused.narrow(dim, start, part.shape[dim]))
+        start += part.shape[dim]
     return fused

@@ -167,6 +167,7 @@ def test_bf16_engine_on_the_default_model_agrees_with_the_models_own_forward(def
 
 
 def _linears(kind: str, sizes: list[int], k: int = 64) -> list:
+    assert woq.available()  # builds and loads quantgate's kernel (pack_linears does this in the engine)
     torch.manual_seed(len(sizes))
     plain = [torch.nn.Linear(k, n, bias=False).to(torch.bfloat16) for n in sizes]
     if kind == "bf16":
