@@ -190,11 +190,31 @@ def test_clients_that_vanish_free_their_blocks_and_others_are_unaffected(tiny_mo
                           timeout=60).json()["choices"][0]["text"] == solo[0].text
 
 
-def test_sigterm_drains_quantgate_serve(tiny_model_dir, tmp_path):
+@pytest.fixture(scope="module")
+def paced_model_dir(tiny_model_dir, tmp_path_factory):
+    """A random 8-layer, 512-wide Llama: ~5 ms a batch-2 decode step here (the 2-layer tiny model takes
+    ~1 ms). The drain test needs a 100-token request to outlast the test's own setup and a 1000-token one
+    to outlast the 3 s drain; at ~1 ms a step the first window closed within 0.1 s (CI failed on it)."""
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    path = tmp_path_factory.mktemp("paced-llama")
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=512, intermediate_size=1024, num_hidden_layers=8,
+                         num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=1024,
+                         tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id,
+                         eos_token_id=tokenizer.eos_token_id)
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).to(torch.float32).eval().save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def test_sigterm_drains_quantgate_serve(paced_model_dir, tmp_path):
     """SIGTERM: no new request is admitted, in-flight ones finish or end with a clear 503 error, and the
     process exits within a bound."""
     log = tmp_path / "serve.log"
-    with serve_process(tiny_model_dir, log, "--num-kv-blocks", "128", "--max-num-seqs", "2") as (proc, url):
+    with serve_process(paced_model_dir, log, "--num-kv-blocks", "128", "--max-num-seqs", "2") as (proc, url):
         long = {"prompt": "a b c d", "max_tokens": 1000, "temperature": 0, "ignore_eos": True}
         got: dict = {}
 
@@ -260,7 +280,7 @@ def test_sigterm_drains_quantgate_serve(tiny_model_dir, tmp_path):
     assert got["short"].status_code == 200, got["short"].text
     assert got["short"].json()["usage"]["completion_tokens"] == 100
     # each 1000-token request finished whole or ended with the clear error; the last one admitted cannot
-    # start before another 1000-token request ends (>= 3 s of decoding), so at least it was aborted
+    # start before another 1000-token request ends (~5 s of decoding > the 3 s drain), so at least it was aborted
     outcomes = []
     for r in (got["queued1"], got["queued2"]):
         if r.status_code == 200:
