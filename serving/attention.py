@@ -13,6 +13,11 @@ computes K/V; attention reads only the slots it gathers, folding int8 scales int
 probabilities (V) rather than dequantizing. A quantized cache also quantizes the step's own K/V before
 attending to them, so a token's attention sees the same values whether its context was computed in this
 step or read from the cache (chunked prefill, prefix hits and recompute after preemption agree).
+
+Sliding-window layers (Gemma 3's local layers, Mistral, Qwen2 with `use_sliding_window`) attend as
+transformers' masks do (`sliding_window_overlay`): the query at position i sees the keys at positions j
+with i - window < j <= i, its own and the window - 1 before it. Decode reads only the blocks holding
+those; every block of the context stays allocated (full layers, prefix caching).
 """
 
 from __future__ import annotations
@@ -47,10 +52,29 @@ class DecodeGroup:
     start: int  # first row; the group's rows are contiguous
     block_tables: torch.Tensor  # [B * max_blocks] flattened, padded with block 0
     pad: torch.Tensor  # [1, B, 1, max_blocks * block_size], True where a slot is past the context
+    context_lens: torch.Tensor | None = None  # [B] on the CPU; None: read from `pad`
+    _windowed: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict, repr=False)
 
     @property
     def num_seqs(self) -> int:
         return self.pad.shape[1]
+
+    def windowed(self, window: int | None, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Block tables and mask for a layer attending within `window` tokens (None: the whole context):
+        blocks before every member's window are dropped, slots before a member's window masked."""
+        if not window:
+            return self.block_tables, self.pad
+        if window not in self._windowed:
+            lengths = self.context_lens
+            if lengths is None:
+                lengths = self.pad.shape[-1] - self.pad[0, :, 0].sum(-1).cpu()
+            skip = max(0, int(lengths.min()) - window) // block_size  # blocks no member's window reaches
+            tables = self.block_tables.view(self.num_seqs, -1)[:, skip:].reshape(-1)
+            pad = self.pad[..., skip * block_size :]
+            slots = torch.arange(pad.shape[-1], device=pad.device) + skip * block_size
+            starts = (lengths.to(pad.device) - window)[None, :, None, None]
+            self._windowed[window] = tables, pad | (slots < starts)
+        return self._windowed[window]
 
 
 
@@ -107,39 +131,55 @@ def paged_attention(
     dropout: float = 0.0,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    out = attend(get_context(), module.layer_idx, query[0].transpose(0, 1), key[0], value[0], scaling)
+    window = kwargs.get("sliding_window", getattr(module, "sliding_window", None))  # what HF's own kernels read
+    out = attend(get_context(), module.layer_idx, query[0].transpose(0, 1), key[0], value[0], scaling,
+                 window=window)
     return out.unsqueeze(0), None  # [1, tokens, heads, dim], viewed by the caller as [1, tokens, heads * dim]
 
 
 def attend(ctx: AttentionContext, layer: int, q: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-           scaling: float | None, stored: bool = False) -> torch.Tensor:
+           scaling: float | None, stored: bool = False, window: int | None = None) -> torch.Tensor:
     """One layer's attention for the step's tokens: q [tokens, heads, dim], key and value [kv_heads, tokens,
-    dim]; stores K/V in the cache (unless the caller has: `stored`) and returns [tokens, heads, dim]."""
+    dim]; stores K/V in the cache (unless the caller has: `stored`) and returns [tokens, heads, dim].
+    A sliding-window layer passes its `window`: each token then sees only the last `window` positions."""
     # [kv_heads, tokens, head_dim], as the cache will return them
     k, v = (key, value) if stored else _write(ctx, layer, key, value)
 
     gqa = q.shape[1] != k.shape[0]
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5
-    outs = [_decode(q, ctx, layer, g, scale) for g in ctx.decode_groups]
+    outs = [_decode(q, ctx, layer, g, scale, window) for g in ctx.decode_groups]
     if ctx.decode_batch is not None:
-        outs.append(_decode_in_place(q, ctx, layer, ctx.decode_batch, scale))
+        outs.append(_decode_in_place(q, ctx, layer, ctx.decode_batch, scale, window))
     for chunk in ctx.prefills:
         rows = slice(chunk.start, chunk.start + chunk.length)
         qs = q[rows].transpose(0, 1)  # [heads, len, dim]
-        if chunk.context_slots is None:  # the whole context is in this chunk: plain causal attention
-            ks, vs, mask, causal = k[:, rows], v[:, rows], None, True
-        else:
-            ks, vs = _read(ctx, layer, chunk.context_slots, q.dtype)
-            offset = chunk.context_len - chunk.length
-            q_pos = torch.arange(chunk.length, device=q.device)[:, None] + offset
-            mask, causal = q_pos >= torch.arange(chunk.context_len, device=q.device)[None, :], False
+        ks, vs, mask = _prefill_context(ctx, layer, chunk, k, v, window)
         # 4-D inputs: torch's fused CPU (flash) kernel; 3-D ones fall back to its unfused math path,
         # 2.6-3.2x slower here on 256-token prompts
         o = F.scaled_dot_product_attention(
-            qs[None], ks[None], vs[None], attn_mask=mask, is_causal=causal, scale=scaling, enable_gqa=gqa
+            qs[None], ks[None], vs[None], attn_mask=mask, is_causal=mask is None, scale=scaling, enable_gqa=gqa
         )
         outs.append(o[0].transpose(0, 1))
     return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+
+def _prefill_context(ctx: AttentionContext, layer: int, chunk: PrefillChunk, k: torch.Tensor, v: torch.Tensor,
+                     window: int | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The K/V a prefill chunk attends to and their mask (None: plain causal over the chunk). Under a
+    window, cached positions no token of the chunk sees are not read."""
+    start = chunk.context_len - chunk.length  # position of the chunk's first token
+    if chunk.context_slots is None:  # the whole context is in this chunk
+        rows = slice(chunk.start, chunk.start + chunk.length)
+        if not window or chunk.length <= window:
+            return k[:, rows], v[:, rows], None
+        ks, vs, first = k[:, rows], v[:, rows], 0
+    else:
+        first = max(0, start - window + 1) if window else 0
+        ks, vs = _read(ctx, layer, chunk.context_slots[first:], k.dtype)
+    q_pos = torch.arange(start, chunk.context_len, device=k.device)[:, None]
+    k_pos = torch.arange(first, chunk.context_len, device=k.device)[None, :]
+    mask = q_pos >= k_pos
+    return ks, vs, mask & (k_pos > q_pos - window) if window else mask
 
 
 def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -194,7 +234,8 @@ def _read(ctx: AttentionContext, layer: int, slots: torch.Tensor, dtype: torch.d
     return ks.to(dtype) * k_s, vs.to(dtype) * v_s
 
 
-def _decode(q, ctx: AttentionContext, layer: int, group: DecodeGroup, scale: float) -> torch.Tensor:
+def _decode(q, ctx: AttentionContext, layer: int, group: DecodeGroup, scale: float,
+            window: int | None = None) -> torch.Tensor:
     """One query token per sequence against its paged context, as two batched matmuls per KV head.
 
     index_select copies whole blocks (contiguous rows of the head-major cache) into [kv, n, L, dim].
@@ -202,10 +243,11 @@ def _decode(q, ctx: AttentionContext, layer: int, group: DecodeGroup, scale: flo
     single-row SDPA per sequence was ~10x slower on CPU. int8 scales multiply the scores and the
     probabilities ([kv, n, 1, L]), so the codes only change dtype."""
     k_cache, v_cache, bs = ctx.k_cache[layer], ctx.v_cache[layer], ctx.block_size
-    n, length = group.num_seqs, group.pad.shape[-1]
+    tables, pad = group.windowed(window, bs)
+    n, length = group.num_seqs, pad.shape[-1]
     kv_heads, head_dim = k_cache.shape[0], k_cache.shape[2]
-    ks = _gather(k_cache, bs, group.block_tables).view(kv_heads, n, length, head_dim)
-    vs = _gather(v_cache, bs, group.block_tables).view(kv_heads, n, length, head_dim)
+    ks = _gather(k_cache, bs, tables).view(kv_heads, n, length, head_dim)
+    vs = _gather(v_cache, bs, tables).view(kv_heads, n, length, head_dim)
     if ctx.kv_format == "fp8":
         ks, vs = decode_fp8(ks, q.dtype), decode_fp8(vs, q.dtype)
     else:
@@ -214,11 +256,11 @@ def _decode(q, ctx: AttentionContext, layer: int, group: DecodeGroup, scale: flo
     qg = q[group.start : group.start + n].view(n, kv_heads, heads // kv_heads, head_dim).transpose(0, 1)
     scores = torch.matmul(qg, ks.transpose(-1, -2)).float().mul_(scale)  # [kv, n, group, L]
     if ctx.kv_format == "int8":
-        scores.mul_(_gather(ctx.k_scale[layer], bs, group.block_tables).view(kv_heads, n, 1, length))
-    scores.masked_fill_(group.pad, float("-inf"))
+        scores.mul_(_gather(ctx.k_scale[layer], bs, tables).view(kv_heads, n, 1, length))
+    scores.masked_fill_(pad, float("-inf"))
     probs = scores.softmax(-1)
     if ctx.kv_format == "int8":
-        probs.mul_(_gather(ctx.v_scale[layer], bs, group.block_tables).view(kv_heads, n, 1, length))
+        probs.mul_(_gather(ctx.v_scale[layer], bs, tables).view(kv_heads, n, 1, length))
     out = torch.matmul(probs.to(q.dtype), vs)  # [kv, n, group, dim]
     return out.transpose(0, 1).reshape(n, heads, head_dim)
 
@@ -226,14 +268,15 @@ def _decode(q, ctx: AttentionContext, layer: int, group: DecodeGroup, scale: flo
 KERNEL_FORMATS = {"auto": 0, "int8": 1, "fp8": 2}
 
 
-def _decode_in_place(q, ctx: AttentionContext, layer: int, batch: DecodeBatch, scale: float) -> torch.Tensor:
+def _decode_in_place(q, ctx: AttentionContext, layer: int, batch: DecodeBatch, scale: float,
+                     window: int | None = None) -> torch.Tensor:
     """The decode rows through the compiled kernel: K/V rows read through the block table, no copies."""
     scales = (ctx.k_scale[layer], ctx.v_scale[layer]) if ctx.kv_format == "int8" else (None, None)
     k_cache = ctx.k_cache[layer]
     rows = q[: batch.num_seqs]
     rows = rows.to(k_cache.dtype) if ctx.kv_format == "auto" else rows  # a cache kept in another float type
     out = batch.kernel(rows.contiguous(), k_cache, ctx.v_cache[layer], batch.block_tables, batch.context_lens,
-                       ctx.block_size, scale, *scales, KERNEL_FORMATS[ctx.kv_format])
+                       ctx.block_size, scale, *scales, KERNEL_FORMATS[ctx.kv_format], window or 0)
     return out.to(q.dtype)
 
 

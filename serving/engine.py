@@ -12,7 +12,6 @@ from pathlib import Path
 
 import torch
 
-from quantgate.model_shape import attention_window
 from serving.block_manager import BlockManager
 from serving.device import default_device, resolve_dtype
 from serving.model_runner import KVCacheShape, ModelRunner, load_model
@@ -95,11 +94,6 @@ class LLMEngine:
         self.block_size = block_size
         config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         self.max_model_len = max_model_len or getattr(config, "max_position_embeddings", None) or 2048
-        window = attention_window(config)
-        if window is not None and self.max_model_len > window:
-            log.warning("%s has sliding-window attention (%d tokens), which paged attention does not implement:"
-                        " context capped at %d tokens so every output stays exact", model_name, window, window)
-            self.max_model_len = window
         self.vocab_size = model.get_input_embeddings().weight.shape[0]
         kv_dtype = model.get_input_embeddings().weight.dtype
         if not kv_dtype.is_floating_point:

@@ -63,13 +63,22 @@ class LayerPlan:
     gate_up: Outputs  # x -> (gate, up)
     down_proj: Projection
     scaling: float
+    window: int | None  # sliding-window layers: what the model's forward passes attention as `sliding_window`
 
     @classmethod
     def of(cls, layer) -> LayerPlan:
         attn, mlp = layer.self_attn, layer.mlp
         return cls(_norm(layer.input_layernorm), _norm(layer.post_attention_layernorm),
                    _outputs([attn.q_proj, attn.k_proj, attn.v_proj]), attn.o_proj.forward,
-                   _outputs([mlp.gate_proj, mlp.up_proj]), mlp.down_proj.forward, attn.scaling)
+                   _outputs([mlp.gate_proj, mlp.up_proj]), mlp.down_proj.forward, attn.scaling,
+                   _sliding_window(attn))
+
+
+def _sliding_window(attn) -> int | None:
+    """Qwen2 sets it per layer (None on full ones); Mistral's forward passes its config's to every layer."""
+    if type(attn).__name__ == "MistralAttention":
+        return attn.config.sliding_window
+    return getattr(attn, "sliding_window", None)
 
 
 def _norm(module) -> tuple[torch.Tensor, float]:
@@ -127,5 +136,5 @@ class LlamaForward:
         else:
             self.ops.rotary(q, k, cos, sin, dim)
         out = attention.attend(ctx, layer_idx, q.view(tokens, -1, dim), k.view(tokens, -1, dim).transpose(0, 1),
-                               v.view(tokens, -1, dim).transpose(0, 1), plan.scaling, stored)
+                               v.view(tokens, -1, dim).transpose(0, 1), plan.scaling, stored, plan.window)
         return out.reshape(tokens, -1)

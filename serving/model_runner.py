@@ -201,7 +201,8 @@ class ModelRunner:
                 tables[i, : len(s.block_table)] = torch.tensor(s.block_table)
                 lengths[i] = s.num_computed_tokens + 1
             pad = torch.arange(max_blocks * bs)[None, :] >= lengths[:, None]
-            groups.append(DecodeGroup(start, tables.view(-1).to(self.device), pad[None, :, None, :].to(self.device)))
+            groups.append(DecodeGroup(start, tables.view(-1).to(self.device), pad[None, :, None, :].to(self.device),
+                                      lengths))
         return groups
 
     def _postprocess(self, scheduled, logits, sample_idx, prompt_rows) -> StepResult:

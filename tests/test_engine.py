@@ -291,23 +291,15 @@ def test_non_finite_logits_fail_only_their_own_sequence(tiny_model_dir, monkeypa
     assert_no_leak(engine)
 
 
-def test_sliding_window_models_are_capped_at_their_window():
-    """Paged attention attends over the whole context: beyond a sliding window it would be wrong."""
-    from transformers import Gemma3TextConfig, LlamaConfig, Qwen2Config
+def test_attention_window_is_read_from_the_config():
+    """Which models have sliding-window layers (tests/test_sliding_window.py serves them beyond the window)."""
+    from transformers import Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen2Config
 
     from quantgate.model_shape import attention_window
 
     assert attention_window(Gemma3TextConfig(sliding_window=512)) == 512  # 5 of every 6 layers slide
     assert attention_window(Gemma3TextConfig(sliding_window=512, layer_types=["full_attention"] * 26)) is None
+    assert attention_window(MistralConfig(sliding_window=4096)) == 4096  # every layer
+    assert attention_window(MistralConfig(sliding_window=None)) is None
     assert attention_window(Qwen2Config(sliding_window=4096, use_sliding_window=False)) is None
     assert attention_window(LlamaConfig()) is None
-
-
-def test_engine_caps_context_at_the_window(tiny_model_dir, monkeypatch):
-    import serving.engine
-
-    monkeypatch.setattr(serving.engine, "attention_window", lambda config: 64)
-    engine = engine_for(tiny_model_dir, num_kv_blocks=64)
-    assert engine.max_model_len == 64
-    with pytest.raises(ValueError, match="maximum context length is 64"):
-        engine.generate([[100] * 60], SamplingParams(max_tokens=8))

@@ -5,7 +5,8 @@
 // `table[t / bs] * bs + t % bs` of head h is one contiguous row. Work items are (sequence, KV head): the
 // query heads sharing a KV head read each K/V row once. Scores and sums are fp32; int8 codes are scaled
 // per token (the scale folds into the score for K and into the probability for V); fp8 e4m3 codes are
-// decoded through a 256-entry table.
+// decoded through a 256-entry table. A sliding-window layer (`window` > 0) attends to the last `window`
+// tokens of each context: blocks before the window's first one are never read.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -105,7 +106,21 @@ struct Problem {
   const int64_t* lengths;  // [num_seqs]
   const at::Half* k_scale; // [kv_heads, slots] or null
   const at::Half* v_scale;
+  int64_t window;          // 0: the whole context
 };
+
+// The blocks a sequence attends to, from the one holding its window's first token (the whole context: 0).
+struct Span {
+  const int64_t* table;   // that block's entry in the sequence's block table
+  int64_t first, length;  // attended tokens [first, length), counted from that block's first slot
+};
+
+inline Span span_of(const Problem& p, int64_t seq) {
+  const int64_t length = p.lengths[seq];
+  const int64_t start = p.window > 0 && length > p.window ? length - p.window : 0;
+  const int64_t skipped = start / p.block_size;
+  return {p.tables + seq * p.max_blocks + skipped, start - skipped * p.block_size, length - skipped * p.block_size};
+}
 
 #ifdef QG_AVX512_BF16
 // 16x16 transpose of 32-bit lanes: r[i] lane j -> r[j] lane i.
@@ -230,10 +245,10 @@ inline void context_values_bf16(const uint16_t* v_cache, const int64_t* table, i
 
 // Scaled scores of the `group` query heads over the context: scores[g * stride + t].
 template <typename Q, typename C>
-void context_scores(const Problem& p, const Q* q, const C* k_cache, int64_t seq, int64_t kvh, int64_t length,
+void context_scores(const Problem& p, const Q* q, const C* k_cache, int64_t seq, int64_t kvh, const Span& span,
                     float* scores, int64_t stride, float* buf) {
-  const int64_t group = p.heads / p.kv_heads, dim = p.head_dim;
-  const int64_t* table = p.tables + seq * p.max_blocks;
+  const int64_t group = p.heads / p.kv_heads, dim = p.head_dim, length = span.length;
+  const int64_t* table = span.table;
   const int64_t head_base = kvh * p.slots;
   const Q* qrow = q + (seq * p.heads + kvh * group) * dim;
 #ifdef QG_AVX512_BF16
@@ -259,7 +274,7 @@ void context_scores(const Problem& p, const Q* q, const C* k_cache, int64_t seq,
     load_row(qrow + g * dim, qf + g * dim, dim);
     for (int64_t d = 0; d < dim; ++d) qf[g * dim + d] *= p.scale;
   }
-  for (int64_t t = 0; t < length; ++t) {
+  for (int64_t t = span.first; t < length; ++t) {
     const int64_t slot = table[t / p.block_size] * p.block_size + t % p.block_size;
     load_row(k_cache + (head_base + slot) * dim, row, dim);
     const float ks = p.k_scale ? static_cast<float>(p.k_scale[head_base + slot]) : 1.0f;
@@ -267,15 +282,17 @@ void context_scores(const Problem& p, const Q* q, const C* k_cache, int64_t seq,
   }
 }
 
-// Softmax in place over the first `length` scores of each query head; returns nothing, fills inv_sum.
-inline void softmax_rows(float* scores, int64_t group, int64_t length, int64_t stride, float* inv_sum) {
+// Softmax in place over scores [first, length) of each query head, those before zeroed; fills inv_sum.
+inline void softmax_rows(float* scores, int64_t group, int64_t first, int64_t length, int64_t stride,
+                         float* inv_sum) {
   for (int64_t g = 0; g < group; ++g) {
     float* s = scores + g * stride;
-    float peak = s[0];
-    for (int64_t t = 1; t < length; ++t) peak = std::max(peak, s[t]);
+    std::fill(s, s + first, 0.0f);
+    float peak = s[first];
+    for (int64_t t = first + 1; t < length; ++t) peak = std::max(peak, s[t]);
     float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
-    for (int64_t t = 0; t < length; ++t) {
+    for (int64_t t = first; t < length; ++t) {
       s[t] = std::exp(s[t] - peak);
       sum += s[t];
     }
@@ -296,17 +313,18 @@ inline void finish(float* acc, const float* inv_sum, int64_t group, int64_t dim,
 template <typename Q, typename C>
 void attend_one(const Problem& p, const Q* q, const C* k_cache, const C* v_cache, Q* out, int64_t seq,
                 int64_t kvh, std::vector<float>& scores, std::vector<float>& buf, std::vector<uint16_t>& wbits) {
-  const int64_t group = p.heads / p.kv_heads, dim = p.head_dim, length = p.lengths[seq];
-  if (length <= 0) return;
+  if (p.lengths[seq] <= 0) return;
+  const Span span = span_of(p, seq);
+  const int64_t group = p.heads / p.kv_heads, dim = p.head_dim, length = span.length;
   const int64_t stride = (length + 15) / 16 * 16;  // whole blocks of 16 may be scored at once
   scores.resize(group * stride);
   buf.resize((2 * group + 1) * dim + group);
-  context_scores<Q, C>(p, q, k_cache, seq, kvh, length, scores.data(), stride, buf.data());
+  context_scores<Q, C>(p, q, k_cache, seq, kvh, span, scores.data(), stride, buf.data());
   float* acc = buf.data();              // [group, dim] weighted V sums
   float* row = acc + group * dim;       // [dim] one widened V row
   float* inv_sum = row + dim;           // [group]
-  softmax_rows(scores.data(), group, length, stride, inv_sum);
-  const int64_t* table = p.tables + seq * p.max_blocks;
+  softmax_rows(scores.data(), group, span.first, length, stride, inv_sum);
+  const int64_t* table = span.table;
   const int64_t head_base = kvh * p.slots;
 #ifdef QG_AVX512_BF16
   if constexpr (std::is_same_v<Q, at::BFloat16> && std::is_same_v<C, at::BFloat16>) {
@@ -319,7 +337,7 @@ void attend_one(const Problem& p, const Q* q, const C* k_cache, const C* v_cache
   }
 #endif
   std::fill(acc, acc + group * dim, 0.0f);
-  for (int64_t t = 0; t < length; ++t) {
+  for (int64_t t = span.first; t < length; ++t) {
     const int64_t slot = table[t / p.block_size] * p.block_size + t % p.block_size;
     load_row(v_cache + (head_base + slot) * dim, row, dim);
     const float vs = p.v_scale ? static_cast<float>(p.v_scale[head_base + slot]) : 1.0f;
@@ -357,13 +375,14 @@ void dispatch_cache(const Problem& p, const at::Tensor& q, const at::Tensor& k_c
 at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                         const at::Tensor& block_tables, const at::Tensor& context_lens, int64_t block_size,
                         double scale, const c10::optional<at::Tensor>& k_scale,
-                        const c10::optional<at::Tensor>& v_scale, int64_t kv_format) {
+                        const c10::optional<at::Tensor>& v_scale, int64_t kv_format, int64_t window) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && v_cache.dim() == 3, "paged_decode: q [n, heads, dim], "
               "caches [kv_heads, slots, dim]");
   TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(), "paged_decode: "
               "q and caches must be contiguous");
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong,
               "paged_decode: block_tables and context_lens must be int64");
+  TORCH_CHECK(window >= 0, "paged_decode: window must be >= 0 (0: the whole context)");
   TORCH_CHECK(q.size(1) % k_cache.size(0) == 0, "paged_decode: heads not a multiple of kv_heads");
   TORCH_CHECK(q.size(2) == k_cache.size(2), "paged_decode: head_dim differs between q and the cache");
   const bool scaled = kv_format == kInt8;
@@ -378,7 +397,7 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
   }
   Problem p{q.size(0), q.size(1), k_cache.size(0), q.size(2), k_cache.size(1), block_size,
             tables.size(1), static_cast<float>(scale), tables.data_ptr<int64_t>(), lengths.data_ptr<int64_t>(),
-            scaled ? ks->data_ptr<at::Half>() : nullptr, scaled ? vs->data_ptr<at::Half>() : nullptr};
+            scaled ? ks->data_ptr<at::Half>() : nullptr, scaled ? vs->data_ptr<at::Half>() : nullptr, window};
   auto out = at::empty_like(q);
   switch (q.scalar_type()) {
     case at::kFloat: dispatch_cache<float>(p, q, k_cache, v_cache, out, kv_format); break;
@@ -393,7 +412,7 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
 
 TORCH_LIBRARY(quantgate, m) {
   m.def("paged_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor context_lens, "
-        "int block_size, float scale, Tensor? k_scale, Tensor? v_scale, int kv_format) -> Tensor");
+        "int block_size, float scale, Tensor? k_scale, Tensor? v_scale, int kv_format, int window=0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(quantgate, CPU, m) { m.impl("paged_decode", &paged_decode); }
