@@ -6,7 +6,8 @@ too big for any cache, as a real step reads them) plus its tied lm_head (49152 x
 a decode batch or a prefill chunk hands a layer. `bf16` is the engine's baseline (our kernel, pair-packed
 weights); `bf16_onednn` what it used before; torch's paths are the ones int8wo/int4wo took before the
 kernel: int8 `_weight_int8pack_mm` up to 8 rows, dequantize-then-matmul beyond; int4
-`_weight_int4pack_mm_for_cpu`. Prints ms per pass and each path's ratio to bf16; writes woq_linear.json
+`_weight_int4pack_mm_for_cpu`. On a CPU with AMX, `*_dpbf16` is our kernel with its AMX tiles off.
+Prints ms per pass and each path's ratio to bf16; writes woq_linear.json
 and woq_linear.png.
 
     python benchmarks/woq_linear.py [--rows 1,2,4,8,16,32,64,128] [--layers 30] [--threads N]
@@ -18,6 +19,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable
+from contextlib import nullcontext
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a script: import the repo's packages
@@ -36,6 +38,8 @@ from serving.packed_linear import PackedLinear  # noqa: E402
 # (out, in) of q, k, v, o, gate, up, down, then the lm_head
 SHAPES = ((576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536), (49152, 576))
 PATHS = ("bf16", "bf16_onednn", "int8_torch", "int8_ours", "int4_torch", "int4_ours")
+if woq.cpu_has_amx():  # our kernel with AMX tiles off: what they buy
+    PATHS = (*PATHS, "bf16_dpbf16", "int8_dpbf16", "int4_dpbf16")
 
 
 def _layer_calls(out_features: int, in_features: int, seed: int) -> dict[str, Callable[[torch.Tensor], object]]:
@@ -60,6 +64,9 @@ def _layer_calls(out_features: int, in_features: int, seed: int) -> dict[str, Ca
         "int8_ours": lambda x: woq.int8_linear(x, int8_packed, scales, torch.bfloat16),
         "int4_torch": lambda x: torch.ops.aten._weight_int4pack_mm_for_cpu(x, int4_torch, 32, sz),
         "int4_ours": lambda x: woq.int4_linear(x, int4_ours, sz, 32, out_features, torch.bfloat16),
+        "bf16_dpbf16": lambda x: woq.bf16_linear(x, pairs, torch.bfloat16),
+        "int8_dpbf16": lambda x: woq.int8_linear(x, int8_packed, scales, torch.bfloat16),
+        "int4_dpbf16": lambda x: woq.int4_linear(x, int4_ours, sz, 32, out_features, torch.bfloat16),
     }
 
 
@@ -76,7 +83,8 @@ def measure(rows: int, layers: list[tuple[int, dict]], rounds: int = 3) -> dict:
     with torch.inference_mode():
         for _ in range(rounds):
             for name in PATHS:
-                seconds = mean_seconds(lambda name=name: [calls[name](inputs[k]) for k, calls in layers], 4)
+                with woq.without_amx() if name.endswith("_dpbf16") else nullcontext():
+                    seconds = mean_seconds(lambda name=name: [calls[name](inputs[k]) for k, calls in layers], 4)
                 totals[name] = min(totals[name], seconds)
     row = {"rows": rows, **{f"{name}_ms": seconds * 1e3 for name, seconds in totals.items()}}
     row.update({f"{name}_vs_bf16": totals["bf16"] / totals[name] for name in PATHS[1:]})

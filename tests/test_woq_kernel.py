@@ -102,6 +102,36 @@ def test_each_row_is_computed_alone(rows):
         assert torch.equal(woq.int4_linear(many, int4, sz, 32, 192, torch.float32)[rows - 1], together4[row])
 
 
+@pytest.mark.skipif(not woq.cpu_has_amx(), reason="this CPU has no AMX tiles")
+@pytest.mark.parametrize("rows", [1, 5, 16, 17, 40])
+def test_amx_tiles_give_the_dpbf16_paths_results_to_rounding(rows):
+    """Where the CPU has AMX the panel paths (every bf16 call, int8 from 24 rows, int4 from 8) multiply on
+    its tiles, the last rows zero-padded to 16: the dpbf16 paths' sums in another order, each row's its own
+    (a bf16 row comes out the same at every batch size)."""
+    torch.manual_seed(rows)
+    n, k = 192, 576
+    weight = torch.randn(n, k)
+    pairs = woq.pack_bf16(weight.bfloat16())
+    q, scales = quantize_per_channel(weight)
+    int8 = woq.pack_int8(q)
+    codes, sz = quantize_groups(weight, 32)
+    int4 = woq.pack_int4(unpack_nibbles(codes))
+    calls = {
+        "bf16": lambda x: woq.bf16_linear(x, pairs, torch.float32),
+        "int8": lambda x: woq.int8_linear(x, int8, scales, torch.float32),
+        "int4": lambda x: woq.int4_linear(x, int4, sz, 32, n, torch.float32),
+    }
+    x = torch.randn(rows, k).bfloat16()
+    for name, call in calls.items():
+        tiles = call(x)
+        with woq.without_amx():
+            dpbf16 = call(x)
+        assert_close(tiles, dpbf16, 1e-5, name)
+        many = x[-1:].expand(rows, -1).contiguous()  # the last (zero-padded) row beside copies of itself
+        assert torch.equal(call(many)[0], tiles[-1]), name
+    assert torch.equal(calls["bf16"](x[-1:].contiguous())[0], calls["bf16"](x)[-1])
+
+
 def test_bad_inputs_are_refused_with_the_reason():
     q, scales = quantize_per_channel(torch.randn(32, 64))
     packed = woq.pack_int8(q)

@@ -2,13 +2,16 @@
 
 The kernel reads each weight once per call whatever the batch (torch's CPU int8/int4 kernels redo the
 dequantization per row): int8 through a bf16 panel per 48 output channels held in L2, int4 through a
-register lookup table (a panel too from 32 rows), a packed bf16 weight in place. `available()` says whether it runs here: a CPU with
+register lookup table (a panel too from 8 rows), a packed bf16 weight in place. Where the CPU has AMX,
+calls of 16 rows or more multiply on AMX tiles over the same layouts (woq_amx.h). `available()` says whether it runs here: a CPU with
 avx512_bf16, a compiler, and `QUANTGATE_WOQ_KERNEL` not "0". The pack functions build its layouts.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -17,11 +20,30 @@ from quantgate import kernels
 
 SOURCE = Path(__file__).with_name("woq_linear.cpp")
 ENV = "QUANTGATE_WOQ_KERNEL"  # "0" keeps torch's kernels (to measure what this one buys)
+AMX_ENV = "QUANTGATE_AMX"  # "0" keeps the dpbf16 paths where AMX would run (read by the kernel per call)
 TILE = 16
 
 
 def cpu_has_avx512_bf16() -> bool:
     return "avx512_bf16" in kernels.cpu_signature().split()
+
+
+def cpu_has_amx() -> bool:
+    return "amx_bf16" in kernels.cpu_signature().split()
+
+
+@contextmanager
+def without_amx() -> Iterator[None]:
+    """The kernel's dpbf16 paths only, for the calls made inside (to measure what AMX buys)."""
+    before = os.environ.get(AMX_ENV)
+    os.environ[AMX_ENV] = "0"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(AMX_ENV, None)
+        else:
+            os.environ[AMX_ENV] = before
 
 
 def available(device: torch.device | str = "cpu") -> bool:

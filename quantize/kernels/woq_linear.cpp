@@ -29,6 +29,7 @@
 #include <vector>
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
+#include "woq_amx.h"
 #include "woq_common.h"
 #include "woq_few_rows.h"
 
@@ -75,8 +76,7 @@ void rows_over_panel(const Problem& p, int64_t row0, int64_t tile0, Panel panel)
 }
 
 template <int TILES>
-void all_rows(const Problem& p, int64_t tile0, Panel panel) {
-  int64_t row0 = 0;
+void all_rows(const Problem& p, int64_t row0, int64_t tile0, Panel panel) {
   for (; row0 + kRows <= p.m; row0 += kRows) rows_over_panel<kRows, TILES>(p, row0, tile0, panel);
   switch (p.m - row0) {
     case 7: rows_over_panel<7, TILES>(p, row0, tile0, panel); break;
@@ -91,11 +91,44 @@ void all_rows(const Problem& p, int64_t tile0, Panel panel) {
 }
 
 
-void panel_rows(const Problem& p, int64_t tile0, int count, Panel panel) {
-  if (count == 3) all_rows<3>(p, tile0, panel);
-  else if (count == 2) all_rows<2>(p, tile0, panel);
-  else all_rows<1>(p, tile0, panel);
+// Every row through AMX tiles where it runs (`tail`: the last rows zero-padded to 16), else with dpbf16.
+void panel_rows(const Problem& p, int64_t tile0, int count, Panel panel, bool amx, const uint16_t* tail) {
+#ifdef QUANTGATE_AMX
+  if (amx && count == 3) return amx_rows_over<3>(p, tail, tile0, panel.base, panel.kp_stride, panel.tile_stride);
+  if (amx && count == 2) return amx_rows_over<2>(p, tail, tile0, panel.base, panel.kp_stride, panel.tile_stride);
+  if (amx) return amx_rows_over<1>(p, tail, tile0, panel.base, panel.kp_stride, panel.tile_stride);
+#endif
+  if (count == 3) all_rows<3>(p, 0, tile0, panel);
+  else if (count == 2) all_rows<2>(p, 0, tile0, panel);
+  else all_rows<1>(p, 0, tile0, panel);
 }
+
+// Whether AMX takes the call, and its zero-padded last rows; each thread configures its tiles for the
+// call (`Tiles`) and releases them after.
+struct AmxCall {
+  explicit AmxCall(const Problem& p) {
+#ifdef QUANTGATE_AMX
+    used = amx_takes(p);
+    if (used) tail = amx_tail(p);
+#endif
+  }
+  bool used = false;
+  std::vector<uint16_t> tail;
+};
+
+struct Tiles {
+  explicit Tiles(const AmxCall& call) : used(call.used) {
+#ifdef QUANTGATE_AMX
+    if (used) configure_tiles();
+#endif
+  }
+  ~Tiles() {
+#ifdef QUANTGATE_AMX
+    if (used) _tile_release();
+#endif
+  }
+  bool used;
+};
 
 constexpr int64_t kInt8PanelRows = 24, kInt4PanelRows = 8;  // from here the panel paths are faster
 
@@ -139,13 +172,15 @@ void run_int4(const Problem& p) {
     values[i] = static_cast<uint16_t>(bits >> 16);  // exact: small integers
   }
   const __m512i table = _mm512_load_si512(values);  // vpermw reads an index's low 5 bits: the 16 values twice
+  const AmxCall amx(p);
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
     std::vector<__m512i> panel(p.k / 2 * kTilesPerBlock);
+    const Tiles tile_state(amx);
     for (int64_t b = begin; b < end; ++b) {
       const int64_t tile0 = b * kTilesPerBlock;
       const int count = static_cast<int>(std::min<int64_t>(kTilesPerBlock, tiles - tile0));
       dequant_int4(p, tile0, count, table, panel.data());
-      panel_rows(p, tile0, count, Panel{panel.data(), count, 1});
+      panel_rows(p, tile0, count, Panel{panel.data(), count, 1}, amx.used, amx.tail.data());
     }
   });
 }
@@ -153,13 +188,15 @@ void run_int4(const Problem& p) {
 void run_int8(const Problem& p) {
   if (p.m < kInt8PanelRows) return run_small<false>(p);
   const int64_t tiles = p.n / kTile, blocks = (tiles + kTilesPerBlock - 1) / kTilesPerBlock;
+  const AmxCall amx(p);
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
     std::vector<__m512i> panel(p.k / 2 * kTilesPerBlock);
+    const Tiles tile_state(amx);
     for (int64_t b = begin; b < end; ++b) {
       const int64_t tile0 = b * kTilesPerBlock;
       const int count = static_cast<int>(std::min<int64_t>(kTilesPerBlock, tiles - tile0));
       dequant_int8(p, tile0, count, panel.data());
-      panel_rows(p, tile0, count, Panel{panel.data(), count, 1});
+      panel_rows(p, tile0, count, Panel{panel.data(), count, 1}, amx.used, amx.tail.data());
     }
   });
 }
@@ -167,11 +204,13 @@ void run_int8(const Problem& p) {
 void run_bf16(const Problem& p) {
   const int64_t tiles = p.n / kTile, blocks = (tiles + kTilesPerBlock - 1) / kTilesPerBlock, pairs = p.k / 2;
   const __m512i* weight = static_cast<const __m512i*>(p.weight);
+  const AmxCall amx(p);
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+    const Tiles tile_state(amx);
     for (int64_t b = begin; b < end; ++b) {
       const int64_t tile0 = b * kTilesPerBlock;
       const int count = static_cast<int>(std::min<int64_t>(kTilesPerBlock, tiles - tile0));
-      panel_rows(p, tile0, count, Panel{weight + tile0 * pairs, 1, pairs});
+      panel_rows(p, tile0, count, Panel{weight + tile0 * pairs, 1, pairs}, amx.used, amx.tail.data());
     }
   });
 }
