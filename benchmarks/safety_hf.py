@@ -1,7 +1,7 @@
 """The safety suite through lm-eval's `hf` backend on plain HF model directories, side by side: how often
 each model refuses HarmBench / AdvBench prompts (our detector, evals/refusal.py) and our benign
-over-refusal set. Used to judge whether a candidate second model (e.g. a packaged Gemma 3 270M, which our
-paged kernel cannot serve yet: sliding-window attention) refuses clearly more than the default model.
+over-refusal set. Used to judge whether a candidate second model (e.g. the packaged Gemma 3 270M) refuses
+clearly more than the default model, before it is worth serving through the engine.
 
     OMP_NUM_THREADS=1 python benchmarks/safety_hf.py DIR [DIR ...] [--limit 20] [--tasks harmbench,advbench,over_refusal]
 """
