@@ -6,7 +6,7 @@ too big for any cache, as a real step reads them) plus its tied lm_head (49152 x
 a decode batch or a prefill chunk hands a layer. `bf16` is the engine's baseline (our kernel, pair-packed
 weights); `bf16_onednn` what it used before; torch's paths are the ones int8wo/int4wo took before the
 kernel: int8 `_weight_int8pack_mm` up to 8 rows, dequantize-then-matmul beyond; int4
-`_weight_int4pack_mm_for_cpu`. On a CPU with AMX, `*_dpbf16` is our kernel with its AMX tiles off.
+`_weight_int4pack_mm_for_cpu`. On a CPU with AMX, `*_dpbf16` is our kernel with its AMX tiles off (int8 packed in pairs).
 Prints ms per pass and each path's ratio to bf16; writes woq_linear.json
 and woq_linear.png.
 
@@ -48,7 +48,7 @@ def _layer_calls(out_features: int, in_features: int, seed: int) -> dict[str, Ca
     linear.weight.data = weight.bfloat16()
     onednn, pairs = PackedLinear(linear), woq.pack_bf16(linear.weight.data)
     q, scales = quantize_per_channel(weight)
-    int8_packed, scales_bf16 = woq.pack_int8(q), scales.bfloat16()
+    int8_packed, int8_pairs, scales_bf16 = woq.pack_int8(q), woq.pack_int8(q, 2), scales.bfloat16()
     codes, sz = quantize_groups(weight, 32)
     int4_torch, int4_ours = pack_for_cpu(unpack_nibbles(codes)), woq.pack_int4(unpack_nibbles(codes))
 
@@ -65,7 +65,7 @@ def _layer_calls(out_features: int, in_features: int, seed: int) -> dict[str, Ca
         "int4_torch": lambda x: torch.ops.aten._weight_int4pack_mm_for_cpu(x, int4_torch, 32, sz),
         "int4_ours": lambda x: woq.int4_linear(x, int4_ours, sz, 32, out_features, torch.bfloat16),
         "bf16_dpbf16": lambda x: woq.bf16_linear(x, pairs, torch.bfloat16),
-        "int8_dpbf16": lambda x: woq.int8_linear(x, int8_packed, scales, torch.bfloat16),
+        "int8_dpbf16": lambda x: woq.int8_linear(x, int8_pairs, scales, torch.bfloat16),
         "int4_dpbf16": lambda x: woq.int4_linear(x, int4_ours, sz, 32, out_features, torch.bfloat16),
     }
 

@@ -47,12 +47,14 @@ def test_int8_matches_the_scaled_integer_matmul(n, k):
     q, scales = quantize_per_channel(torch.randn(n, k))
     packed = woq.pack_int8(q)
     assert torch.equal(woq.unpack_int8(packed), q)
+    quads = packed.shape[3] == 4  # AMX-INT8 (and VPDPBUSD for 1-2 rows): int16 rows at every row count
+    assert quads == (woq.cpu_has_amx() and k % 64 == 0)
     for rows in ROWS:
         x = torch.randn(rows, k).bfloat16()
         reference = (x.float() @ q.float().t()) * scales
         out = woq.int8_linear(x, packed, scales, torch.float32)
         assert out.shape == (rows, n) and out.dtype == torch.float32
-        if rows < INT8_PANEL_ROWS:  # exact sums of x rounded to int16; that rounding costs < 1e-4
+        if rows < INT8_PANEL_ROWS or quads:  # exact sums of x rounded to int16; that rounding costs < 1e-4
             assert_close(out, (int16_rows(x) @ q.float().t()) * scales, 3e-5, f"{rows} rows")
             assert_close(out, reference, 1e-4, f"{rows} rows")
         else:
@@ -105,31 +107,37 @@ def test_each_row_is_computed_alone(rows):
 @pytest.mark.skipif(not woq.cpu_has_amx(), reason="this CPU has no AMX tiles")
 @pytest.mark.parametrize("rows", [1, 5, 16, 17, 40])
 def test_amx_tiles_give_the_dpbf16_paths_results_to_rounding(rows):
-    """Where the CPU has AMX the panel paths (every bf16 call, int8 from 24 rows, int4 from 8) multiply on
-    its tiles, the last rows zero-padded to 16: the dpbf16 paths' sums in another order, each row's its own
-    (a bf16 row comes out the same at every batch size)."""
+    """Where the CPU has AMX the panel paths (every bf16 call, int4 from 8 rows) multiply on its tiles, the
+    last rows zero-padded to 16: the dpbf16 paths' sums in another order, each row's its own (a bf16 row
+    comes out the same at every batch size); int8, packed in quads, sums int16 rows exactly on AMX-INT8
+    (VPDPBUSD for 1-2 rows), the same to the bit at every batch size."""
     torch.manual_seed(rows)
     n, k = 192, 576
     weight = torch.randn(n, k)
     pairs = woq.pack_bf16(weight.bfloat16())
     q, scales = quantize_per_channel(weight)
-    int8 = woq.pack_int8(q)
+    int8, int8_pairs = woq.pack_int8(q), woq.pack_int8(q, 2)
+    assert int8.shape[3] == 4  # int8 is packed in quads for AMX-INT8 here
     codes, sz = quantize_groups(weight, 32)
     int4 = woq.pack_int4(unpack_nibbles(codes))
     calls = {
-        "bf16": lambda x: woq.bf16_linear(x, pairs, torch.float32),
-        "int8": lambda x: woq.int8_linear(x, int8, scales, torch.float32),
-        "int4": lambda x: woq.int4_linear(x, int4, sz, 32, n, torch.float32),
+        "bf16": (lambda x: woq.bf16_linear(x, pairs, torch.float32), None),
+        "int8": (lambda x: woq.int8_linear(x, int8, scales, torch.float32),
+                 lambda x: woq.int8_linear(x, int8_pairs, scales, torch.float32)),
+        "int4": (lambda x: woq.int4_linear(x, int4, sz, 32, n, torch.float32), None),
     }
     x = torch.randn(rows, k).bfloat16()
-    for name, call in calls.items():
+    for name, (call, pairs_call) in calls.items():
         tiles = call(x)
         with woq.without_amx():
-            dpbf16 = call(x)
-        assert_close(tiles, dpbf16, 1e-5, name)
+            dpbf16 = (pairs_call or call)(x)
+        # int8 in pairs from 24 rows: the bf16 panel, not int16 rows (an error of < 1e-4)
+        assert_close(tiles, dpbf16, 1e-4 if name == "int8" else 1e-5, name)
         many = x[-1:].expand(rows, -1).contiguous()  # the last (zero-padded) row beside copies of itself
         assert torch.equal(call(many)[0], tiles[-1]), name
-    assert torch.equal(calls["bf16"](x[-1:].contiguous())[0], calls["bf16"](x)[-1])
+    for name in ("bf16", "int8"):
+        call = calls[name][0]
+        assert torch.equal(call(x[-1:].contiguous())[0], call(x)[-1]), name
 
 
 def test_bad_inputs_are_refused_with_the_reason():

@@ -3,7 +3,8 @@
 The kernel reads each weight once per call whatever the batch (torch's CPU int8/int4 kernels redo the
 dequantization per row): int8 through a bf16 panel per 48 output channels held in L2, int4 through a
 register lookup table (a panel too from 8 rows), a packed bf16 weight in place. Where the CPU has AMX,
-calls of 16 rows or more multiply on AMX tiles over the same layouts (woq_amx.h). `available()` says whether it runs here: a CPU with
+the panel paths multiply on AMX-BF16 tiles over the same layouts (woq_amx.h), and int8 weights, packed in
+quads there, run on AMX-INT8 at every row count (woq_amx_int8.h). `available()` says whether it runs here: a CPU with
 avx512_bf16, a compiler, and `QUANTGATE_WOQ_KERNEL` not "0". The pack functions build its layouts.
 """
 
@@ -59,19 +60,29 @@ def fits(in_features: int, out_features: int, group_size: int | None = None) -> 
     return in_features % 2 == 0 and out_features % TILE == 0
 
 
-def pack_int8(weight: torch.Tensor) -> torch.Tensor:
-    """[N, K] int8 (or bf16) -> [N/16, K/2, 16, 2]: 16 channels at two consecutive inputs per vector."""
+def int8_width(in_features: int) -> int:
+    """Inputs per channel an int8 weight is packed with here: 4 (quads) where the AMX-INT8 path runs it,
+    else 2 (pairs)."""
+    return 4 if available() and torch.ops.quantgate_woq.amx_int8_ready(in_features) else 2
+
+
+def pack_int8(weight: torch.Tensor, width: int | None = None) -> torch.Tensor:
+    """[N, K] int8 -> [N/16, K/width, 16, width]: 16 channels at `width` consecutive inputs per row, pairs
+    for the dpbf16 and int16 paths, quads for AMX-INT8 (default: `int8_width(K)`)."""
     n, k = weight.shape
-    return weight.view(n // TILE, TILE, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+    width = width or int8_width(k)
+    return weight.view(n // TILE, TILE, k // width, width).permute(0, 2, 1, 3).contiguous()
 
 
-pack_bf16 = pack_int8  # the same layout: dpbf16 reads bf16 pairs in place
+def pack_bf16(weight: torch.Tensor) -> torch.Tensor:
+    """[N, K] bf16 -> [N/16, K/2, 16, 2]: the pairs dpbf16 and AMX-BF16 read in place."""
+    return pack_int8(weight, 2)
 
 
 def packed_rows(packed: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """Rows `ids` of the [N, K] weight behind a `pack_int8`/`pack_bf16` layout: an embedding lookup."""
     flat = ids.reshape(-1)
-    return packed[flat // TILE, :, flat % TILE, :].reshape(*ids.shape, packed.shape[1] * 2)
+    return packed[flat // TILE, :, flat % TILE, :].reshape(*ids.shape, packed.shape[1] * packed.shape[3])
 
 
 def pack_int4(q: torch.Tensor) -> torch.Tensor:
@@ -107,8 +118,8 @@ def int4_rows(words: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
 
 def unpack_int8(packed: torch.Tensor) -> torch.Tensor:
     """Inverse of `pack_int8`: [N, K] int8."""
-    tiles, pairs = packed.shape[:2]
-    return packed.permute(0, 2, 1, 3).reshape(tiles * TILE, pairs * 2)
+    tiles, groups, _, width = packed.shape
+    return packed.permute(0, 2, 1, 3).reshape(tiles * TILE, groups * width)
 
 
 def out_dtype(dtype: torch.dtype) -> torch.dtype:

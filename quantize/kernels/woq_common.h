@@ -9,6 +9,7 @@ namespace {
 
 constexpr int kTile = 16;        // output channels per zmm of fp32 accumulators
 constexpr int kTilesPerBlock = 3;  // 48 channels per panel
+constexpr int kRound = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
 constexpr int kRows = 8;         // rows of x per register block: 8 x 3 accumulators + 3 weights + 1 broadcast
 
 struct Problem {
@@ -32,7 +33,9 @@ void store_rows(const Problem& p, int64_t row0, int64_t tile0, const __m512 (&ac
     const __m512 scale = scales ? _mm512_loadu_ps(scales + n0) : _mm512_set1_ps(1.0f);
     for (int r = 0; r < ROWS; ++r) {
       // one product per output, the same in every instantiation: a row's result is the row's alone
-      const __m512 y = _mm512_mul_ps(acc[r][t], row_scales ? _mm512_mul_ps(scale, _mm512_set1_ps(row_scales[row0 + r])) : scale);
+      // explicit rounding: -ffast-math may not reassociate these differently in each instantiation
+      const __m512 s = row_scales ? _mm512_mul_round_ps(scale, _mm512_set1_ps(row_scales[row0 + r]), kRound) : scale;
+      const __m512 y = _mm512_mul_round_ps(acc[r][t], s, kRound);
       const int64_t at = (row0 + r) * p.n + n0;
       if (p.out_bf16) {
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(p.out) + at),

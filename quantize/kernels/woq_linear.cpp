@@ -30,6 +30,7 @@
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #include "woq_amx.h"
+#include "woq_amx_int8.h"
 #include "woq_common.h"
 #include "woq_few_rows.h"
 
@@ -215,6 +216,16 @@ void run_bf16(const Problem& p) {
   });
 }
 
+// Whether an int8 weight of K inputs may be packed in quads for the AMX-INT8 path here.
+bool amx_int8_ready(int64_t k) {
+#ifdef QUANTGATE_AMX_INT8
+  return k % 64 == 0 && k <= kAmxQuadsMaxK && amx_allowed();
+#else
+  (void)k;
+  return false;
+#endif
+}
+
 at::Tensor prepare(const at::Tensor& x, int64_t n, at::ScalarType out_dtype, Problem& p) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(),
               "woq linear: x must be a contiguous 2-D bfloat16 tensor, got ", x.sizes(), " ", x.scalar_type());
@@ -236,7 +247,14 @@ at::Tensor woq_linear_int8(const at::Tensor& x, const at::Tensor& packed, const 
               "woq_linear_int8: packed weight must be contiguous int8 with N*K elements");
   TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous(), "woq_linear_int8: fp32 scales");
   p.weight = packed.data_ptr(), p.scales = scales.data_ptr<float>(), p.group_size = 0;
-  if (p.m) run_int8(p);
+  const bool quads = packed.dim() == 4 && packed.size(3) == 4;
+  TORCH_CHECK(!quads || amx_int8_ready(p.k), "woq_linear_int8: a weight packed in quads needs AMX-INT8 (and "
+              "QUANTGATE_AMX not 0) and K a multiple of 64 up to 65536; got K=", p.k);
+  if (!p.m) return out;
+#ifdef QUANTGATE_AMX_INT8
+  if (quads) return run_int8_amx(p), out;
+#endif
+  run_int8(p);
   return out;
 }
 
@@ -273,6 +291,7 @@ at::Tensor woq_linear_bf16(const at::Tensor& x, const at::Tensor& packed, at::Sc
 
 TORCH_LIBRARY(quantgate_woq, m) {
   m.def("woq_linear_bf16(Tensor x, Tensor packed, ScalarType out_dtype) -> Tensor");
+  m.def("amx_int8_ready(int k) -> bool", &amx_int8_ready);
   m.def("woq_linear_int8(Tensor x, Tensor packed, Tensor scales, ScalarType out_dtype) -> Tensor");
   m.def("woq_linear_int4(Tensor x, Tensor packed, Tensor scales_zeros, int group_size, int n, "
         "ScalarType out_dtype) -> Tensor");
