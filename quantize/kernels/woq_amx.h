@@ -37,15 +37,6 @@ bool amx_allowed() {
   return granted && !(env && env[0] == '0');
 }
 
-// A tile load waits for its 16 rows: at one 16-row block per call (decode) the weight streams from memory
-// one tile at a time unless its rows are asked for ahead (measured: int8 at 1 row 10.3 -> X ms a pass).
-constexpr int64_t kPrefetchAhead = 4;  // k-steps
-
-inline void prefetch_tile(const void* rows, int64_t stride) {
-  const char* at = static_cast<const char*>(rows);
-  for (int r = 0; r < kAmxRows; ++r) _mm_prefetch(at + r * stride, _MM_HINT_T0);
-}
-
 struct alignas(64) TileConfig {
   uint8_t palette = 1, start_row = 0, reserved[14] = {};
   uint16_t colsb[16] = {};
@@ -71,9 +62,6 @@ void amx_block(const Problem& p, const uint16_t* x, int64_t row0, int valid, int
   if (TILES > 2) _tile_zero(2);
   const int64_t pairs = p.k / 2, x_stride = p.k * 2, w_stride = kp_stride * 64;
   for (int64_t kp = 0; kp < pairs; kp += kAmxPairs) {
-    const int64_t ahead = kp + kPrefetchAhead * kAmxPairs;
-    if (ahead < pairs)
-      for (int t = 0; t < TILES; ++t) prefetch_tile(w + ahead * kp_stride + t * tile_stride, w_stride);
     _tile_loadd(3, x + kp * 2, x_stride);
     _tile_loadd(4, w + kp * kp_stride, w_stride);
     _tile_dpbf16ps(0, 3, 4);

@@ -69,9 +69,6 @@ void amx_int8_block(const Problem& p, const ByteRows& b, const float* row_scale,
     _tile_zero(3);
   }
   for (int64_t q0 = 0; q0 < quads; q0 += kAmxRows) {
-    const int64_t ahead = q0 + kPrefetchAhead * kAmxRows;
-    if (ahead < quads)
-      for (int t = 0; t < TILES; ++t) prefetch_tile(w + ((tile0 + t) * quads + ahead) * 64, 64);
     _tile_loadd(4, b.lo.data() + row0 * p.k + q0 * 4, p.k);
     _tile_loadd(5, b.hi.data() + row0 * p.k + q0 * 4, p.k);
     _tile_loadd(6, w + (tile0 * quads + q0) * 64, 64);
