@@ -12,6 +12,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -123,6 +124,14 @@ inline Span span_of(const Problem& p, int64_t seq) {
 }
 
 #ifdef QG_AVX512_BF16
+// Blocks are scattered over the cache: ask for the next one while this one is read (the hardware
+// prefetcher follows a block's rows, not the jump to the next block).
+template <typename T>
+inline void prefetch_block(const T* rows, int64_t elements) {
+  const char* at = reinterpret_cast<const char*>(rows);
+  for (int64_t off = 0; off < elements * static_cast<int64_t>(sizeof(T)); off += 64) _mm_prefetch(at + off, _MM_HINT_T0);
+}
+
 // 16x16 transpose of 32-bit lanes: r[i] lane j -> r[j] lane i.
 inline void transpose16(__m512i* r) {
   __m512i t[16];
@@ -220,6 +229,7 @@ inline void context_values_bf16(const uint16_t* v_cache, const int64_t* table, i
   const int64_t pairs_end = length / 2 * 2;
   for (int64_t t = 0; t < pairs_end; t += 2) {
     const uint16_t* v0 = v_cache + (head_base + table[t / 16] * 16 + t % 16) * dim;
+    if (t % 16 == 0 && t + 16 < length) prefetch_block(v_cache + (head_base + table[t / 16 + 1] * 16) * dim, 16 * dim);
     for (int64_t g = 0; g < group; ++g) wpair[g] = reinterpret_cast<const uint32_t*>(wbits.data() + g * stride)[t / 2];
     pair_values_bf16(v0, v0 + dim, dim, wpair, group, vacc);
   }
@@ -257,6 +267,7 @@ void context_scores(const Problem& p, const Q* q, const C* k_cache, int64_t seq,
       const uint32_t* qpairs = reinterpret_cast<const uint32_t*>(qrow);  // the group's rows are adjacent
       for (int64_t b = 0; b * 16 < length; ++b) {
         const C* block = k_cache + (head_base + table[b] * 16) * dim;
+        if ((b + 1) * 16 < length) prefetch_block(k_cache + (head_base + table[b + 1] * 16) * dim, 16 * dim);
         block_scores_bf16(reinterpret_cast<const uint16_t*>(block), dim, qpairs, group, scores + b * 16, stride);
       }
       for (int64_t g = 0; g < group; ++g) {
@@ -346,6 +357,26 @@ void attend_one(const Problem& p, const Q* q, const C* k_cache, const C* v_cache
   finish(acc, inv_sum, group, dim, out + (seq * p.heads + kvh * group) * dim);
 }
 
+// Work items (sequence, KV head) cut into `parts` contiguous runs of about equal cost (tokens attended
+// plus a fixed cost per item): a batch mixes 16- and 512-token contexts, and an even split by count left
+// one thread with most of the tokens.
+std::vector<int64_t> balanced_cuts(const Problem& p, int64_t parts) {
+  const int64_t items = p.num_seqs * p.kv_heads;
+  std::vector<int64_t> cost(items + 1, 0);
+  for (int64_t item = 0; item < items; ++item) {
+    const Span span = span_of(p, item / p.kv_heads);
+    cost[item + 1] = cost[item] + std::max<int64_t>(span.length - span.first, 0) + 32;
+  }
+  parts = std::max<int64_t>(1, std::min(parts, items));
+  std::vector<int64_t> cuts{0};
+  for (int64_t part = 1; part < parts; ++part) {
+    const int64_t target = cost[items] * part / parts;
+    cuts.push_back(std::lower_bound(cost.begin(), cost.end(), target) - cost.begin());
+  }
+  cuts.push_back(items);
+  return cuts;
+}
+
 template <typename Q, typename C>
 void run(const Problem& p, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
          at::Tensor& out) {
@@ -353,10 +384,11 @@ void run(const Problem& p, const at::Tensor& q, const at::Tensor& k_cache, const
   const C* kp = k_cache.data_ptr<C>();
   const C* vp = v_cache.data_ptr<C>();
   Q* op = out.data_ptr<Q>();
-  at::parallel_for(0, p.num_seqs * p.kv_heads, 1, [&](int64_t begin, int64_t end) {
+  const std::vector<int64_t> cuts = balanced_cuts(p, at::get_num_threads());
+  at::parallel_for(0, static_cast<int64_t>(cuts.size()) - 1, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores, buf;
     std::vector<uint16_t> wbits;
-    for (int64_t item = begin; item < end; ++item) {
+    for (int64_t item = cuts[begin]; item < cuts[end]; ++item) {
       attend_one<Q, C>(p, qp, kp, vp, op, item / p.kv_heads, item % p.kv_heads, scores, buf, wbits);
     }
   });
