@@ -13,6 +13,7 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -101,11 +102,11 @@ std::vector<uint16_t> amx_tail(const Problem& p) {
 
 template <int TILES>
 void amx_rows_over(const Problem& p, const uint16_t* tail, int64_t tile0, const __m512i* w, int64_t kp_stride,
-                   int64_t tile_stride) {
-  const int64_t full = p.m / kAmxRows * kAmxRows;
-  for (int64_t row0 = 0; row0 < full; row0 += kAmxRows)
+                   int64_t tile_stride, int64_t begin, int64_t end) {  // rows [begin, end), begin a multiple of 16
+  const int64_t full = std::min(end, p.m / kAmxRows * kAmxRows);
+  for (int64_t row0 = begin; row0 < full; row0 += kAmxRows)
     amx_block<TILES>(p, p.x + row0 * p.k, row0, kAmxRows, tile0, w, kp_stride, tile_stride);
-  if (full < p.m) amx_block<TILES>(p, tail, full, static_cast<int>(p.m - full), tile0, w, kp_stride, tile_stride);
+  if (full < end) amx_block<TILES>(p, tail, full, static_cast<int>(end - full), tile0, w, kp_stride, tile_stride);
 }
 
 }  // namespace

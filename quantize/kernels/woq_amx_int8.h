@@ -22,7 +22,8 @@ namespace {
 
 constexpr int64_t kAmxQuadsMaxK = 65536;  // lo * w sums stay exact in int32 up to here
 
-constexpr int64_t kVnniMaxRows = 2;  // up to here VPDPBUSD, above AMX tiles (quantgate bench woq)
+constexpr int64_t kVnniMaxRows = 2;
+constexpr int64_t kInt8ChunkRows = 512;  // rows of x's bytes (2 planes) kept in L2 while blocks pass  // up to here VPDPBUSD, above AMX tiles (quantgate bench woq)
 
 struct ByteRows {
   std::vector<uint8_t> lo;  // [rows padded to 16, K]
@@ -153,12 +154,14 @@ void run_int8_amx(const Problem& p) {
   const int64_t tiles = p.n / kTile, blocks = (tiles + 1) / 2;
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
     configure_tiles();
-    for (int64_t blk = begin; blk < end; ++blk) {
-      const int64_t tile0 = blk * 2;
-      for (int64_t row0 = 0; row0 < p.m; row0 += kAmxRows) {
-        const int valid = static_cast<int>(std::min<int64_t>(kAmxRows, p.m - row0));
-        if (tile0 + 1 < tiles) amx_int8_block<2>(p, b, q.scale.data(), row0, valid, tile0);
-        else amx_int8_block<1>(p, b, q.scale.data(), row0, valid, tile0);
+    for (int64_t chunk = 0; chunk < p.m; chunk += kInt8ChunkRows) {  // x's bytes stay in L2 across blocks
+      for (int64_t blk = begin; blk < end; ++blk) {
+        const int64_t tile0 = blk * 2;
+        for (int64_t row0 = chunk; row0 < std::min(p.m, chunk + kInt8ChunkRows); row0 += kAmxRows) {
+          const int valid = static_cast<int>(std::min<int64_t>(kAmxRows, p.m - row0));
+          if (tile0 + 1 < tiles) amx_int8_block<2>(p, b, q.scale.data(), row0, valid, tile0);
+          else amx_int8_block<1>(p, b, q.scale.data(), row0, valid, tile0);
+        }
       }
     }
     _tile_release();

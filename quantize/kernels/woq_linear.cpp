@@ -77,9 +77,9 @@ void rows_over_panel(const Problem& p, int64_t row0, int64_t tile0, Panel panel)
 }
 
 template <int TILES>
-void all_rows(const Problem& p, int64_t row0, int64_t tile0, Panel panel) {
-  for (; row0 + kRows <= p.m; row0 += kRows) rows_over_panel<kRows, TILES>(p, row0, tile0, panel);
-  switch (p.m - row0) {
+void all_rows(const Problem& p, int64_t row0, int64_t end, int64_t tile0, Panel panel) {
+  for (; row0 + kRows <= end; row0 += kRows) rows_over_panel<kRows, TILES>(p, row0, tile0, panel);
+  switch (end - row0) {
     case 7: rows_over_panel<7, TILES>(p, row0, tile0, panel); break;
     case 6: rows_over_panel<6, TILES>(p, row0, tile0, panel); break;
     case 5: rows_over_panel<5, TILES>(p, row0, tile0, panel); break;
@@ -92,17 +92,24 @@ void all_rows(const Problem& p, int64_t row0, int64_t tile0, Panel panel) {
 }
 
 
-// Every row through AMX tiles where it runs (`tail`: the last rows zero-padded to 16), else with dpbf16.
-void panel_rows(const Problem& p, int64_t tile0, int count, Panel panel, bool amx, const uint16_t* tail) {
+// Rows [begin, end) through AMX tiles where it runs (`tail`: the last rows zero-padded to 16), else with
+// dpbf16; begin a multiple of 16.
+void panel_rows(const Problem& p, int64_t tile0, int count, Panel panel, bool amx, const uint16_t* tail,
+                int64_t begin, int64_t end) {
 #ifdef QUANTGATE_AMX
-  if (amx && count == 3) return amx_rows_over<3>(p, tail, tile0, panel.base, panel.kp_stride, panel.tile_stride);
-  if (amx && count == 2) return amx_rows_over<2>(p, tail, tile0, panel.base, panel.kp_stride, panel.tile_stride);
-  if (amx) return amx_rows_over<1>(p, tail, tile0, panel.base, panel.kp_stride, panel.tile_stride);
+  const __m512i* w = panel.base;
+  if (amx && count == 3) return amx_rows_over<3>(p, tail, tile0, w, panel.kp_stride, panel.tile_stride, begin, end);
+  if (amx && count == 2) return amx_rows_over<2>(p, tail, tile0, w, panel.kp_stride, panel.tile_stride, begin, end);
+  if (amx) return amx_rows_over<1>(p, tail, tile0, w, panel.kp_stride, panel.tile_stride, begin, end);
 #endif
-  if (count == 3) all_rows<3>(p, 0, tile0, panel);
-  else if (count == 2) all_rows<2>(p, 0, tile0, panel);
-  else all_rows<1>(p, 0, tile0, panel);
+  if (count == 3) all_rows<3>(p, begin, end, tile0, panel);
+  else if (count == 2) all_rows<2>(p, begin, end, tile0, panel);
+  else all_rows<1>(p, begin, end, tile0, panel);
 }
+
+// A prefill's rows in chunks that stay in L2 beside a block's weights: looping every block over all 2048
+// rows re-read x from memory per 48 channels (oneDNN ran such a chunk 1.5-2.2x faster).
+constexpr int64_t kChunkRows = 256;
 
 // Whether AMX takes the call, and its zero-padded last rows; each thread configures its tiles for the
 // call (`Tiles`) and releases them after.
@@ -181,7 +188,7 @@ void run_int4(const Problem& p) {
       const int64_t tile0 = b * kTilesPerBlock;
       const int count = static_cast<int>(std::min<int64_t>(kTilesPerBlock, tiles - tile0));
       dequant_int4(p, tile0, count, table, panel.data());
-      panel_rows(p, tile0, count, Panel{panel.data(), count, 1}, amx.used, amx.tail.data());
+      panel_rows(p, tile0, count, Panel{panel.data(), count, 1}, amx.used, amx.tail.data(), 0, p.m);
     }
   });
 }
@@ -197,7 +204,7 @@ void run_int8(const Problem& p) {
       const int64_t tile0 = b * kTilesPerBlock;
       const int count = static_cast<int>(std::min<int64_t>(kTilesPerBlock, tiles - tile0));
       dequant_int8(p, tile0, count, panel.data());
-      panel_rows(p, tile0, count, Panel{panel.data(), count, 1}, amx.used, amx.tail.data());
+      panel_rows(p, tile0, count, Panel{panel.data(), count, 1}, amx.used, amx.tail.data(), 0, p.m);
     }
   });
 }
@@ -208,10 +215,13 @@ void run_bf16(const Problem& p) {
   const AmxCall amx(p);
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
     const Tiles tile_state(amx);
-    for (int64_t b = begin; b < end; ++b) {
-      const int64_t tile0 = b * kTilesPerBlock;
-      const int count = static_cast<int>(std::min<int64_t>(kTilesPerBlock, tiles - tile0));
-      panel_rows(p, tile0, count, Panel{weight + tile0 * pairs, 1, pairs}, amx.used, amx.tail.data());
+    for (int64_t row0 = 0; row0 < p.m; row0 += kChunkRows) {
+      for (int64_t b = begin; b < end; ++b) {
+        const int64_t tile0 = b * kTilesPerBlock;
+        const int count = static_cast<int>(std::min<int64_t>(kTilesPerBlock, tiles - tile0));
+        panel_rows(p, tile0, count, Panel{weight + tile0 * pairs, 1, pairs}, amx.used, amx.tail.data(), row0,
+                   std::min(p.m, row0 + kChunkRows));
+      }
     }
   });
 }
