@@ -157,13 +157,20 @@ def test_fp32_engine_decodes_as_with_the_models_own_forward(model, tiny_model_di
 @pytest.mark.skipif(not woq.cpu_has_avx512_bf16(), reason="quantgate's kernel needs AVX-512-BF16")
 def test_bf16_engine_on_the_default_model_agrees_with_the_models_own_forward(default_model_dir, monkeypatch):
     """bf16 rounds where HF rounds, but a variance summed in another order flips a rounding now and then
-    (3 of 19 000 values in one layer of a 33-row prefill): texts agree, logprobs within bf16 noise."""
+    (3 of 19 000 values in one layer of a 33-row prefill): texts agree, logprobs within bf16 noise. A text
+    may part at a near tie (seen: two tokens at -2.140 / -2.157 on the AMX Xeon); from there on the two
+    score different texts, so logprobs are compared where the tokens agree."""
     prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a land far away,", "1, 2, 3,"]
     kwargs = dict(dtype="bfloat16", enable_prefix_caching=False)
     tokens_hf, lps_hf = _greedy(default_model_dir, prompts, monkeypatch, "0", **kwargs)
     tokens_fast, lps_fast = _greedy(default_model_dir, prompts, monkeypatch, "1", **kwargs)
     assert sum(a == b for a, b in zip(tokens_fast, tokens_hf, strict=True)) >= 3
-    assert abs(sum(lps_fast) - sum(lps_hf)) / len(lps_hf) < 0.05
+    gaps = []
+    for i, (fast, hf) in enumerate(zip(tokens_fast, tokens_hf, strict=True)):
+        same = next((t for t, (a, b) in enumerate(zip(fast, hf, strict=True)) if a != b), len(hf))
+        assert same >= 3, f"prompt {i} parted at token {same}"
+        gaps += [abs(a - b) for a, b in zip(lps_fast[16 * i : 16 * i + same], lps_hf[16 * i : 16 * i + same], strict=True)]
+    assert sum(gaps) / len(gaps) < 0.05 and max(gaps) < 0.5
 
 
 def _linears(kind: str, sizes: list[int], k: int = 64) -> list:
