@@ -11,6 +11,7 @@ import importlib
 import sys
 
 from quantgate import __version__
+from quantgate.allocator import reexec_with_tcmalloc
 from quantgate.env import apply_defaults
 
 # Layer packages that contribute verbs, lowest layer first.
@@ -46,6 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    if argv is None:  # the `quantgate` process itself (tests call main(argv) in theirs)
+        reexec_with_tcmalloc([sys.executable, "-m", "quantgate", *sys.argv[1:]])
     apply_defaults()
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)

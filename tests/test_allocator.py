@@ -1,0 +1,38 @@
+"""The `quantgate` process re-executes itself once with tcmalloc preloaded where the machine has it
+(quantgate/allocator.py), and not with QUANTGATE_TCMALLOC=0 or when it is loaded already."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from quantgate.allocator import ENV, tcmalloc_path
+
+# Runs reexec_with_tcmalloc on a command that reports whether tcmalloc is mapped into its process.
+PROBE = (
+    "import sys; from quantgate.allocator import reexec_with_tcmalloc; "
+    "reexec_with_tcmalloc([sys.executable, '-c', "
+    "'import os, sys; print(\"tcmalloc\" in open(\"/proc/self/maps\").read(), sys.argv[1:], os.environ[\"LD_PRELOAD\"])', "
+    "'--flag']); print('not re-executed')"
+)
+
+
+def _probe(**env: str) -> str:
+    base = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", ENV)}
+    out = subprocess.run([sys.executable, "-c", PROBE], env={**base, **env}, capture_output=True, text=True,
+                         timeout=120, check=True)
+    return out.stdout.strip()
+
+
+def test_the_process_is_re_executed_under_tcmalloc_where_the_machine_has_it():
+    path = tcmalloc_path()
+    if path is None:  # scripts/install_tcmalloc.sh could not install it: the process goes on as it was
+        assert _probe() == "not re-executed"
+        return
+    assert _probe() == f"True ['--flag'] {path}"
+
+
+def test_the_switch_and_an_existing_preload_keep_the_process_as_it_is():
+    assert _probe(**{ENV: "0"}) == "not re-executed"
+    assert _probe(LD_PRELOAD="libtcmalloc_minimal.so.4") == "not re-executed"
