@@ -9,7 +9,7 @@ import time
 import httpx
 import pytest
 from reliability_fixtures import spawn_serve, stop_serve, wait_serve_up
-from server_fixtures import one_torch_thread, running_server, wait_for
+from server_fixtures import metric, one_torch_thread, running_server, scrape, wait_for
 
 from serving.router import build_router_app, parse_router_config
 from serving.server_thread import ServerThread
@@ -142,11 +142,13 @@ def test_killed_backend_gives_502_in_flight_and_503_after_never_a_hang(cluster):
     result: dict = {}
 
     def long_request() -> None:
-        result["r"] = _complete(url, user="k", max_tokens=700, ignore_eos=True)
+        result["r"] = _complete(url, user="k", max_tokens=700, ignore_eos=True)  # 48 blocks hold 768 tokens
 
     t = threading.Thread(target=long_request)
     t.start()
-    time.sleep(1.0)
+    # killed once the canary decodes it (~0.7 s of decoding here): a fixed 1 s sleep let it finish first
+    wait_for(lambda: metric(scrape(cluster["canary"]), "quantgate:num_requests_running") == 1, timeout=30,
+             what="the long request to be running on the canary")
     proc.kill()
     proc.wait(10)
     t.join(30)
