@@ -10,10 +10,13 @@
 // in L2 and every row of x runs over it with dpbf16 (fp32 accumulators, 8 rows x 48 channels in
 // registers). A bf16 weight packed the same way (every bf16 projection of the baseline) runs in place.
 // Within a path each row's result depends on that row alone; the path follows the call's row count.
+// On CPUs with AMX the panel paths run on AMX-BF16 tiles (woq_amx.h) and int8 packed in quads on
+// AMX-INT8 / VNNI at every row count (woq_amx_int8.h).
 //
 // Packed layouts (quantize/kernels/__init__.py builds them; K even, N a multiple of 16):
-//   int8: [N/16, K/2, 16, 2] int8: one 32-byte load holds channels n..n+15 at inputs k, k+1.
-//         Per-channel fp32 scales are applied to the fp32 accumulators.
+//   int8: [N/16, K/2, 16, 2] int8: one 32-byte load holds channels n..n+15 at inputs k, k+1; where
+//         AMX-INT8 runs, [N/16, K/4, 16, 4] (quads). Per-channel fp32 scales are applied to the fp32
+//         accumulators.
 //   int4: [N/16, K/8, 32] 16-bit words, four codes (0..15) each, see int4_rows; scales and zeros are the
 //         layer's own bf16 [K/g, N, 2]: w = (q - 8) * scale + zero, applied per group to exact sums.
 //   bf16: [N/16, K/2, 16, 2] bf16: the int8 layout, read by dpbf16 in place.
