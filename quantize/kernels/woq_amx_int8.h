@@ -22,8 +22,8 @@ namespace {
 
 constexpr int64_t kAmxQuadsMaxK = 65536;  // lo * w sums stay exact in int32 up to here
 
-constexpr int64_t kVnniMaxRows = 2;
-constexpr int64_t kInt8ChunkRows = 512;  // rows of x's bytes (2 planes) kept in L2 while blocks pass  // up to here VPDPBUSD, above AMX tiles (quantgate bench woq)
+constexpr int64_t kVnniMaxRows = 2;  // up to here VPDPBUSD, above AMX tiles (quantgate bench woq)
+constexpr int64_t kInt8ChunkRows = 512;  // rows of x's bytes (2 planes) kept in L2 while blocks pass
 
 struct ByteRows {
   std::vector<uint8_t> lo;  // [rows padded to 16, K]
