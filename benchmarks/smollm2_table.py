@@ -203,9 +203,63 @@ def _shards(report: dict[str, Any]) -> list[list[int]]:
     return report.get("docs") or ([[0, report["limit"]]] if report.get("limit") else [])
 
 
+def _is_summary(report: dict[str, Any]) -> bool:
+    """A committed summary (docs/results/*.json) keeps counts and comparisons but not its items."""
+    return any("items" not in t for res in report["results"].values() for t in res["tasks"].values())
+
+
+def _weighted(a: float | None, n_a: int, b: float | None, n_b: int) -> float | None:
+    return None if a is None or b is None else (a * n_a + b * n_b) / (n_a + n_b)
+
+
+def fold_summary(report: dict[str, Any], summary: dict[str, Any]) -> dict[str, Any]:
+    """`report` with a summary of other items added by counts: scores weighted by n, agreement by pairs,
+    the largest log-likelihood gap kept. The result is a summary too (its items dropped)."""
+    for key in ("tasks", "dtype", "model_dir"):
+        if report[key] != summary[key]:
+            raise ValueError(f"cannot merge runs with different {key}: {report[key]!r} vs {summary[key]!r}")
+    if set(report["results"]) != set(summary["results"]):
+        raise ValueError(f"cannot merge runs of different backends: {list(report['results'])} vs {list(summary['results'])}")
+    if not _shards(report) or not _shards(summary):
+        raise ValueError("a full-set run cannot be joined with anything: the two would overlap")
+    ranges = sorted(map(tuple, _shards(report) + _shards(summary)))
+    if any(a[1] > b[0] for a, b in zip(ranges, ranges[1:], strict=False)):
+        raise ValueError("shards overlap: a summary and the runs folded into it cover the same items")
+    results = {}
+    for backend, res in report["results"].items():
+        other = summary["results"][backend]
+        tasks = {}
+        for task, t in res["tasks"].items():
+            o = other["tasks"][task]
+            tasks[task] = {"n": t["n"] + o["n"], "acc": _weighted(t["acc"], t["n"], o["acc"], o["n"]),
+                           "acc_norm": _weighted(t["acc_norm"], t["n"], o["acc_norm"], o["n"])}
+        results[backend] = {k: res[k] + other[k] for k in ("load_s", "eval_s", "cpu_s")} | {"tasks": tasks}
+    comparison = {}
+    for task, c in report["comparison"].items():
+        o = summary["comparison"][task]
+        e, h = results["engine"]["tasks"][task], results["hf"]["tasks"][task]
+        paired = c["paired"] + o["paired"]
+        comparison[task] = {"pred_agreement": _weighted(c["pred_agreement"], c["paired"], o["pred_agreement"], o["paired"]),
+                            "max_ll_gap": max(c["max_ll_gap"], o["max_ll_gap"]), "paired": paired,
+                            "delta_acc": abs(e["acc"] - h["acc"])}
+        if e["acc_norm"] is not None and h["acc_norm"] is not None:
+            comparison[task]["delta_acc_norm"] = abs(e["acc_norm"] - h["acc_norm"])
+        comparison[task]["within_target"] = comparison[task]["delta_acc"] <= TARGET_DELTA
+    return report | {"docs": [list(r) for r in ranges], "limit": None, "results": results, "comparison": comparison,
+                     "merged_from": summary.get("merged_from", []) + report.get("merged_from", [])}
+
+
 def merge_reports(reports: list[dict[str, Any]]) -> dict[str, Any]:
     """One report from runs of the same tasks and dtype: different backends side by side, and shards of
-    one backend (disjoint `--docs` ranges) joined."""
+    one backend (disjoint `--docs` ranges) joined. Summaries without items (docs/results) are folded in by
+    counts afterwards."""
+    summaries = [r for r in reports if _is_summary(r)]
+    runs = [r for r in reports if not _is_summary(r)]
+    if summaries:
+        merged = merge_reports(runs) if runs else summaries.pop(0)
+        for summary in summaries:
+            merged = fold_summary(merged, summary)
+        return merged
     first = reports[0]
     for r in reports[1:]:
         for key in ("tasks", "dtype", "model_dir"):

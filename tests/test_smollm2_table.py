@@ -42,3 +42,31 @@ def test_overlapping_shards_and_uneven_coverage_are_refused():
     hf = _report("hf", [[0, 2]], None, [(0, 1, 1), (1, 0, 1)])
     with pytest.raises(ValueError, match="different items"):
         merge_reports([a, c, hf])
+
+
+def _summary(report: dict) -> dict:
+    """What docs/results keeps of a merged run: counts and comparisons, no items."""
+    for res in report["results"].values():
+        for task in res["tasks"].values():
+            task.pop("items")
+    return report
+
+
+def test_a_committed_summary_folds_in_new_shards_by_counts():
+    first = [(0, 1, 1), (1, 0, 1)]
+    summary = _summary(merge_reports([_report("engine", [[0, 2]], None, first),
+                                      _report("hf", [[0, 2]], None, [(0, 1, 1), (1, 1, 0)])]))
+    new = [_report("engine", [[2, 5]], None, [(2, 1, 0), (3, 1, 1), (4, 0, 0)]),
+           _report("hf", [[2, 5]], None, [(2, 1, 0), (3, 1, 1), (4, 0, 0)])]
+    merged = merge_reports([summary, *new])
+    assert merged["docs"] == [[0, 2], [2, 5]]
+    engine, hf = (merged["results"][b]["tasks"]["hellaswag"] for b in ("engine", "hf"))
+    assert engine["n"] == 5 and engine["acc"] == pytest.approx(3 / 5) and engine["acc_norm"] == pytest.approx(3 / 5)
+    assert hf["acc"] == pytest.approx(4 / 5) and hf["acc_norm"] == pytest.approx(2 / 5)
+    assert "items" not in engine and merged["results"]["engine"]["eval_s"] == 4.0
+    comparison = merged["comparison"]["hellaswag"]
+    assert comparison["paired"] == 5 and comparison["pred_agreement"] == pytest.approx(4 / 5)
+    assert comparison["delta_acc"] == pytest.approx(1 / 5) and not comparison["within_target"]
+    with pytest.raises(ValueError, match="overlap"):
+        merge_reports([summary, _report("engine", [[1, 3]], None, [(1, 1, 1), (2, 0, 1)]),
+                       _report("hf", [[1, 3]], None, [(1, 1, 1), (2, 0, 1)])])
