@@ -60,6 +60,12 @@ def fits(in_features: int, out_features: int, group_size: int | None = None) -> 
     return in_features % 2 == 0 and out_features % TILE == 0
 
 
+def int16_rows_below(int4: bool) -> int:
+    """Calls with fewer rows take the exact int16 paths where AMX does not take them (every call on Intel
+    CPUs without AMX; 8 rows for int4 and 24 for int8 elsewhere); from there the bf16 panel."""
+    return int(torch.ops.quantgate_woq.int16_rows_below(int4))
+
+
 def int8_width(in_features: int) -> int:
     """Inputs per channel an int8 weight is packed with here: 4 (quads) where the AMX-INT8 path runs it,
     else 2 (pairs)."""

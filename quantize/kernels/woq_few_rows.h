@@ -1,4 +1,4 @@
-// The few-row paths of woq_linear.cpp (decode batches): x rounded to int16, exact integer sums.
+// The int16 paths of woq_linear.cpp (decode batches; on Intel without AMX every call): x rounded to int16, exact integer sums.
 #pragma once
 
 #include <algorithm>
@@ -57,6 +57,15 @@ Int16Rows round_rows(const Problem& p) {
   return q;
 }
 
+// Calls under this many rows take the int16 rows (where AMX does not take them). On Intel cores VPDPWSSD issues
+// on two ports and VDPBF16PS on one, so the exact int16 sums beat the dpbf16 panel at every row count
+// (1.5-2.7x at 16-2048 rows on a Xeon with AVX-512-BF16 and no AMX, `quantgate bench woq`); on AMD Zen 4 the
+// panel paths won from 24 rows (int8) and 8 (int4).
+int64_t int16_rows_below(bool int4) {
+  static const bool intel = __builtin_cpu_is("intel");
+  return intel ? INT64_MAX : int4 ? 8 : 24;
+}
+
 constexpr int kSmallRows = 4;  // rows per register block on the int16 paths (8 would spill registers: measured 2x slower)
 constexpr int64_t kFlushPairs = 128;  // int8: k-pairs per exact int32 sum
 
@@ -90,8 +99,10 @@ void int8_rows(const Problem& p, const Int16Rows& xq, int64_t row0, int64_t tile
 // int4 codes are packed [N/16, K/8, 32] u16: lane L (channel L/2, input parity L%2) of word j holds the
 // codes of k-pairs 4j..4j+3 in its four nibbles. Per group: y += scale * sum(x16 * q) +
 // (zero - 8 * scale) * sum(x16), times the row's scale at the end.
+// `widened` (from 8 rows, see widen_int4): the block's codes as int16 vectors [K/2][TILES], read instead of
+// extracting the nibbles again for every 4 rows. The sums are the same either way.
 template <int ROWS, int TILES>
-void int4_rows(const Problem& p, const Int16Rows& xq, int64_t row0, int64_t tile0) {
+void int4_rows(const Problem& p, const Int16Rows& xq, int64_t row0, int64_t tile0, const __m512i* widened) {
   const float* xsum = xq.xsum.data();
   const int64_t pairs = p.k / 2, quads = p.k / 8, groups = p.k / p.group_size;
   const int64_t quads_per_group = p.group_size / 8;
@@ -107,13 +118,14 @@ void int4_rows(const Problem& p, const Int16Rows& xq, int64_t row0, int64_t tile
       for (int t = 0; t < TILES; ++t) part[r][t] = _mm512_setzero_si512();
     for (int64_t qd = g * quads_per_group; qd < (g + 1) * quads_per_group; ++qd) {
       __m512i word[TILES];
-      for (int t = 0; t < TILES; ++t)
-        word[t] = _mm512_loadu_si512(codes + ((tile0 + t) * quads + qd) * 32);
+      if (!widened)
+        for (int t = 0; t < TILES; ++t) word[t] = _mm512_loadu_si512(codes + ((tile0 + t) * quads + qd) * 32);
       for (int i = 0; i < 4; ++i) {
         const int64_t kp = qd * 4 + i;
         __m512i w[TILES];
         for (int t = 0; t < TILES; ++t)
-          w[t] = _mm512_and_si512(_mm512_srli_epi16(word[t], 4 * i), nibble);
+          w[t] = widened ? _mm512_load_si512(widened + kp * TILES + t)
+                         : _mm512_and_si512(_mm512_srli_epi16(word[t], 4 * i), nibble);
         for (int r = 0; r < ROWS; ++r) {
           const __m512i xr = _mm512_set1_epi32(x[r * pairs + kp]);
           for (int t = 0; t < TILES; ++t) part[r][t] = _mm512_dpwssd_epi32(part[r][t], xr, w[t]);
@@ -135,34 +147,58 @@ void int4_rows(const Problem& p, const Int16Rows& xq, int64_t row0, int64_t tile
 }
 
 template <bool INT4, int ROWS, int TILES>
-void small_block(const Problem& p, const Int16Rows& xq, int64_t row0, int64_t tile0) {
-  if constexpr (INT4) int4_rows<ROWS, TILES>(p, xq, row0, tile0);
+void small_block(const Problem& p, const Int16Rows& xq, int64_t row0, int64_t tile0, const __m512i* widened) {
+  if constexpr (INT4) int4_rows<ROWS, TILES>(p, xq, row0, tile0, widened);
   else int8_rows<ROWS, TILES>(p, xq, row0, tile0);
 }
 
 template <bool INT4, int TILES>
-void small_rows(const Problem& p, const Int16Rows& xq, int64_t tile0) {
-  int64_t row0 = 0;
-  for (; row0 + kSmallRows <= p.m; row0 += kSmallRows) small_block<INT4, kSmallRows, TILES>(p, xq, row0, tile0);
-  switch (p.m - row0) {
-    case 3: small_block<INT4, 3, TILES>(p, xq, row0, tile0); break;
-    case 2: small_block<INT4, 2, TILES>(p, xq, row0, tile0); break;
-    case 1: small_block<INT4, 1, TILES>(p, xq, row0, tile0); break;
+void small_rows(const Problem& p, const Int16Rows& xq, int64_t tile0, const __m512i* widened, int64_t row0,
+                int64_t end) {
+  for (; row0 + kSmallRows <= end; row0 += kSmallRows)
+    small_block<INT4, kSmallRows, TILES>(p, xq, row0, tile0, widened);
+  switch (end - row0) {
+    case 3: small_block<INT4, 3, TILES>(p, xq, row0, tile0, widened); break;
+    case 2: small_block<INT4, 2, TILES>(p, xq, row0, tile0, widened); break;
+    case 1: small_block<INT4, 1, TILES>(p, xq, row0, tile0, widened); break;
     default: break;
   }
+}
+
+// int4 from this many rows: the block's nibbles are widened to int16 once into a panel ([K/2][tiles]
+// vectors, 147 KB at K = 1536: it stays in L2) that every block of 4 rows reads.
+constexpr int64_t kInt4WidenRows = 8;
+
+void widen_int4(const Problem& p, int64_t tile0, int tiles, __m512i* panel) {
+  const int64_t quads = p.k / 8;
+  const uint16_t* codes = static_cast<const uint16_t*>(p.weight);
+  const __m512i nibble = _mm512_set1_epi16(0xF);
+  for (int t = 0; t < tiles; ++t)
+    for (int64_t qd = 0; qd < quads; ++qd) {
+      const __m512i word = _mm512_loadu_si512(codes + ((tile0 + t) * quads + qd) * 32);
+      for (int i = 0; i < 4; ++i)
+        panel[(qd * 4 + i) * tiles + t] = _mm512_and_si512(_mm512_srli_epi16(word, 4 * i), nibble);
+    }
 }
 
 template <bool INT4>
 void run_small(const Problem& p) {
   const Int16Rows xq = round_rows(p);
   const int64_t tiles = p.n / kTile, blocks = (tiles + kTilesPerBlock - 1) / kTilesPerBlock;
+  const bool widen = INT4 && p.m >= kInt4WidenRows;
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; ++b) {
-      const int64_t tile0 = b * kTilesPerBlock;
-      const int64_t count = std::min<int64_t>(kTilesPerBlock, tiles - tile0);
-      if (count == 3) small_rows<INT4, 3>(p, xq, tile0);
-      else if (count == 2) small_rows<INT4, 2>(p, xq, tile0);
-      else small_rows<INT4, 1>(p, xq, tile0);
+    std::vector<__m512i> panel(widen ? p.k / 2 * kTilesPerBlock : 0);
+    const __m512i* widened = widen ? panel.data() : nullptr;
+    for (int64_t row0 = 0; row0 < p.m; row0 += kChunkRows) {
+      const int64_t rows_end = std::min(p.m, row0 + kChunkRows);
+      for (int64_t b = begin; b < end; ++b) {
+        const int64_t tile0 = b * kTilesPerBlock;
+        const int count = static_cast<int>(std::min<int64_t>(kTilesPerBlock, tiles - tile0));
+        if (widen) widen_int4(p, tile0, count, panel.data());
+        if (count == 3) small_rows<INT4, 3>(p, xq, tile0, widened, row0, rows_end);
+        else if (count == 2) small_rows<INT4, 2>(p, xq, tile0, widened, row0, rows_end);
+        else small_rows<INT4, 1>(p, xq, tile0, widened, row0, rows_end);
+      }
     }
   });
 }

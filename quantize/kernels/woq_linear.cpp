@@ -3,12 +3,13 @@
 // torch's CPU kernels for these formats (_weight_int8pack_mm, _weight_int4pack_mm_for_cpu) dequantize the
 // weight again for every row of x, so past a few rows they fall behind a bf16 GEMM, and a dequantize-then-
 // GEMM path writes the whole bf16 weight to memory and reads it back. Here the weight is read from memory
-// once per call whatever M is. Few rows (decode: int8 under 24, int4 under 8): x is rounded to int16 per
-// row and the codes widened to int16 in registers, so vpdpwssd sums exact integer products with no
-// per-weight float conversion (a float conversion per weight cost more than the bytes it saved). More rows
-// (prefill, big batches): blocks of 48 output channels are dequantized once into a bf16 panel that stays
-// in L2 and every row of x runs over it with dpbf16 (fp32 accumulators, 8 rows x 48 channels in
-// registers). A bf16 weight packed the same way (every bf16 projection of the baseline) runs in place.
+// once per call whatever M is. int16 rows (every call on Intel CPUs without AMX; elsewhere int8 under 24
+// rows, int4 under 8): x is rounded to int16 per row and the codes widened to int16 (in registers, or for
+// int4 from 8 rows once per 48 channels into an L2 panel), so vpdpwssd sums exact integer products with no
+// per-weight float conversion (a float conversion per weight cost more than the bytes it saved). The bf16
+// panel (AMD's many-row calls, AMX): blocks of 48 output channels are dequantized once into a bf16 panel
+// that stays in L2 and every row of x runs over it with dpbf16 (fp32 accumulators, 8 rows x 48 channels
+// in registers). A bf16 weight packed the same way (every bf16 projection of the baseline) runs in place.
 // Within a path each row's result depends on that row alone; the path follows the call's row count.
 // On CPUs with AMX the panel paths run on AMX-BF16 tiles (woq_amx.h) and int8 packed in quads on
 // AMX-INT8 / VNNI at every row count (woq_amx_int8.h).
@@ -110,9 +111,6 @@ void panel_rows(const Problem& p, int64_t tile0, int count, Panel panel, bool am
   else all_rows<1>(p, begin, end, tile0, panel);
 }
 
-// A prefill's rows in chunks that stay in L2 beside a block's weights: looping every block over all 2048
-// rows re-read x from memory per 48 channels (oneDNN ran such a chunk 1.5-2.2x faster).
-constexpr int64_t kChunkRows = 256;
 
 // Whether AMX takes the call, and its zero-padded last rows; each thread configures its tiles for the
 // call (`Tiles`) and releases them after.
@@ -141,9 +139,9 @@ struct Tiles {
   bool used;
 };
 
-constexpr int64_t kInt8PanelRows = 24, kInt4PanelRows = 8;  // from here the panel paths are faster
+constexpr int64_t kInt8AmxPanelRows = 24, kInt4AmxPanelRows = 8;  // where AMX takes the call: its panel from here
 
-// int4 for many rows (prefill): the panel path of int8, the panel holding bf16((q - 8) * scale + zero)
+// int4 for many rows where the panel wins: the panel path of int8, the panel holding bf16((q - 8) * scale + zero)
 // (the weight rounded once to bf16, as a dequantize-then-GEMM would): its 8 x 48 register block reuses
 // each weight load for 8 rows, where the per-group sums above need twice the accumulators.
 void dequant_int4(const Problem& p, int64_t tile0, int tiles, __m512i table, __m512i* panel) {
@@ -173,7 +171,8 @@ void dequant_int4(const Problem& p, int64_t tile0, int tiles, __m512i table, __m
 }
 
 void run_int4(const Problem& p) {
-  if (p.m < kInt4PanelRows) return run_small<true>(p);
+  const AmxCall amx(p);
+  if (p.m < (amx.used ? kInt4AmxPanelRows : int16_rows_below(true))) return run_small<true>(p);
   const int64_t tiles = p.n / kTile, blocks = (tiles + kTilesPerBlock - 1) / kTilesPerBlock;
   alignas(64) uint16_t values[32];
   for (int i = 0; i < 32; ++i) {
@@ -183,7 +182,6 @@ void run_int4(const Problem& p) {
     values[i] = static_cast<uint16_t>(bits >> 16);  // exact: small integers
   }
   const __m512i table = _mm512_load_si512(values);  // vpermw reads an index's low 5 bits: the 16 values twice
-  const AmxCall amx(p);
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
     std::vector<__m512i> panel(p.k / 2 * kTilesPerBlock);
     const Tiles tile_state(amx);
@@ -197,9 +195,9 @@ void run_int4(const Problem& p) {
 }
 
 void run_int8(const Problem& p) {
-  if (p.m < kInt8PanelRows) return run_small<false>(p);
-  const int64_t tiles = p.n / kTile, blocks = (tiles + kTilesPerBlock - 1) / kTilesPerBlock;
   const AmxCall amx(p);
+  if (p.m < (amx.used ? kInt8AmxPanelRows : int16_rows_below(false))) return run_small<false>(p);
+  const int64_t tiles = p.n / kTile, blocks = (tiles + kTilesPerBlock - 1) / kTilesPerBlock;
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
     std::vector<__m512i> panel(p.k / 2 * kTilesPerBlock);
     const Tiles tile_state(amx);
@@ -305,6 +303,7 @@ at::Tensor woq_linear_bf16(const at::Tensor& x, const at::Tensor& packed, at::Sc
 TORCH_LIBRARY(quantgate_woq, m) {
   m.def("woq_linear_bf16(Tensor x, Tensor packed, ScalarType out_dtype) -> Tensor");
   m.def("amx_int8_ready(int k) -> bool", &amx_int8_ready);
+  m.def("int16_rows_below(bool int4) -> int", &int16_rows_below);
   m.def("woq_linear_int8(Tensor x, Tensor packed, Tensor scales, ScalarType out_dtype) -> Tensor");
   m.def("woq_linear_int4(Tensor x, Tensor packed, Tensor scales_zeros, int group_size, int n, "
         "ScalarType out_dtype) -> Tensor");
