@@ -86,6 +86,11 @@ def state_file(name: str) -> Path:
 
 def connect(address: str | None = None, num_cpus: int | None = None) -> None:
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # no usage report to Ray's servers
+    # Serve kills a proxy not ready within 5 s (10 s per health check): on 2 busy cores its worker process
+    # can take longer to start, and `serve.start` then fails with ActorDiedError. A local cluster inherits
+    # these; a remote one (`address`) keeps its own.
+    os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "60")
+    os.environ.setdefault("RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S", "30")
     import ray
 
     if ray.is_initialized():

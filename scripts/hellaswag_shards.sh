@@ -1,9 +1,10 @@
 #!/bin/bash
 # HellaSwag's full validation set (10 042 items) through the engine and lm-eval's hf backend, in shards of
 # 1 000 items that survive an interrupted session: a shard whose two JSONs exist is skipped. Each shard
-# runs both backends side by side, one thread each (~25 min per shard on 2 cores). Afterwards:
-#   python benchmarks/smollm2_table.py --merge $OUT/*/*/smollm2_*.json --out docs/results/...
-# (add docs/results/smollm2_hellaswag_1000.json for items 0-999, measured 2026-12-01).
+# runs both backends side by side, one thread each (13-24 min per shard on 2 cores). Afterwards, with the
+# committed summary of the items before FIRST (its counts are folded in):
+#   python benchmarks/smollm2_table.py --merge docs/results/smollm2_hellaswag_6000.json \
+#       $OUT/*/engine/smollm2_engine.json $OUT/*/hf/smollm2_hf.json --out /tmp/hs
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-${QUANTGATE_HOME:-$HOME/.cache/quantgate}/hs_shards}
