@@ -99,6 +99,11 @@ void int8_rows(const Problem& p, const Int16Rows& xq, int64_t row0, int64_t tile
 // int4 codes are packed [N/16, K/8, 32] u16: lane L (channel L/2, input parity L%2) of word j holds the
 // codes of k-pairs 4j..4j+3 in its four nibbles. Per group: y += scale * sum(x16 * q) +
 // (zero - 8 * scale) * sum(x16), times the row's scale at the end.
+// Codes of k-pair 4j + i from word j: nibble i of each 16-bit lane, as int16.
+inline __m512i nibble_codes(__m512i word, int i) {
+  return _mm512_and_si512(_mm512_srli_epi16(word, 4 * i), _mm512_set1_epi16(0xF));
+}
+
 // `widened` (from 8 rows, see widen_int4): the block's codes as int16 vectors [K/2][TILES], read instead of
 // extracting the nibbles again for every 4 rows. The sums are the same either way.
 template <int ROWS, int TILES>
@@ -108,7 +113,6 @@ void int4_rows(const Problem& p, const Int16Rows& xq, int64_t row0, int64_t tile
   const int64_t quads_per_group = p.group_size / 8;
   const uint16_t* codes = static_cast<const uint16_t*>(p.weight);
   const int32_t* x = reinterpret_cast<const int32_t*>(xq.x.data() + row0 * p.k);
-  const __m512i nibble = _mm512_set1_epi16(0xF);
   __m512 acc[ROWS][TILES];
   for (int r = 0; r < ROWS; ++r)
     for (int t = 0; t < TILES; ++t) acc[r][t] = _mm512_setzero_ps();
@@ -125,7 +129,7 @@ void int4_rows(const Problem& p, const Int16Rows& xq, int64_t row0, int64_t tile
         __m512i w[TILES];
         for (int t = 0; t < TILES; ++t)
           w[t] = widened ? _mm512_load_si512(widened + kp * TILES + t)
-                         : _mm512_and_si512(_mm512_srli_epi16(word[t], 4 * i), nibble);
+                         : nibble_codes(word[t], i);
         for (int r = 0; r < ROWS; ++r) {
           const __m512i xr = _mm512_set1_epi32(x[r * pairs + kp]);
           for (int t = 0; t < TILES; ++t) part[r][t] = _mm512_dpwssd_epi32(part[r][t], xr, w[t]);
@@ -172,12 +176,11 @@ constexpr int64_t kInt4WidenRows = 8;
 void widen_int4(const Problem& p, int64_t tile0, int tiles, __m512i* panel) {
   const int64_t quads = p.k / 8;
   const uint16_t* codes = static_cast<const uint16_t*>(p.weight);
-  const __m512i nibble = _mm512_set1_epi16(0xF);
   for (int t = 0; t < tiles; ++t)
     for (int64_t qd = 0; qd < quads; ++qd) {
       const __m512i word = _mm512_loadu_si512(codes + ((tile0 + t) * quads + qd) * 32);
       for (int i = 0; i < 4; ++i)
-        panel[(qd * 4 + i) * tiles + t] = _mm512_and_si512(_mm512_srli_epi16(word, 4 * i), nibble);
+        panel[(qd * 4 + i) * tiles + t] = nibble_codes(word, i);
     }
 }
 
