@@ -58,9 +58,10 @@ Int16Rows round_rows(const Problem& p) {
 }
 
 // Calls under this many rows take the int16 rows (where AMX does not take them). On Intel cores VPDPWSSD issues
-// on two ports and VDPBF16PS on one, so the exact int16 sums beat the dpbf16 panel at every row count
-// (1.5-2.7x at 16-2048 rows on a Xeon with AVX-512-BF16 and no AMX, `quantgate bench woq`); on AMD Zen 4 the
-// panel paths won from 24 rows (int8) and 8 (int4).
+// on two ports and VDPBF16PS on one, so the exact int16 sums beat the dpbf16 panel at every row count (on a
+// Xeon with AVX-512-BF16 and no AMX, x our bf16 kernel: int8 1.4-2.5x, int4 1.6-2.2x at 1-128 rows over the
+// model's layers, `quantgate bench woq`; 1.8-3.5x at 256-2048 rows on one layer); on AMD Zen 4 the panel
+// paths won from 24 rows (int8) and 8 (int4).
 int64_t int16_rows_below(bool int4) {
   static const bool intel = __builtin_cpu_is("intel");
   return intel ? INT64_MAX : int4 ? 8 : 24;
@@ -96,14 +97,14 @@ void int8_rows(const Problem& p, const Int16Rows& xq, int64_t row0, int64_t tile
   store_rows<ROWS, TILES>(p, row0, tile0, acc, p.scales, xq.scale.data());
 }
 
-// int4 codes are packed [N/16, K/8, 32] u16: lane L (channel L/2, input parity L%2) of word j holds the
-// codes of k-pairs 4j..4j+3 in its four nibbles. Per group: y += scale * sum(x16 * q) +
-// (zero - 8 * scale) * sum(x16), times the row's scale at the end.
 // Codes of k-pair 4j + i from word j: nibble i of each 16-bit lane, as int16.
 inline __m512i nibble_codes(__m512i word, int i) {
   return _mm512_and_si512(_mm512_srli_epi16(word, 4 * i), _mm512_set1_epi16(0xF));
 }
 
+// int4 codes are packed [N/16, K/8, 32] u16: lane L (channel L/2, input parity L%2) of word j holds the
+// codes of k-pairs 4j..4j+3 in its four nibbles. Per group: y += scale * sum(x16 * q) +
+// (zero - 8 * scale) * sum(x16), times the row's scale at the end.
 // `widened` (from 8 rows, see widen_int4): the block's codes as int16 vectors [K/2][TILES], read instead of
 // extracting the nibbles again for every 4 rows. The sums are the same either way.
 template <int ROWS, int TILES>

@@ -111,17 +111,23 @@ void panel_rows(const Problem& p, int64_t tile0, int count, Panel panel, bool am
   else all_rows<1>(p, begin, end, tile0, panel);
 }
 
-
 // Whether AMX takes the call, and its zero-padded last rows; each thread configures its tiles for the
 // call (`Tiles`) and releases them after.
 struct AmxCall {
-  explicit AmxCall(const Problem& p) {
+  static bool takes(const Problem& p) {
 #ifdef QUANTGATE_AMX
-    used = amx_takes(p);
+    return amx_takes(p);
+#else
+    (void)p;
+    return false;
+#endif
+  }
+  explicit AmxCall(const Problem& p) : used(takes(p)) {
+#ifdef QUANTGATE_AMX
     if (used) tail = amx_tail(p);
 #endif
   }
-  bool used = false;
+  bool used;
   std::vector<uint16_t> tail;
 };
 
@@ -171,8 +177,7 @@ void dequant_int4(const Problem& p, int64_t tile0, int tiles, __m512i table, __m
 }
 
 void run_int4(const Problem& p) {
-  const AmxCall amx(p);
-  if (p.m < (amx.used ? kInt4AmxPanelRows : int16_rows_below(true))) return run_small<true>(p);
+  if (p.m < (AmxCall::takes(p) ? kInt4AmxPanelRows : int16_rows_below(true))) return run_small<true>(p);
   const int64_t tiles = p.n / kTile, blocks = (tiles + kTilesPerBlock - 1) / kTilesPerBlock;
   alignas(64) uint16_t values[32];
   for (int i = 0; i < 32; ++i) {
@@ -182,6 +187,7 @@ void run_int4(const Problem& p) {
     values[i] = static_cast<uint16_t>(bits >> 16);  // exact: small integers
   }
   const __m512i table = _mm512_load_si512(values);  // vpermw reads an index's low 5 bits: the 16 values twice
+  const AmxCall amx(p);
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
     std::vector<__m512i> panel(p.k / 2 * kTilesPerBlock);
     const Tiles tile_state(amx);
@@ -195,9 +201,9 @@ void run_int4(const Problem& p) {
 }
 
 void run_int8(const Problem& p) {
-  const AmxCall amx(p);
-  if (p.m < (amx.used ? kInt8AmxPanelRows : int16_rows_below(false))) return run_small<false>(p);
+  if (p.m < (AmxCall::takes(p) ? kInt8AmxPanelRows : int16_rows_below(false))) return run_small<false>(p);
   const int64_t tiles = p.n / kTile, blocks = (tiles + kTilesPerBlock - 1) / kTilesPerBlock;
+  const AmxCall amx(p);
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
     std::vector<__m512i> panel(p.k / 2 * kTilesPerBlock);
     const Tiles tile_state(amx);
