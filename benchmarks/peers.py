@@ -7,11 +7,17 @@ token count (and report its prompt length) or its row is marked inexact and the 
 server gets one short warm-up request first. Same client for all: benchmarks/serving.py.
 
     quantgate bench peers --serve quantgate --serve "quantgate:--dtype bfloat16" --serve vllm \\
-        [--serve "vllm:--dtype float32"] [--serve url=http://127.0.0.1:8000] [--reference 3]
+        [--serve "vllm:--dtype float32"] [--serve llama] [--serve url=http://127.0.0.1:8000] [--reference 3]
 
-Prints server | output tok/s | TTFT p50 | TTFT p99 | TPOT p50 with ratios to the reference row (default:
-the first vLLM row, else the first), the CPU's model name and SIMD/AMX flags; writes peers.json,
-peers.md and peers.png under --out-dir (default benchmarks/results/peers).
+Single-stream decode (batch 1), the model and its quantized forms beside llama.cpp's:
+
+    quantgate bench peers --concurrency 1 --num-requests 8 --output-tokens 128-128 --serve quantgate \\
+        --serve quantgate:int8wo --serve quantgate:int4wo --serve vllm --serve llama --serve llama:Q8_0 \\
+        --serve llama:Q4_1
+
+Prints server | output tok/s | TTFT p50 | TTFT p99 | TPOT p50 (and tokens/s per stream, 1000 / TPOT p50)
+with ratios to the reference row (default: the first vLLM row, else the first), the CPU's model name and
+SIMD/AMX flags; writes peers.json, peers.md and peers.png under --out-dir (default benchmarks/results/peers).
 """
 
 from __future__ import annotations
@@ -29,7 +35,8 @@ if __package__ in (None, ""):  # run as a script: import the repo's packages
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 from benchmarks.common import fmt, machine, output_dir, pyplot, ratio, save_figure, token_range, write_json  # noqa: E402
-from benchmarks.peer_servers import ServerSpec, parse_serve, started  # noqa: E402
+from benchmarks.llama_peer import gguf_as  # noqa: E402
+from benchmarks.peer_servers import PeerPaths, ServerSpec, parse_serve, started  # noqa: E402
 from quantgate.env import apply_defaults, home  # noqa: E402
 
 CPU_FLAGS = ("avx2", "avx_vnni", "avx512f", "avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16",
@@ -45,6 +52,12 @@ class Workload:
     output_tokens: tuple[int, int] = (8, 256)
     token_ids: tuple[int, int] = (1000, 49151)  # prompt ids drawn from [lo, hi]: no special tokens
     seed: int = 0
+    concurrency: int | None = None  # requests in flight at most (None: all at once; 1: single-stream decode)
+
+    def describe(self) -> str:
+        when = "at once" if self.concurrency is None else f"{self.concurrency} at a time"
+        return (f"{self.num_requests} requests {when}, prompts {self.prompt_tokens}, outputs {self.output_tokens} "
+                f"forced, seed {self.seed}")
 
     def requests(self) -> list[tuple[list[int], int]]:
         rng = random.Random(self.seed)
@@ -105,7 +118,7 @@ def measure(url: str, model: str, work: Workload, timeout_s: float, progress: bo
     requests = work.requests()
     takes_min_tokens = _warm_up(url, model, requests[0][0][:16])
     report = run_serving_benchmark(url, model, requests=requests, ignore_eos=True, min_tokens=takes_min_tokens,
-                                   timeout_s=timeout_s, progress=progress, details=True)
+                                   concurrency=work.concurrency, timeout_s=timeout_s, progress=progress, details=True)
     problems = check_exact(requests, report["requests"])
     return {
         "output_tok_s": report["output_throughput"], "ttft_p50_ms": report["ttft_ms"]["median"],
@@ -117,11 +130,28 @@ def measure(url: str, model: str, work: Workload, timeout_s: float, progress: bo
     }
 
 
-def run_one(spec: ServerSpec, *, model_dir: Path, served_name: str, vllm_venv: Path, work: Workload,
+def served_weights(spec: ServerSpec, model: str, peers: PeerPaths) -> Path | None:
+    """What the spec's server loads: the model's HF dir, a quantgate variant's dir or a GGUF file."""
+    from quantgate.models import resolve_model
+
+    if spec.kind == "url":
+        return None
+    if spec.kind == "llama":
+        return gguf_as(model, spec.weights or "F16", peers.llama_dir)
+    if spec.kind == "quantgate" and spec.weights:
+        import quantize
+
+        return quantize.quantize(model, spec.weights)  # made once, then cached under QUANTGATE_HOME
+    return resolve_model(model)
+
+
+def run_one(spec: ServerSpec, *, model: str, served_name: str, peers: PeerPaths, work: Workload,
             out: Path, startup_timeout_s: float, timeout_s: float, progress: bool) -> dict[str, Any]:
-    row: dict[str, Any] = {"label": spec.label, "kind": spec.kind, "args": spec.args}
+    row: dict[str, Any] = {"label": spec.label, "kind": spec.kind, "args": spec.args, "weights": spec.weights}
     try:
-        with started(spec, model_dir=model_dir, served_name=served_name, vllm_venv=vllm_venv, log_dir=out / "logs",
+        weights = served_weights(spec, model, peers)
+        row["weights_path"] = weights
+        with started(spec, weights=weights, served_name=served_name, peers=peers, log_dir=out / "logs",
                      startup_timeout_s=startup_timeout_s) as server:
             row |= {"url": server.url, "startup_s": server.startup_s, "pid": server.pid,
                     "log": server.log, "version": server.version}
@@ -160,18 +190,20 @@ def add_ratios(rows: list[dict[str, Any]], ref: int | None) -> None:
 def markdown(report: dict[str, Any]) -> str:
     cpu = report["cpu"]
     lines = [f"CPU: {cpu['model_name']}, {cpu['cpus']} CPUs, flags: {', '.join(cpu['flags']) or 'none'}; "
-             f"model: {report['model']}; reference: {report['reference']}", "",
-             "| server | output tok/s | × ref | TTFT p50 | TTFT p99 | × ref | TPOT p50 | × ref | exact | load 1m |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: |"]
+             f"model: {report['model']}; {Workload(**report['workload']).describe()}; "
+             f"reference: {report['reference']}", "",
+             "| server | output tok/s | × ref | TTFT p50 | TTFT p99 | × ref | TPOT p50 | × ref | tok/s per stream "
+             "| exact | load 1m |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: |"]
     for r in report["rows"]:
         if "error" in r:
-            lines.append(f"| {r['label']} | failed: {r['error'].splitlines()[0][:120]} ||||||||| |")
+            lines.append(f"| {r['label']} | failed: {r['error'].splitlines()[0][:120]} |||||||||| |")
             continue
         x = r["ratios"]
         lines.append(
-            f"| {r['label']} | {r['output_tok_s']:.1f} | {fmt(x['output_tok_s'], 2)}× | {r['ttft_p50_ms'] / 1000:.1f} s "
-            f"| {r['ttft_p99_ms'] / 1000:.1f} s | {fmt(x['ttft_p99_ms'], 2)}× | {r['tpot_p50_ms']:.0f} ms "
-            f"| {fmt(x['tpot_p50_ms'], 2)}× | {'yes' if r['exact'] else 'NO'} "
+            f"| {r['label']} | {r['output_tok_s']:.1f} | {fmt(x['output_tok_s'], 2)}× | {r['ttft_p50_ms'] / 1000:.2f} s "
+            f"| {r['ttft_p99_ms'] / 1000:.2f} s | {fmt(x['ttft_p99_ms'], 2)}× | {r['tpot_p50_ms']:.1f} ms "
+            f"| {fmt(x['tpot_p50_ms'], 2)}× | {1000 / r['tpot_p50_ms']:.1f} | {'yes' if r['exact'] else 'NO'} "
             f"| {r['load_avg_1m']['before']:.1f}/{r['load_avg_1m']['after']:.1f} |")
     return "\n".join(lines) + "\n"
 
@@ -183,18 +215,18 @@ def print_report(report: dict[str, Any]) -> None:
     console = Console(width=None if sys.stdout.isatty() else 160)  # a log file gets the whole table
     cpu, work = report["cpu"], report["workload"]
     console.print(f"[bold]{cpu['model_name']}[/bold], {cpu['cpus']} CPUs, flags: {' '.join(cpu['flags']) or 'none'}")
-    console.print(f"model {report['model']}; {work['num_requests']} requests at once, prompts {work['prompt_tokens']}, "
-                  f"outputs {work['output_tokens']} forced, seed {work['seed']}; reference: {report['reference']}")
-    table = Table("server", "output tok/s", "×", "TTFT p50 s", "TTFT p99 s", "×", "TPOT p50 ms", "×", "exact",
-                  "start s", "load 1m")
+    console.print(f"model {report['model']}; {Workload(**work).describe()}; reference: {report['reference']}")
+    table = Table("server", "output tok/s", "×", "TTFT p50 s", "TTFT p99 s", "×", "TPOT p50 ms", "×",
+                  "tok/s per stream", "exact", "start s", "load 1m")
     for r in report["rows"]:
         if "error" in r:
-            table.add_row(r["label"], f"[red]{r['error'].splitlines()[0][:100]}[/red]", *[""] * 9)
+            table.add_row(r["label"], f"[red]{r['error'].splitlines()[0][:100]}[/red]", *[""] * 10)
             continue
         x = r["ratios"]
         table.add_row(r["label"], f"{r['output_tok_s']:.1f}", fmt(x["output_tok_s"], 2),
                       f"{r['ttft_p50_ms'] / 1000:.2f}", f"{r['ttft_p99_ms'] / 1000:.2f}", fmt(x["ttft_p99_ms"], 2),
-                      f"{r['tpot_p50_ms']:.0f}", fmt(x["tpot_p50_ms"], 2), "yes" if r["exact"] else "[red]NO[/red]",
+                      f"{r['tpot_p50_ms']:.1f}", fmt(x["tpot_p50_ms"], 2), f"{1000 / r['tpot_p50_ms']:.1f}",
+                      "yes" if r["exact"] else "[red]NO[/red]",
                       fmt(r.get("startup_s"), 0), f"{r['load_avg_1m']['before']:.1f}/{r['load_avg_1m']['after']:.1f}")
     console.print(table)
     for r in report["rows"]:
@@ -212,7 +244,8 @@ def plot(report: dict[str, Any], path: Path) -> Path:
                                        ("ttft_p99_ms", "TTFT p99, ms (lower is better)"),
                                        ("tpot_p50_ms", "TPOT p50, ms (lower is better)")), strict=True):
         values = [r[key] for r in rows]
-        ax.barh(labels, values, color=["tab:orange" if r["kind"] == "vllm" else "tab:blue" for r in rows])
+        colors = {"vllm": "tab:orange", "llama": "tab:green"}
+        ax.barh(labels, values, color=[colors.get(r["kind"], "tab:blue") for r in rows])
         for y, v in enumerate(values):
             ax.text(v, y, f" {v:.0f}", va="center", fontsize=8)
         ax.set_title(title, fontsize=10)
@@ -224,21 +257,20 @@ def plot(report: dict[str, Any], path: Path) -> Path:
 
 
 def run_peers(specs: list[ServerSpec], *, model: str = "smollm2-135m", served_name: str | None = None,
-              vllm_venv: str | Path | None = None, work: Workload | None = None, reference: str | None = None,
+              vllm_venv: str | Path | None = None, llama_dir: str | Path | None = None,
+              work: Workload | None = None, reference: str | None = None,
               out_dir: str | Path | None = None, startup_timeout_s: float = 900.0, timeout_s: float = 3600.0,
               plots: bool = True, progress: bool = False) -> dict[str, Any]:
-    from quantgate.models import resolve_model
-
     if not specs:
         raise ValueError("name at least one server with --serve")
     work = work or Workload()
     out = output_dir(out_dir, "peers")
-    model_dir = resolve_model(model)
-    venv = Path(vllm_venv) if vllm_venv else home() / "peers" / "vllm"
-    report: dict[str, Any] = {"benchmark": "peers", "model": model, "model_dir": model_dir, "workload": asdict(work),
+    peers = PeerPaths(Path(vllm_venv) if vllm_venv else home() / "peers" / "vllm",
+                      Path(llama_dir) if llama_dir else home() / "peers" / "llama.cpp")
+    report: dict[str, Any] = {"benchmark": "peers", "model": model, "workload": asdict(work),
                               "cpu": cpu_info(), "machine": machine(), "rows": [], "reference": None}
     for spec in specs:  # one after the other: each server has the machine to itself
-        report["rows"].append(run_one(spec, model_dir=model_dir, served_name=served_name or model, vllm_venv=venv,
+        report["rows"].append(run_one(spec, model=model, served_name=served_name or model, peers=peers,
                                       work=work, out=out, startup_timeout_s=startup_timeout_s, timeout_s=timeout_s,
                                       progress=progress))
         write_json(out / "peers.json", report)  # what was measured survives a later failure
@@ -259,12 +291,16 @@ def _pair(text: str) -> tuple[int, int]:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="quantgate bench peers", description=__doc__.split("\n\n")[0])
     p.add_argument("--serve", action="append", type=parse_serve, default=[], metavar="SPEC",
-                   help="quantgate[:ARGS] | vllm[:ARGS] | url=URL; repeat, measured in this order")
+                   help="quantgate[:[VARIANT] ARGS] | vllm[:ARGS] | llama[:[TYPE] ARGS] | url=URL; repeat, "
+                        "measured in this order")
     p.add_argument("--model", default="smollm2-135m", help="model reference (vLLM gets its plain HF dir)")
     p.add_argument("--served-model-name", default=None, help="the `model` requested (default: --model)")
     p.add_argument("--vllm-venv", default=None, help="default: $QUANTGATE_HOME/peers/vllm")
+    p.add_argument("--llama-dir", default=None, help="llama.cpp build (default: $QUANTGATE_HOME/peers/llama.cpp)")
     p.add_argument("--reference", default=None, help="row number or label substring (default: first vLLM row)")
     p.add_argument("--num-requests", type=int, default=64)
+    p.add_argument("--concurrency", type=int, default=None,
+                   help="requests in flight at most (default: all at once; 1 measures single-stream decode)")
     p.add_argument("--prompt-tokens", type=_pair, default=(16, 256), metavar="LO-HI")
     p.add_argument("--output-tokens", type=_pair, default=(8, 256), metavar="LO-HI")
     p.add_argument("--token-ids", type=_pair, default=(1000, 49151), metavar="LO-HI", help="prompt token id range")
@@ -281,8 +317,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.output_tokens[0] < 2 or args.prompt_tokens[0] < 1:
         raise ValueError("outputs need at least 2 tokens (TPOT) and prompts at least 1")
-    work = Workload(args.num_requests, args.prompt_tokens, args.output_tokens, args.token_ids, args.seed)
+    work = Workload(args.num_requests, args.prompt_tokens, args.output_tokens, args.token_ids, args.seed,
+                    args.concurrency)
     report = run_peers(args.serve, model=args.model, served_name=args.served_model_name, vllm_venv=args.vllm_venv,
+                       llama_dir=args.llama_dir,
                        work=work, reference=args.reference, out_dir=args.out_dir,
                        startup_timeout_s=args.startup_timeout, timeout_s=args.timeout, plots=args.plots,
                        progress=sys.stdout.isatty())

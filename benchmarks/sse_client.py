@@ -65,7 +65,15 @@ def session(concurrency: int | None = None, timeout_s: float = 600.0,
 
 async def stream_completion(client: aiohttp.ClientSession, url: str, payload: dict[str, Any],
                             chat: bool = False) -> Streamed:
-    """POST `payload` (with stream: true) to `url` and read the stream to its end; never raises."""
+    """POST `payload` (with stream: true) to `url` and read the stream to its end; never raises. A pooled
+    keep-alive connection the server closed before answering (llama-server does) is retried once, fresh."""
+    out = await _stream_once(client, url, payload, chat)
+    if out.status is None and out.error is not None and out.error.startswith("ServerDisconnectedError"):
+        out = await _stream_once(client, url, payload, chat)
+    return out
+
+
+async def _stream_once(client: aiohttp.ClientSession, url: str, payload: dict[str, Any], chat: bool) -> Streamed:
     out = Streamed()
     start = last = time.perf_counter()
     pieces: list[str] = []

@@ -8,7 +8,8 @@ import os
 import pytest
 from server_fixtures import one_torch_thread, running_server
 
-from benchmarks.peer_servers import ServerSpec, parse_serve
+from benchmarks.llama_peer import gguf_as, source_gguf
+from benchmarks.peer_servers import LLAMA_DEFAULT_ARGS, PeerPaths, ServerSpec, command, parse_serve
 from benchmarks.peers import Workload, check_exact, cpu_info, pick_reference, run_peers
 from benchmarks.serving import run_serving_benchmark
 
@@ -19,7 +20,7 @@ def test_specs_workload_and_cpu_flags(tmp_path):
     assert parse_serve("vllm:--dtype float32").label == "vLLM CPU --dtype float32"
     assert parse_serve("url=http://127.0.0.1:9/").url == "http://127.0.0.1:9"
     with pytest.raises(ValueError, match="url=URL"):
-        parse_serve("llama")
+        parse_serve("tgi")
     work = Workload(num_requests=20, prompt_tokens=(3, 9), output_tokens=(2, 5), token_ids=(1000, 1100), seed=4)
     reqs = work.requests()
     assert reqs == Workload(20, (3, 9), (2, 5), (1000, 1100), 4).requests()  # same seed, same workload
@@ -34,6 +35,35 @@ def test_specs_workload_and_cpu_flags(tmp_path):
     assert "forced 5" in check_exact([([1, 2, 3], 5)], [ok])[0]
     rows = [{"label": "a", "kind": "quantgate"}, {"label": "b", "kind": "vllm"}]
     assert pick_reference(rows, None) == 1 and pick_reference(rows, "1") == 0 and pick_reference(rows, "a") == 0
+
+
+def test_weights_words_and_the_llama_cpp_command(tmp_path):
+    variant = parse_serve("quantgate:int4wo --threads 1")
+    assert (variant.weights, variant.args, variant.label) == ("int4wo", ["--threads", "1"],
+                                                              "quantgate serve int4wo --threads 1")
+    assert parse_serve("llama") == ServerSpec("llama", [], weights="F16")
+    q8 = parse_serve("llama:q8_0 --parallel 1")
+    assert (q8.weights, q8.args, q8.label) == ("Q8_0", ["--parallel", "1"], "llama.cpp Q8_0 --parallel 1")
+    with pytest.raises(ValueError, match="Q3_X"):
+        parse_serve("llama:Q3_X")
+    with pytest.raises(ValueError, match="vLLM serves the model itself"):
+        parse_serve("vllm:int4wo")
+    peers = PeerPaths(tmp_path / "vllm", tmp_path / "llama.cpp")
+    with pytest.raises(ValueError, match="peers_setup_llama.sh"):
+        command(q8, 8001, tmp_path / "m.gguf", "smol", peers)
+    (tmp_path / "llama.cpp" / "bin").mkdir(parents=True)
+    (tmp_path / "llama.cpp" / "bin" / "llama-server").write_text("")
+    cmd = command(q8, 8001, tmp_path / "m.gguf", "smol", peers)
+    assert cmd[0] == str(tmp_path / "llama.cpp" / "bin" / "llama-server")
+    assert cmd[1:9] == ["--model", str(tmp_path / "m.gguf"), "--alias", "smol", "--host", "127.0.0.1", "--port", "8001"]
+    assert cmd[9:] == [*LLAMA_DEFAULT_ARGS, "--parallel", "1"]  # the spec's own args last: they win
+    shipped = source_gguf("smollm2-135m")  # the package's Q4_1 file is served as it is
+    assert shipped.name.endswith(".Q4_1.gguf") and gguf_as("smollm2-135m", "Q4_1", peers.llama_dir) == shipped
+    with pytest.raises(ValueError, match="llama-quantize"):  # F16 needs llama-quantize, not built here
+        gguf_as("smollm2-135m", "F16", peers.llama_dir)
+    assert not list(peers.llama_dir.glob("models/*"))  # nothing half-made
+    with pytest.raises(ValueError, match="GGUF"):
+        source_gguf(str(tmp_path))
 
 
 def test_token_id_prompts_through_the_shared_client(tiny_model_dir):
@@ -69,3 +99,18 @@ def test_peers_against_a_started_and_a_given_server(tiny_model_dir, tmp_path):
         os.killpg(started["pid"], 0)
     assert (tmp_path / "peers.png").is_file() and "| quantgate serve" in (tmp_path / "peers.md").read_text()
     assert report["json"] == str(tmp_path / "peers.json")
+
+
+def test_one_request_at_a_time(tiny_model_dir, tmp_path):
+    work = Workload(num_requests=4, prompt_tokens=(4, 8), output_tokens=(6, 6), seed=2, concurrency=1)
+    with one_torch_thread(), running_server(tiny_model_dir) as given:
+        report = run_peers([parse_serve(f"url={given.url}")], model=str(tiny_model_dir), served_name="tiny",
+                           work=work, out_dir=tmp_path, timeout_s=120, plots=False)
+    row = report["rows"][0]
+    assert "error" not in row, row.get("traceback")
+    assert row["exact"] and row["total_output_tokens"] == 24
+    sent = sorted(row["serving"]["requests"], key=lambda r: r["send_time"])
+    for before, after in zip(sent[:-1], sent[1:], strict=True):  # each request starts after the one before has finished
+        assert after["send_time"] >= before["send_time"] + before["e2e"] - 1e-3
+    assert row["serving"]["config"]["concurrency"] == 1
+    assert "4 requests 1 at a time" in (tmp_path / "peers.md").read_text()
