@@ -17,6 +17,7 @@ import heapq
 import random
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -115,6 +116,61 @@ def kv_blocks_for(engine, workload: list[LabRequest], max_num_seqs: int) -> int:
     return max_num_seqs * engine.block_manager.blocks_needed(longest) + 1
 
 
+class SlotTracker:
+    """Which batch slot each running request holds, as intervals of wall time (the Gantt chart's rows):
+    a request keeps its slot from the step it joins the batch until the step after which it left."""
+
+    def __init__(self) -> None:
+        self.slot_of: dict[str, tuple[int, float]] = {}  # request id -> (slot, start)
+        self.free: list[int] = []
+        self.next_slot = 0
+        self.last_end = 0.0
+        self.intervals: list[SlotInterval] = []
+
+    def step(self, occupying: list[str], start: float, end: float) -> None:
+        current = set(occupying)
+        for rid in [rid for rid in self.slot_of if rid not in current]:  # left the batch after the last step
+            slot, began = self.slot_of.pop(rid)
+            self.intervals.append(SlotInterval(rid, slot, began, self.last_end))
+            heapq.heappush(self.free, slot)
+        for rid in occupying:
+            if rid not in self.slot_of:
+                if self.free:
+                    slot = heapq.heappop(self.free)
+                else:
+                    slot, self.next_slot = self.next_slot, self.next_slot + 1
+                self.slot_of[rid] = (slot, start)
+        self.last_end = end
+
+    def close(self) -> list[SlotInterval]:
+        for rid, (slot, began) in self.slot_of.items():
+            self.intervals.append(SlotInterval(rid, slot, began, self.last_end))
+        self.slot_of = {}
+        return sorted(self.intervals, key=lambda iv: (iv.start, iv.slot))
+
+
+def _request_record(r: LabRequest, out, t0: float, steps: tuple[int, int | None, int]) -> dict[str, Any]:
+    """One finished request's times (wall and engine steps); `steps`: (arrival, first token, finish)."""
+    arrival_step, first_step, finish_step = steps
+    m = out.metrics
+    return {
+        "request_id": r.request_id,
+        "kind": r.kind,
+        "prompt_tokens": len(out.prompt_token_ids),
+        "output_tokens": len(out.token_ids),
+        "arrival": m.arrival_time - t0,
+        "first_token": m.first_token_time - t0,
+        "finished": m.finished_time - t0,
+        "completion": m.e2e,
+        "queue_time": m.queue_time,
+        "ttft": m.ttft,
+        "tpot": m.tpot,
+        "first_token_step": first_step,
+        "finished_step": finish_step,
+        "completion_steps": finish_step - arrival_step + 1,
+    }
+
+
 def run_workload(engine, workload: list[LabRequest], *, label: str = "", progress: bool = True) -> RunResult:
     """Feed requests at their arrival times, step the engine until all finish, record slot occupancy."""
     from serving import SamplingParams
@@ -122,11 +178,7 @@ def run_workload(engine, workload: list[LabRequest], *, label: str = "", progres
     pending = deque(sorted(workload, key=lambda r: r.arrival))
     by_id = {r.request_id: r for r in workload}
     finals: dict[str, Any] = {}
-    slot_of: dict[str, tuple[int, float]] = {}  # request id -> (slot, start)
-    free_slots: list[int] = []
-    next_slot = 0
-    last_end = 0.0
-    intervals: list[SlotInterval] = []
+    slots = SlotTracker()
     batch_sizes: list[int] = []
     arrival_step: dict[str, int] = {}  # engine steps are the machine-independent clock
     first_step: dict[str, int] = {}
@@ -159,49 +211,16 @@ def run_workload(engine, workload: list[LabRequest], *, label: str = "", progres
                 if bar:
                     bar.advance(1)
         batch_sizes.append(len(occupying))
-        current = set(occupying)
-        for rid in [rid for rid in slot_of if rid not in current]:  # left the batch after the last step
-            slot, began = slot_of.pop(rid)
-            intervals.append(SlotInterval(rid, slot, began, last_end))
-            heapq.heappush(free_slots, slot)
-        for rid in occupying:
-            if rid not in slot_of:
-                if free_slots:
-                    slot = heapq.heappop(free_slots)
-                else:
-                    slot, next_slot = next_slot, next_slot + 1
-                slot_of[rid] = (slot, start)
-        last_end = end
-    for rid, (slot, began) in slot_of.items():
-        intervals.append(SlotInterval(rid, slot, began, last_end))
+        slots.step(occupying, start, end)
     if bar:
         bar.stop()
-    requests = []
-    for rid, out in finals.items():
-        r, m = by_id[rid], out.metrics
-        requests.append(
-            {
-                "request_id": rid,
-                "kind": r.kind,
-                "prompt_tokens": len(out.prompt_token_ids),
-                "output_tokens": len(out.token_ids),
-                "arrival": m.arrival_time - t0,
-                "first_token": m.first_token_time - t0,
-                "finished": m.finished_time - t0,
-                "completion": m.e2e,
-                "queue_time": m.queue_time,
-                "ttft": m.ttft,
-                "tpot": m.tpot,
-                "first_token_step": first_step.get(rid),
-                "finished_step": finish_step[rid],
-                "completion_steps": finish_step[rid] - arrival_step[rid] + 1,
-            }
-        )
+    requests = [_request_record(by_id[rid], out, t0, (arrival_step[rid], first_step.get(rid), finish_step[rid]))
+                for rid, out in finals.items()]
     requests.sort(key=lambda d: by_id[d["request_id"]].index)
     return RunResult(
         scheduler=engine.scheduler_name,
         requests=requests,
-        intervals=sorted(intervals, key=lambda iv: (iv.start, iv.slot)),
+        intervals=slots.close(),
         makespan=max((d["finished"] for d in requests), default=0.0),
         num_steps=len(batch_sizes),
         num_preemptions=engine.scheduler.num_preemptions - preempt_before,
@@ -249,6 +268,57 @@ def full_batch_step_time(engine, batch: int, steps: int = 6) -> float:
     return decode[len(decode) // 2]
 
 
+def run_each_scheduler(base, model: str, make: Callable[[float | None], list[LabRequest]], *,
+                       rate: float | str | None, steps_per_arrival: float, max_num_seqs: int, num_kv_blocks: int,
+                       max_num_batched_tokens: int, batch_timeout_ms: float, progress: bool
+                       ) -> tuple[dict[str, RunResult], float, float | None]:
+    """Every scheduler over `base`'s model on one workload, `make(rate)`, made once the first engine's
+    full-batch step is timed (rate "auto": one arrival every `steps_per_arrival` such steps); returns
+    the runs, that step time and the rate used."""
+    from serving import LLMEngine
+
+    runs: dict[str, RunResult] = {}
+    step_time, workload = None, []
+    for name in SCHEDULERS:
+        engine = LLMEngine(
+            base.model, base.tokenizer, device=base.device, scheduler=name, max_num_seqs=max_num_seqs,
+            num_kv_blocks=num_kv_blocks, max_num_batched_tokens=max_num_batched_tokens, model_name=model,
+        )
+        measured = full_batch_step_time(engine, max_num_seqs)
+        if name == "dynamic":  # batches of max_num_seqs that also close when the oldest waited the timeout
+            engine.scheduler.batch_timeout_s = batch_timeout_ms / 1000
+            engine.scheduler.batches.clear()  # the warm-up's
+        if step_time is None:  # the first engine fixes the workload; all run exactly the same one
+            step_time = measured
+            if rate == "auto":
+                rate = 1.0 / (steps_per_arrival * step_time)
+            workload = make(rate)
+        runs[name] = run_workload(engine, workload, label=f"{name:>10}", progress=progress)
+        if name == "dynamic":
+            runs[name].padding_waste = engine.scheduler.padding_waste()
+        del engine
+        gc.collect()
+    return runs, step_time, rate
+
+
+def static_vs_continuous(summaries: dict[str, dict[str, Any]]) -> dict[str, float | None]:
+    """The issue's ratios: continuous / static short p99 (below 1: continuous is faster), and how many
+    times better continuous is, in seconds and in engine steps (free of the machine's speed and noise)."""
+    def p99(name: str, key: str) -> float | None:
+        return summaries[name][key]["p99"]
+
+    return {
+        "short_p99_continuous_over_static": ratio(p99("continuous", "completion_short_s"),
+                                                  p99("static", "completion_short_s")),
+        "short_p99_speedup": ratio(p99("static", "completion_short_s"), p99("continuous", "completion_short_s")),
+        "short_p99_speedup_steps": ratio(p99("static", "completion_short_steps"),
+                                         p99("continuous", "completion_short_steps")),
+        "all_p99_speedup": ratio(p99("static", "completion_all_s"), p99("continuous", "completion_all_s")),
+        "throughput_continuous_over_static": ratio(summaries["continuous"]["throughput_tokens_per_s"],
+                                                   summaries["static"]["throughput_tokens_per_s"]),
+    }
+
+
 def run_hol_lab(
     model: str = "smollm2-135m",
     *,
@@ -286,30 +356,11 @@ def run_hol_lab(
     out = output_dir(out_dir, "hol")
     base = LLMEngine.from_pretrained(model, device=device, dtype=dtype, num_kv_blocks=1, max_num_seqs=1)
     blocks = num_kv_blocks or kv_blocks_for(base, workload, max_num_seqs)
-    runs: dict[str, RunResult] = {}
-    step_time = None
-    for name in SCHEDULERS:
-        engine = LLMEngine(
-            base.model, base.tokenizer, device=base.device, scheduler=name, max_num_seqs=max_num_seqs,
-            num_kv_blocks=blocks, max_num_batched_tokens=max_num_batched_tokens, model_name=str(model),
-        )
-        measured = full_batch_step_time(engine, max_num_seqs)
-        if name == "dynamic":  # batches of max_num_seqs that also close when the oldest waited the timeout
-            engine.scheduler.batch_timeout_s = batch_timeout_ms / 1000
-            engine.scheduler.batches.clear()  # the warm-up's
-        if step_time is None:  # the first engine fixes the workload; both run exactly the same one
-            step_time = measured
-            if rate == "auto":
-                rate = 1.0 / (steps_per_arrival * step_time)
-            workload = make_workload(num_requests, rate=rate, **shape)
-        runs[name] = run_workload(engine, workload, label=f"{name:>10}", progress=progress)
-        if name == "dynamic":
-            runs[name].padding_waste = engine.scheduler.padding_waste()
-        del engine
-        gc.collect()
+    runs, step_time, rate = run_each_scheduler(
+        base, str(model), lambda r: make_workload(num_requests, rate=r, **shape), rate=rate,
+        steps_per_arrival=steps_per_arrival, max_num_seqs=max_num_seqs, num_kv_blocks=blocks,
+        max_num_batched_tokens=max_num_batched_tokens, batch_timeout_ms=batch_timeout_ms, progress=progress)
     summaries = {name: summarize_run(run) for name, run in runs.items()}
-    static_p99 = summaries["static"]["completion_short_s"]["p99"]
-    cont_p99 = summaries["continuous"]["completion_short_s"]["p99"]
     report: dict[str, Any] = {
         "benchmark": "hol_lab",
         "config": {
@@ -332,19 +383,7 @@ def run_hol_lab(
         },
         "machine": machine(),
         "schedulers": summaries,
-        # continuous / static, as the issue asks; below 1 means continuous is faster
-        "short_p99_continuous_over_static": ratio(cont_p99, static_p99),
-        "short_p99_speedup": ratio(static_p99, cont_p99),  # how many times better continuous is
-        "short_p99_speedup_steps": ratio(  # the same in engine steps: free of the machine's speed and noise
-            summaries["static"]["completion_short_steps"]["p99"],
-            summaries["continuous"]["completion_short_steps"]["p99"],
-        ),
-        "all_p99_speedup": ratio(
-            summaries["static"]["completion_all_s"]["p99"], summaries["continuous"]["completion_all_s"]["p99"]
-        ),
-        "throughput_continuous_over_static": ratio(
-            summaries["continuous"]["throughput_tokens_per_s"], summaries["static"]["throughput_tokens_per_s"]
-        ),
+        **static_vs_continuous(summaries),
         "runs": {
             name: {"requests": run.requests, "intervals": [asdict(iv) for iv in run.intervals]}
             for name, run in runs.items()
