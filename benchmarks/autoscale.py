@@ -21,6 +21,7 @@ if __package__ in (None, ""):  # run as a script: import the repo's packages
 
 from benchmarks.common import fmt, machine, output_dir, pyplot, save_figure, summarize, write_json  # noqa: E402
 from benchmarks.fleet_sim import Policy, ReplicaModel, Trace, simulate, summarize_result  # noqa: E402
+from quantgate.ports import free_port  # noqa: E402
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -103,7 +104,7 @@ def measure(args: argparse.Namespace) -> dict:
     from fleet.app import connect
 
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
-    args.port = _free_port()
+    args.port = free_port()
     connect(None, args.num_cpus)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": args.port})
@@ -113,14 +114,6 @@ def measure(args: argparse.Namespace) -> dict:
         serve.shutdown()
         ray.shutdown()
     return {"cold_start": cold, "service": service, "rate_variant": variants[0]}
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ---- the simulated fleet -------------------------------------------------------------------------

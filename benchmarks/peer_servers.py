@@ -16,7 +16,6 @@ import glob
 import os
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -26,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from benchmarks.llama_peer import llama_binary, llama_version
+from quantgate.ports import free_port
 
 VLLM_DEFAULT_ARGS = ["--dtype", "bfloat16", "--max-model-len", "2048"]
 # 16 slots of 512 tokens (the peers workload's longest request): continuous batching across the slots.
@@ -89,12 +89,6 @@ def parse_serve(text: str) -> ServerSpec:
         if weights not in LLAMA_TYPES:
             raise ValueError(f"--serve {text!r}: llama.cpp type {weights!r} is not one of {', '.join(LLAMA_TYPES)}")
     return ServerSpec(kind, args, weights=weights)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _cpu_bind() -> str:

@@ -11,6 +11,8 @@ import json
 import secrets
 from pathlib import Path
 
+from quantgate.ports import free_port
+
 CHAMPION, CHALLENGER = "champion", "challenger"
 APP = "canary"
 
@@ -49,7 +51,7 @@ class FleetCanary:
 
         self._started_ray = not ray.is_initialized() and self.address is None
         try:
-            info = fleet_app.up(self.config(_free_port()), address=self.address)
+            info = fleet_app.up(self.config(free_port()), address=self.address)
             self.url = info["url"]
             by_version = {r["version"]: r for r in fleet_app.live_replicas(APP)}
             self.served_kv = {v: by_version.get(v, {}).get("kv_cache_dtype", self.kv_cache_dtypes[v])
@@ -85,11 +87,3 @@ class FleetCanary:
         self.decisions_log.write_text("".join(json.dumps(h) + "\n" for h in state["history"]))
         return {"action": "promote" if promote else "rollback", "reason": reason, "weights": state["weights"],
                 "champion": state["champion"], "backend": "ray"}
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

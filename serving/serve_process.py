@@ -7,17 +7,12 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from quantgate.ports import free_port
 
 
 def spawn_serve(model: str | Path, log: Path, *extra: str, env: dict[str, str] | None = None

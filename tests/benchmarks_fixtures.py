@@ -12,6 +12,8 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from quantgate.ports import free_port
+
 
 async def stub_app(scope, receive, send) -> None:
     """Plain ASGI: /v1/models, and streaming /v1/completions and /v1/chat/completions that send
@@ -50,12 +52,6 @@ async def stub_app(scope, receive, send) -> None:
 async def _json(send, status: int, obj) -> None:
     await send({"type": "http.response.start", "status": status, "headers": [(b"content-type", b"application/json")]})
     await send({"type": "http.response.body", "body": json.dumps(obj).encode()})
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_for_port(port: int, timeout: float = 60.0, proc: subprocess.Popen | None = None) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from benchmarks_fixtures import free_port, stub_server
+from benchmarks_fixtures import stub_server
 
 from benchmarks.common import percentile, summarize
 from benchmarks.serving import (
@@ -15,6 +15,7 @@ from benchmarks.serving import (
     flat_metrics,
     run_serving_benchmark,
 )
+from quantgate.ports import free_port
 
 
 @pytest.fixture(scope="module")

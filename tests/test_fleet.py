@@ -7,7 +7,6 @@ rollback without replica restarts, a replica killed mid-stream, and autoscaling 
 from __future__ import annotations
 
 import json
-import socket
 import threading
 import time
 from pathlib import Path
@@ -19,15 +18,10 @@ pytest.importorskip("ray.serve")
 
 from fleet.config import FleetConfig  # noqa: E402
 from fleet.traffic import TrafficState  # noqa: E402
+from quantgate.ports import free_port
 
 APP = "tiny-fleet"
 ADMIN = {"Authorization": "Bearer test-admin-key"}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +34,7 @@ def fleet(tiny_model_dir: Path):
     engine = {"model": str(tiny_model_dir), "num_kv_blocks": 128, "threads": 1, "num_cpus": 0.5,
               "dtype": "float32"}
     config = FleetConfig.model_validate({
-        "name": APP, "served_model_name": "tiny", "port": _free_port(), "routing_stats_period_s": 0.25,
+        "name": APP, "served_model_name": "tiny", "port": free_port(), "routing_stats_period_s": 0.25,
         "admin_key": "test-admin-key",
         "versions": [
             {"name": "champion", "weight": 0.7, "num_replicas": 2, **engine},

@@ -9,6 +9,7 @@ import pytest
 from gates_fixtures import BAD_ARC, GOOD, NO_TPOT, POLICY_YAML, fluent_tracking, make_release
 
 from gates import metrics as M
+from quantgate.ports import free_port
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -304,14 +305,6 @@ def test_recording_rejects_bad_input(store):
         log_variant(release, "int8 fast!", {}, {})
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _group_alive(pgid: int) -> bool:
     import os
 
@@ -337,7 +330,7 @@ def test_mlflow_server_serves_runs_over_rest(store, policy_file, tmp_path, monke
 
     run_id, version = make_release("m-rest", {"int8": GOOD})["int8"]
     evaluate_run(run_id, str(policy_file))
-    port = _free_port()
+    port = free_port()
     base = f"http://127.0.0.1:{port}"
     log = (tmp_path / "server.log").open("wb")
     process = subprocess.Popen(ui_command(port=port, verb="server"), env=ui_env(), cwd=tmp_path, stdout=log,

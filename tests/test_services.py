@@ -12,7 +12,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from quantgate.ports import free_port
 from quantgate.postgres import find_bindir
 
 pytestmark = [pytest.mark.services,
@@ -34,12 +34,6 @@ weights: {min_reduction: null}
 serving: {min_decode_speedup: null, max_tpot_p99_s: 60.0}
 canary: {max_error_rate: 0.0, max_tpot_p99_s: 60.0}
 """
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _quantgate(env: dict, *argv: str, timeout: float = 240) -> str:
@@ -66,7 +60,7 @@ def _processes_mentioning(needles: list[str]) -> list[str]:
 @pytest.fixture
 def services(tmp_path):
     """`quantgate services up` on free ports; `down` afterwards, checking that nothing is left running."""
-    ports = {"pg": _free_port(), "prefect": _free_port(), "mlflow": _free_port()}
+    ports = {"pg": free_port(), "prefect": free_port(), "mlflow": free_port()}
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     started = time.monotonic()
     out = _quantgate(env, "services", "up", "--pg-port", str(ports["pg"]), "--prefect-port", str(ports["prefect"]),

@@ -13,7 +13,6 @@ import atexit
 import logging
 import multiprocessing.connection
 import os
-import socket
 import threading
 import time
 from collections.abc import Callable
@@ -24,6 +23,7 @@ import torch
 import torch.distributed as dist
 from pydantic import BaseModel, Field, model_validator
 
+from quantgate.ports import free_port
 from serving.parallel.ranks import (
     PipelineDriver,
     RankFailedError,
@@ -165,7 +165,7 @@ def launch(model: str | Path, config: ParallelConfig, *, engine_cls: type, devic
         raise RuntimeError("a parallel engine is already running in this process (one process group each)")
     if config.threads_per_rank:
         torch.set_num_threads(config.threads_per_rank)
-    init = f"tcp://127.0.0.1:{_free_port()}"
+    init = f"tcp://127.0.0.1:{free_port()}"
     ctx = torch.multiprocessing.get_context("spawn")
     procs = [ctx.Process(target=_worker_main, name=f"quantgate-rank{r}", daemon=True,
                          args=(r, config, init, str(model_dir), device_.type, dtype_, os.getpid()))
@@ -275,12 +275,6 @@ def _exit_with_parent(parent_pid: int) -> None:
         if os.getppid() != parent_pid:
             os._exit(1)  # rank 0 died without stopping us: no orphan ranks
         time.sleep(0.5)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def from_pretrained_parallel(engine_cls: type, model: str | Path, device: str | None, dtype,
