@@ -263,7 +263,14 @@ def run_peers(specs: list[ServerSpec], *, model: str = "smollm2-135m", served_na
               plots: bool = True, progress: bool = False) -> dict[str, Any]:
     if not specs:
         raise ValueError("name at least one server with --serve")
+    from quantize.methods import get_method
+
+    for spec in specs:  # an unknown variant fails here, before any server starts
+        if spec.kind == "quantgate" and spec.weights:
+            get_method(spec.weights)
     work = work or Workload()
+    if work.concurrency is not None and work.concurrency < 1:
+        raise ValueError(f"--concurrency must be at least 1, got {work.concurrency}")
     out = output_dir(out_dir, "peers")
     peers = PeerPaths(Path(vllm_venv) if vllm_venv else home() / "peers" / "vllm",
                       Path(llama_dir) if llama_dir else home() / "peers" / "llama.cpp")

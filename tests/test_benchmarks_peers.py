@@ -64,6 +64,11 @@ def test_weights_words_and_the_llama_cpp_command(tmp_path):
     assert not list(peers.llama_dir.glob("models/*"))  # nothing half-made
     with pytest.raises(ValueError, match="GGUF"):
         source_gguf(str(tmp_path))
+    with pytest.raises(ValueError, match="unknown quantization method 'int3wo'"):
+        run_peers([parse_serve("quantgate:int3wo")], out_dir=tmp_path)
+    with pytest.raises(ValueError, match="--concurrency must be at least 1"):
+        run_peers([parse_serve("quantgate")], work=Workload(concurrency=0), out_dir=tmp_path)
+    assert not (tmp_path / "peers.json").exists()  # nothing was started or written
 
 
 def test_token_id_prompts_through_the_shared_client(tiny_model_dir):
