@@ -15,6 +15,10 @@ Single-stream decode (batch 1), the model and its quantized forms beside llama.c
         --serve quantgate:int8wo --serve quantgate:int4wo --serve vllm --serve llama --serve llama:Q8_0 \\
         --serve llama:Q4_1
 
+`--rounds N` starts every server first and then measures them in N interleaved rounds (each row: the
+median of its rounds), so that a drift in the machine's speed falls on every server alike; the servers
+not being measured sit idle beside the one that is.
+
 Prints server | output tok/s | TTFT p50 | TTFT p99 | TPOT p50 (and tokens/s per stream, 1000 / TPOT p50)
 with ratios to the reference row (default: the first vLLM row, else the first), the CPU's model name and
 SIMD/AMX flags; writes peers.json, peers.md and peers.png under --out-dir (default benchmarks/results/peers).
@@ -24,10 +28,8 @@ from __future__ import annotations
 
 import argparse
 import os
-import random
 import sys
-import traceback
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -35,37 +37,14 @@ if __package__ in (None, ""):  # run as a script: import the repo's packages
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 from benchmarks.common import fmt, machine, output_dir, pyplot, ratio, save_figure, token_range, write_json  # noqa: E402
-from benchmarks.llama_peer import gguf_as  # noqa: E402
-from benchmarks.peer_servers import PeerPaths, ServerSpec, parse_serve, started  # noqa: E402
+from benchmarks.peer_runs import Workload, run_one, run_rounds  # noqa: E402
+from benchmarks.peer_servers import PeerPaths, ServerSpec, parse_serve  # noqa: E402
 from quantgate.env import apply_defaults, home  # noqa: E402
 
 CPU_FLAGS = ("avx2", "avx_vnni", "avx512f", "avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16",
              "amx_int8")
 METRICS = (("output_tok_s", "output tok/s", 1), ("ttft_p50_ms", "TTFT p50 (ms)", 0),
            ("ttft_p99_ms", "TTFT p99 (ms)", 0), ("tpot_p50_ms", "TPOT p50 (ms)", 1))
-
-
-@dataclass
-class Workload:
-    num_requests: int = 64
-    prompt_tokens: tuple[int, int] = (16, 256)
-    output_tokens: tuple[int, int] = (8, 256)
-    token_ids: tuple[int, int] = (1000, 49151)  # prompt ids drawn from [lo, hi]: no special tokens
-    seed: int = 0
-    concurrency: int | None = None  # requests in flight at most (None: all at once; 1: single-stream decode)
-
-    def describe(self) -> str:
-        when = "at once" if self.concurrency is None else f"{self.concurrency} at a time"
-        return (f"{self.num_requests} requests {when}, prompts {self.prompt_tokens}, outputs {self.output_tokens} "
-                f"forced, seed {self.seed}")
-
-    def requests(self) -> list[tuple[list[int], int]]:
-        rng = random.Random(self.seed)
-        out = []
-        for _ in range(self.num_requests):
-            prompt = [rng.randint(*self.token_ids) for _ in range(rng.randint(*self.prompt_tokens))]
-            out.append((prompt, rng.randint(*self.output_tokens)))
-        return out
 
 
 def cpu_info(path: str = "/proc/cpuinfo") -> dict[str, Any]:
@@ -81,87 +60,6 @@ def cpu_info(path: str = "/proc/cpuinfo") -> dict[str, Any]:
     except OSError:
         pass
     return {"model_name": name, "flags": [f for f in CPU_FLAGS if f in flags], "cpus": len(os.sched_getaffinity(0))}
-
-
-def _warm_up(url: str, model: str, prompt: list[int]) -> bool:
-    """One short request; returns whether the server takes min_tokens (ours refuses unknown fields)."""
-    from benchmarks.serving import run_serving_benchmark
-
-    try:
-        run_serving_benchmark(url, model, requests=[(prompt, 4)], min_tokens=True)
-        return True
-    except ValueError as exc:
-        if "min_tokens" not in str(exc):
-            raise
-    run_serving_benchmark(url, model, requests=[(prompt, 4)])
-    return False
-
-
-def check_exact(requests: list[tuple[list[int], int]], records: list[dict[str, Any]]) -> list[str]:
-    """Why any request did not produce exactly what it was sent for (empty when all did)."""
-    problems = []
-    for (prompt, n), r in zip(requests, records, strict=True):
-        if not r["ok"]:
-            problems.append(f"request {r['index']}: {r['error']}")
-        elif r["output_tokens"] != n:
-            problems.append(f"request {r['index']}: {r['output_tokens']} output tokens, forced {n}")
-        elif r["prompt_tokens"] is None:
-            problems.append(f"request {r['index']}: the server reported no usage (prompt/output counts)")
-        elif r["prompt_tokens"] != len(prompt):
-            problems.append(f"request {r['index']}: prompt of {r['prompt_tokens']} tokens, sent {len(prompt)}")
-    return problems
-
-
-def measure(url: str, model: str, work: Workload, timeout_s: float, progress: bool) -> dict[str, Any]:
-    from benchmarks.serving import run_serving_benchmark
-
-    requests = work.requests()
-    takes_min_tokens = _warm_up(url, model, requests[0][0][:16])
-    report = run_serving_benchmark(url, model, requests=requests, ignore_eos=True, min_tokens=takes_min_tokens,
-                                   concurrency=work.concurrency, timeout_s=timeout_s, progress=progress, details=True)
-    problems = check_exact(requests, report["requests"])
-    return {
-        "output_tok_s": report["output_throughput"], "ttft_p50_ms": report["ttft_ms"]["median"],
-        "ttft_p99_ms": report["ttft_ms"]["p99"], "tpot_p50_ms": report["tpot_ms"]["median"],
-        "duration_s": report["duration_s"], "completed": report["completed"], "failed": report["failed"],
-        "total_output_tokens": report["total_output_tokens"], "total_input_tokens": report["total_input_tokens"],
-        "expected_output_tokens": sum(n for _, n in requests), "exact": not problems, "problems": problems[:10],
-        "min_tokens": takes_min_tokens, "serving": report,
-    }
-
-
-def served_weights(spec: ServerSpec, model: str, peers: PeerPaths) -> Path | None:
-    """What the spec's server loads: the model's HF dir, a quantgate variant's dir or a GGUF file."""
-    from quantgate.models import resolve_model
-
-    if spec.kind == "url":
-        return None
-    if spec.kind == "llama":
-        return gguf_as(model, spec.weights or "F16", peers.llama_dir)
-    if spec.kind == "quantgate" and spec.weights:
-        import quantize
-
-        return quantize.quantize(model, spec.weights)  # made once, then cached under QUANTGATE_HOME
-    return resolve_model(model)
-
-
-def run_one(spec: ServerSpec, *, model: str, served_name: str, peers: PeerPaths, work: Workload,
-            out: Path, startup_timeout_s: float, timeout_s: float, progress: bool) -> dict[str, Any]:
-    row: dict[str, Any] = {"label": spec.label, "kind": spec.kind, "args": spec.args, "weights": spec.weights}
-    try:
-        weights = served_weights(spec, model, peers)
-        row["weights_path"] = weights
-        with started(spec, weights=weights, served_name=served_name, peers=peers, log_dir=out / "logs",
-                     startup_timeout_s=startup_timeout_s) as server:
-            row |= {"url": server.url, "startup_s": server.startup_s, "pid": server.pid,
-                    "log": server.log, "version": server.version}
-            before = os.getloadavg()[0]  # other load on the machine distorts every figure: say how much
-            row |= measure(server.url, served_name, work, timeout_s, progress)
-            row["load_avg_1m"] = {"before": before, "after": os.getloadavg()[0]}
-    except Exception as exc:  # one server failing must not lose the others' figures
-        row["error"] = f"{type(exc).__name__}: {exc}"
-        row["traceback"] = traceback.format_exc()
-    return row
 
 
 def pick_reference(rows: list[dict[str, Any]], reference: str | None) -> int | None:
@@ -260,7 +158,9 @@ def run_peers(specs: list[ServerSpec], *, model: str = "smollm2-135m", served_na
               vllm_venv: str | Path | None = None, llama_dir: str | Path | None = None,
               work: Workload | None = None, reference: str | None = None,
               out_dir: str | Path | None = None, startup_timeout_s: float = 900.0, timeout_s: float = 3600.0,
-              plots: bool = True, progress: bool = False) -> dict[str, Any]:
+              plots: bool = True, progress: bool = False, rounds: int = 1) -> dict[str, Any]:
+    """Each server alone, one after the other (rounds=1), or all up at once and measured in `rounds`
+    interleaved rounds (the median of each figure)."""
     if not specs:
         raise ValueError("name at least one server with --serve")
     from quantize.methods import get_method
@@ -271,15 +171,19 @@ def run_peers(specs: list[ServerSpec], *, model: str = "smollm2-135m", served_na
     work = work or Workload()
     if work.concurrency is not None and work.concurrency < 1:
         raise ValueError(f"--concurrency must be at least 1, got {work.concurrency}")
+    if rounds < 1:
+        raise ValueError(f"--rounds must be at least 1, got {rounds}")
     out = output_dir(out_dir, "peers")
     peers = PeerPaths(Path(vllm_venv) if vllm_venv else home() / "peers" / "vllm",
                       Path(llama_dir) if llama_dir else home() / "peers" / "llama.cpp")
-    report: dict[str, Any] = {"benchmark": "peers", "model": model, "workload": asdict(work),
+    report: dict[str, Any] = {"benchmark": "peers", "model": model, "workload": asdict(work), "rounds": rounds,
                               "cpu": cpu_info(), "machine": machine(), "rows": [], "reference": None}
-    for spec in specs:  # one after the other: each server has the machine to itself
-        report["rows"].append(run_one(spec, model=model, served_name=served_name or model, peers=peers,
-                                      work=work, out=out, startup_timeout_s=startup_timeout_s, timeout_s=timeout_s,
-                                      progress=progress))
+    common = dict(model=model, served_name=served_name or model, peers=peers, work=work, out=out,
+                  startup_timeout_s=startup_timeout_s, timeout_s=timeout_s, progress=progress)
+    if rounds > 1:
+        report["rows"] = run_rounds(specs, rounds, **common)
+    for spec in specs if rounds == 1 else []:  # one after the other: each server has the machine to itself
+        report["rows"].append(run_one(spec, **common))
         write_json(out / "peers.json", report)  # what was measured survives a later failure
     ref = pick_reference(report["rows"], reference)
     report["reference"] = report["rows"][ref]["label"] if ref is not None else None
@@ -306,6 +210,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--llama-dir", default=None, help="llama.cpp build (default: $QUANTGATE_HOME/peers/llama.cpp)")
     p.add_argument("--reference", default=None, help="row number or label substring (default: first vLLM row)")
     p.add_argument("--num-requests", type=int, default=64)
+    p.add_argument("--rounds", type=int, default=1,
+                   help="start every server at once and measure them in N interleaved rounds (median of each "
+                        "figure); default 1: each server alone, one after the other")
     p.add_argument("--concurrency", type=int, default=None,
                    help="requests in flight at most (default: all at once; 1 measures single-stream decode)")
     p.add_argument("--prompt-tokens", type=_pair, default=(16, 256), metavar="LO-HI")
@@ -330,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
                        llama_dir=args.llama_dir,
                        work=work, reference=args.reference, out_dir=args.out_dir,
                        startup_timeout_s=args.startup_timeout, timeout_s=args.timeout, plots=args.plots,
-                       progress=sys.stdout.isatty())
+                       progress=sys.stdout.isatty(), rounds=args.rounds)
     print_report(report)
     return 0 if all("error" not in r and r["exact"] for r in report["rows"]) else 1
 

@@ -9,8 +9,9 @@ import pytest
 from server_fixtures import one_torch_thread, running_server
 
 from benchmarks.llama_peer import gguf_as, source_gguf
+from benchmarks.peer_runs import check_exact, median_of_rounds
 from benchmarks.peer_servers import LLAMA_DEFAULT_ARGS, PeerPaths, ServerSpec, command, parse_serve
-from benchmarks.peers import Workload, check_exact, cpu_info, pick_reference, run_peers
+from benchmarks.peers import Workload, cpu_info, pick_reference, run_peers
 from benchmarks.serving import run_serving_benchmark
 
 
@@ -119,3 +120,36 @@ def test_one_request_at_a_time(tiny_model_dir, tmp_path):
         assert after["send_time"] >= before["send_time"] + before["e2e"] - 1e-3
     assert row["serving"]["config"]["concurrency"] == 1
     assert "4 requests 1 at a time" in (tmp_path / "peers.md").read_text()
+
+
+
+def test_median_of_rounds():
+    def round_(tok_s, ttft, exact=True):
+        return {"output_tok_s": tok_s, "ttft_p50_ms": ttft, "ttft_p99_ms": 2 * ttft, "tpot_p50_ms": 10.0,
+                "duration_s": 1.0, "exact": exact, "problems": [] if exact else ["request 3: 4 output tokens"],
+                "min_tokens": False, "load_avg_1m": {"before": 0.5, "after": 0.7}, "completed": 4, "failed": 0,
+                "total_output_tokens": 20, "total_input_tokens": 30, "expected_output_tokens": 20}
+
+    row = median_of_rounds([round_(90.0, 100.0), round_(60.0, 300.0), round_(80.0, 200.0, exact=False)])
+    assert (row["output_tok_s"], row["ttft_p50_ms"], row["ttft_p99_ms"]) == (80.0, 200.0, 400.0)
+    assert row["exact"] is False and row["problems"] == ["request 3: 4 output tokens"]
+    assert row["total_output_tokens"] == 60 and row["completed"] == 12
+
+
+def test_interleaved_rounds(tiny_model_dir, tmp_path):
+    work = Workload(num_requests=3, prompt_tokens=(4, 8), output_tokens=(3, 5), seed=3)
+    expected = sum(n for _, n in work.requests())
+    with one_torch_thread(), running_server(tiny_model_dir) as given:
+        report = run_peers([parse_serve("quantgate:--threads 1 --num-kv-blocks 64"), parse_serve(f"url={given.url}")],
+                           model=str(tiny_model_dir), served_name="tiny", work=work, reference="2", rounds=2,
+                           out_dir=tmp_path, startup_timeout_s=240, timeout_s=120, plots=False)
+    assert report["rounds"] == 2
+    for row in report["rows"]:
+        assert "error" not in row, row.get("traceback")
+        assert len(row["rounds"]) == 2 and all(r["exact"] for r in row["rounds"])
+        assert row["exact"] and row["total_output_tokens"] == 2 * expected
+        assert row["output_tok_s"] == pytest.approx((row["rounds"][0]["output_tok_s"] + row["rounds"][1]["output_tok_s"]) / 2)
+    with pytest.raises(ProcessLookupError):  # the started server is stopped after the last round
+        os.killpg(report["rows"][0]["pid"], 0)
+    with pytest.raises(ValueError, match="--rounds must be at least 1"):
+        run_peers([parse_serve("quantgate")], rounds=0, out_dir=tmp_path)
