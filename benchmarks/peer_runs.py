@@ -10,7 +10,7 @@ import os
 import random
 import statistics
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -152,7 +152,8 @@ def run_rounds(specs: list[ServerSpec], rounds: int, *, model: str, served_name:
                work: Workload, out: Path, startup_timeout_s: float, timeout_s: float, progress: bool
                ) -> list[dict[str, Any]]:
     """Every server started (and kept up, idle between its turns), then `rounds` rounds in which each is
-    measured once, in order; a row's figures are the median of its rounds (each round kept in `rounds`)."""
+    measured once, in order, on the same requests (round i draws them with seed + i); a row's figures are
+    the median of its rounds (each round kept in `rounds`)."""
     rows = [_describe_row(spec) for spec in specs]
     urls: list[str | None] = []
     with contextlib.ExitStack() as stack:
@@ -168,12 +169,13 @@ def run_rounds(specs: list[ServerSpec], rounds: int, *, model: str, served_name:
             except Exception as exc:  # one server failing must not lose the others' figures
                 _failed(row, exc)
                 urls.append(None)
-        for _ in range(rounds):
+        for i in range(rounds):  # fresh prompts each round (seed + i): no prefix-cache hits on the last round's
+            this_round = replace(work, seed=work.seed + i)
             for row, url in zip(rows, urls, strict=True):
                 if url is None or "error" in row:
                     continue
                 try:
-                    row["rounds"].append(_measured(url, served_name, work, timeout_s, progress))
+                    row["rounds"].append(_measured(url, served_name, this_round, timeout_s, progress))
                 except Exception as exc:
                     _failed(row, exc)
     for row in rows:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import replace
 
 import pytest
 from server_fixtures import one_torch_thread, running_server
@@ -138,7 +139,7 @@ def test_median_of_rounds():
 
 def test_interleaved_rounds(tiny_model_dir, tmp_path):
     work = Workload(num_requests=3, prompt_tokens=(4, 8), output_tokens=(3, 5), seed=3)
-    expected = sum(n for _, n in work.requests())
+    expected = sum(n for w in (work, replace(work, seed=work.seed + 1)) for _, n in w.requests())
     with one_torch_thread(), running_server(tiny_model_dir) as given:
         report = run_peers([parse_serve("quantgate:--threads 1 --num-kv-blocks 64"), parse_serve(f"url={given.url}")],
                            model=str(tiny_model_dir), served_name="tiny", work=work, reference="2", rounds=2,
@@ -147,7 +148,10 @@ def test_interleaved_rounds(tiny_model_dir, tmp_path):
     for row in report["rows"]:
         assert "error" not in row, row.get("traceback")
         assert len(row["rounds"]) == 2 and all(r["exact"] for r in row["rounds"])
-        assert row["exact"] and row["total_output_tokens"] == 2 * expected
+        assert row["exact"] and row["total_output_tokens"] == expected
+        sent = [[r["prompt_tokens"] for r in one["serving"]["requests"]] for one in row["rounds"]]
+        assert sent == [[len(p) for p, _ in w.requests()] for w in (work, replace(work, seed=work.seed + 1))]
+        assert sent[0] != sent[1]  # fresh prompts each round: the prefix cache cannot answer round 2
         assert row["output_tok_s"] == pytest.approx((row["rounds"][0]["output_tok_s"] + row["rounds"][1]["output_tok_s"]) / 2)
     with pytest.raises(ProcessLookupError):  # the started server is stopped after the last round
         os.killpg(report["rows"][0]["pid"], 0)
