@@ -29,7 +29,7 @@ from quantgate.ports import free_port
 
 VLLM_DEFAULT_ARGS = ["--dtype", "bfloat16", "--max-model-len", "2048"]
 # 16 slots of 512 tokens (the peers workload's longest request): continuous batching across the slots.
-LLAMA_DEFAULT_ARGS = ["--parallel", "16", "--ctx-size", "8192", "--threads", str(len(os.sched_getaffinity(0)))]
+LLAMA_DEFAULT_ARGS = ["--parallel", "16", "--ctx-size", "8192"]
 LLAMA_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q6_K", "Q5_0", "Q5_1", "Q5_K_M", "Q4_0", "Q4_1", "Q4_K_M")
 KINDS = ("quantgate", "vllm", "llama")
 TCMALLOC_PATHS = ("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4", "/usr/lib64/libtcmalloc_minimal.so.4",
@@ -118,7 +118,7 @@ def command(spec: ServerSpec, port: int, weights: Path, served_name: str, peers:
     if spec.kind == "llama":
         server = llama_binary(peers.llama_dir, "llama-server")
         return [str(server), "--model", str(weights), "--alias", served_name, "--host", "127.0.0.1",
-                "--port", str(port), *LLAMA_DEFAULT_ARGS, *spec.args]
+                "--port", str(port), *LLAMA_DEFAULT_ARGS, "--threads", str(len(os.sched_getaffinity(0))), *spec.args]
     common = ["--model", str(weights), "--served-model-name", served_name, "--host", "127.0.0.1",
               "--port", str(port)]
     if spec.kind == "quantgate":

@@ -58,7 +58,8 @@ def test_weights_words_and_the_llama_cpp_command(tmp_path):
     cmd = command(q8, 8001, tmp_path / "m.gguf", "smol", peers)
     assert cmd[0] == str(tmp_path / "llama.cpp" / "bin" / "llama-server")
     assert cmd[1:9] == ["--model", str(tmp_path / "m.gguf"), "--alias", "smol", "--host", "127.0.0.1", "--port", "8001"]
-    assert cmd[9:] == [*LLAMA_DEFAULT_ARGS, "--parallel", "1"]  # the spec's own args last: they win
+    threads = ["--threads", str(len(os.sched_getaffinity(0)))]  # the CPUs this process may use
+    assert cmd[9:] == [*LLAMA_DEFAULT_ARGS, *threads, "--parallel", "1"]  # the spec's own args last: they win
     shipped = source_gguf("smollm2-135m")  # the package's Q4_1 file is served as it is
     assert shipped.name.endswith(".Q4_1.gguf") and gguf_as("smollm2-135m", "Q4_1", peers.llama_dir) == shipped
     with pytest.raises(ValueError, match="llama-quantize"):  # F16 needs llama-quantize, not built here
