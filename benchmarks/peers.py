@@ -182,9 +182,10 @@ def run_peers(specs: list[ServerSpec], *, model: str = "smollm2-135m", served_na
                   startup_timeout_s=startup_timeout_s, timeout_s=timeout_s, progress=progress)
     if rounds > 1:
         report["rows"] = run_rounds(specs, rounds, **common)
-    for spec in specs if rounds == 1 else []:  # one after the other: each server has the machine to itself
-        report["rows"].append(run_one(spec, **common))
-        write_json(out / "peers.json", report)  # what was measured survives a later failure
+    else:
+        for spec in specs:  # one after the other: each server has the machine to itself
+            report["rows"].append(run_one(spec, **common))
+            write_json(out / "peers.json", report)  # what was measured survives a later failure
     ref = pick_reference(report["rows"], reference)
     report["reference"] = report["rows"][ref]["label"] if ref is not None else None
     add_ratios(report["rows"], ref)
