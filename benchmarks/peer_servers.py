@@ -19,13 +19,13 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from benchmarks.llama_peer import llama_binary, llama_version
 from quantgate.ports import free_port
+from quantgate.services import healthy
 
 VLLM_DEFAULT_ARGS = ["--dtype", "bfloat16", "--max-model-len", "2048"]
 # 16 slots of 512 tokens (the peers workload's longest request): continuous batching across the slots.
@@ -137,14 +137,7 @@ def _version(spec: ServerSpec, peers: PeerPaths) -> str | None:
 
 
 def _healthy(url: str) -> bool:
-    try:
-        for path in ("/health", "/v1/models"):
-            with urllib.request.urlopen(url + path, timeout=5) as response:
-                if response.status != 200:
-                    return False
-        return True
-    except OSError:
-        return False
+    return all(healthy(url + path, timeout_s=5) for path in ("/health", "/v1/models"))
 
 
 def _tail(log: Path, chars: int = 3000) -> str:
