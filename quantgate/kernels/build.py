@@ -3,7 +3,8 @@
 Each kernel is one source file (and the headers beside it) compiled on first use (~20–60 s) with
 `-march=native`, cached under `QUANTGATE_HOME/kernels/` (or `QUANTGATE_KERNEL_DIR`) in a folder keyed by
 the sources, the torch version, the CPU and the flags, so a cache copied to another CPU is never loaded
-there. A failed build (no compiler, no headers) is logged once and reported as False: callers keep their
+there. A source built for one instruction set (`quantgate.kernels.isa`) gets that set's flags instead of
+`-march=native` and a name of its own, so several builds of one source load side by side. A failed build (no compiler, no headers) is logged once and reported as False: callers keep their
 torch path.
 """
 
@@ -11,12 +12,13 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
 import platform
 import threading
 from pathlib import Path
 
 import torch
+
+from quantgate import settings
 
 log = logging.getLogger(__name__)
 
@@ -35,36 +37,46 @@ def cpu_signature() -> str:
     return "\n".join(sorted(set(lines)))
 
 
-def build_dir(source: Path, cflags: list[str] = CFLAGS) -> Path:
-    from quantgate.env import home
+def sources_hash() -> str:
+    """One hash over every kernel source quantgate builds (a measured speed is only as current as these)."""
+    root = Path(__file__).resolve().parents[2]
+    key = hashlib.sha256()
+    for pattern in ("quantgate/kernels/**/*", "quantize/kernels/*", "serving/kernels/*"):
+        for path in sorted(root.glob(pattern)):
+            if path.suffix in (".cpp", ".h", ".hpp"):
+                key.update(path.relative_to(root).as_posix().encode() + path.read_bytes())
+    return key.hexdigest()[:16]
 
+
+def build_dir(source: Path, cflags: list[str] = CFLAGS, name: str | None = None) -> Path:
     key = hashlib.sha256()
     headers = [h.read_bytes() for h in sorted(source.parent.glob("*.h"))]  # what the source includes beside it
     for part in (source.read_bytes(), *headers, torch.__version__.encode(), cpu_signature().encode(),
                  " ".join(cflags).encode()):
         key.update(part)
-    root = Path(os.environ.get("QUANTGATE_KERNEL_DIR") or home() / "kernels")
-    path = root / f"{source.stem}-{key.hexdigest()[:16]}"
+    path = settings.kernel_dir() / f"{name or source.stem}-{key.hexdigest()[:16]}"
     path.mkdir(parents=True, exist_ok=True)
     return path
 
 
-def load(source: Path, cflags: list[str] = CFLAGS) -> bool:
-    """Compile (or reuse) and load `source` once per process; True if it loaded."""
+def load(source: Path, cflags: list[str] = CFLAGS, name: str | None = None) -> bool:
+    """Compile (or reuse) and load `source` once per process as extension `name` (default: its stem);
+    True if it loaded."""
+    name = name or source.stem
     with _lock:
-        if source.stem not in _loaded:
-            _loaded[source.stem] = _build(source, cflags)
-        return _loaded[source.stem]
+        if name not in _loaded:
+            _loaded[name] = _build(source, cflags, name)
+        return _loaded[name]
 
 
-def _build(source: Path, cflags: list[str]) -> bool:
+def _build(source: Path, cflags: list[str], name: str) -> bool:
     from torch.utils.cpp_extension import load as load_extension
 
     try:
-        load_extension(name=f"quantgate_{source.stem}", sources=[str(source)], extra_cflags=cflags,
-                       extra_ldflags=["-fopenmp"], build_directory=str(build_dir(source, cflags)),
+        load_extension(name=f"quantgate_{name}", sources=[str(source)], extra_cflags=cflags,
+                       extra_ldflags=["-fopenmp"], build_directory=str(build_dir(source, cflags, name)),
                        is_python_module=False, verbose=False)
         return True
     except Exception as err:  # no compiler, no headers: the torch path still serves
-        log.warning("quantgate's %s kernel could not be built (%s); using the torch path", source.stem, err)
+        log.warning("quantgate's %s kernel could not be built (%s); using the torch path", name, err)
         return False

@@ -1,0 +1,108 @@
+"""Which kernel path (instruction set) runs here: decided once per process from the CPU flags.
+
+Paths, fastest first. `avx512bf16`: quantgate's bf16 kernels (quantize/kernels; AMX tiles inside where the
+CPU has them). `avx512`, `avx2`, `scalar`: the weight-only kernels over fp32 activations of
+`quantgate/kernels/wo_linear.cpp`, one source compiled per instruction set with that set's flags only
+(`-mavx2 -mfma -mf16c` for avx2, never `-march=native`, so a forced lower path holds no instruction the
+real lower CPU lacks). `torch`: torch's own ops, none of ours. `QUANTGATE_ISA` sets the process default;
+an engine's or a layer's `isa=` overrides it, and every path the CPU runs can be forced on it.
+"""
+
+from __future__ import annotations
+
+import platform
+from functools import lru_cache
+from pathlib import Path
+
+from quantgate import settings
+
+ISAS = ("avx512bf16", "avx512", "avx2", "scalar", "torch")
+# what each path needs of /proc/cpuinfo's flags
+REQUIRED_FLAGS: dict[str, frozenset[str]] = {
+    "avx512bf16": frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"}),
+    "avx512": frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "fma", "f16c"}),
+    "avx2": frozenset({"avx2", "fma", "f16c"}),
+    "scalar": frozenset(),
+    "torch": frozenset(),
+}
+# the compiler flags each path is built with (in the build cache key)
+ISA_CFLAGS: dict[str, list[str]] = {
+    "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c"],
+    "avx2": ["-mavx2", "-mfma", "-mf16c"],
+    "scalar": [],
+}
+
+
+@lru_cache(maxsize=1)
+def cpu_flags() -> frozenset[str]:
+    """The processor's feature flags (Linux /proc/cpuinfo); empty where they cannot be read."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+@lru_cache(maxsize=1)
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def x86() -> bool:
+    return platform.machine().lower() in ("x86_64", "amd64", "i686", "x86")
+
+
+def supported(flags: frozenset[str] | None = None) -> list[str]:
+    """The paths this CPU runs, fastest first (`scalar` and `torch` everywhere; SIMD paths on x86 only)."""
+    flags = cpu_flags() if flags is None else flags
+    simd = [i for i in ISAS[:3] if REQUIRED_FLAGS[i] <= flags] if x86() or flags else []
+    return [*simd, "scalar", "torch"]
+
+
+def best(flags: frozenset[str] | None = None) -> str:
+    return supported(flags)[0]
+
+
+def check(isa: str) -> str:
+    """`isa` if this CPU runs it, else a ValueError naming what it does run."""
+    if isa not in ISAS:
+        raise ValueError(f"unknown kernel path {isa!r}; choose one of {', '.join(ISAS)} (or auto)")
+    if isa not in supported():
+        missing = sorted(REQUIRED_FLAGS[isa] - cpu_flags())
+        raise ValueError(f"this CPU cannot run the {isa} kernels (missing {', '.join(missing)}); "
+                         f"it runs {', '.join(supported())}")
+    return isa
+
+
+@lru_cache(maxsize=1)
+def _process_default() -> str:
+    chosen = settings.isa()
+    return best() if chosen == "auto" else check(chosen)
+
+
+def resolve(isa: str | None = None) -> str:
+    """An explicit path (checked), else the process default (`QUANTGATE_ISA`, else the best here)."""
+    return _process_default() if isa in (None, "auto") else check(isa)
+
+
+def fp32_path(isa: str) -> str | None:
+    """The wo_linear build that serves fp32 activations on path `isa` (avx512bf16 CPUs run the avx512
+    build for them), or None for torch."""
+    return {"avx512bf16": "avx512", "avx512": "avx512", "avx2": "avx2", "scalar": "scalar"}.get(isa)
+
+
+def describe() -> dict[str, object]:
+    """The machine and the kernel path, as reports and measure-cache keys name them."""
+    flags = cpu_flags()
+    wanted = ("avx2", "fma", "f16c", "avx_vnni", "avx512f", "avx512_vnni", "avx512_bf16", "avx512_fp16",
+              "amx_tile", "amx_bf16", "amx_int8")
+    return {"cpu_model": cpu_model(), "cpu_flags": [f for f in wanted if f in flags], "isa": resolve(),
+            "machine": platform.machine()}

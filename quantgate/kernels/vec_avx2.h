@@ -1,0 +1,61 @@
+// F16 on AVX2 + FMA + F16C: two ymm registers. Nothing here needs AVX-512, and the build passes
+// -mavx2 -mfma -mf16c only, so this path runs on every x86 CPU since Haswell / Zen 1.
+#pragma once
+#include <immintrin.h>
+
+#include <cstdint>
+
+namespace qg {
+
+constexpr const char* kIsaName = "avx2";
+
+struct F16 {
+  __m256 lo, hi;
+  static constexpr int kRowsPerPass = 6;  // 12 accumulators + 2 weight registers + 1 broadcast of 16 ymm
+  static constexpr int kDirectRows = 4;   // calls up to here dequantize in registers; more rows: an fp32 panel
+
+  static F16 zero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+  static F16 bcast(float v) { return {_mm256_set1_ps(v), _mm256_set1_ps(v)}; }
+  static F16 load(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+  static F16 from_i8(const int8_t* p) {
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8)))};
+  }
+  // 16 bytes of two codes each: the low nibbles (inputs 2j) and the high ones (inputs 2j + 1)
+  static void from_u4(const uint8_t* p, F16& even, F16& odd) {
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    const __m128i mask = _mm_set1_epi8(0x0F);
+    const __m128i lo = _mm_and_si128(b, mask), hi = _mm_and_si128(_mm_srli_epi16(b, 4), mask);
+    even = {_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)))};
+    odd = {_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)))};
+  }
+  static F16 from_bf16(const uint16_t* p) {
+    const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8));
+    return {_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(a), 16)),
+            _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(b), 16))};
+  }
+  // 16 (bf16 scale, bf16 zero) pairs, as int4's [K/g, N, 2] holds them
+  static void from_bf16_pairs(const uint16_t* p, F16& first, F16& second) {
+    const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16));
+    const __m256i high = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+    first = {_mm256_castsi256_ps(_mm256_slli_epi32(a, 16)), _mm256_castsi256_ps(_mm256_slli_epi32(b, 16))};
+    second = {_mm256_castsi256_ps(_mm256_and_si256(a, high)), _mm256_castsi256_ps(_mm256_and_si256(b, high))};
+  }
+  void store(float* p) const {
+    _mm256_storeu_ps(p, lo);
+    _mm256_storeu_ps(p + 8, hi);
+  }
+};
+
+inline F16 fma(const F16& a, const F16& b, const F16& c) {
+  return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)};
+}
+inline F16 fma(const F16& a, float b, const F16& c) {
+  const __m256 v = _mm256_set1_ps(b);
+  return {_mm256_fmadd_ps(a.lo, v, c.lo), _mm256_fmadd_ps(a.hi, v, c.hi)};
+}
+inline F16 mul(const F16& a, const F16& b) { return {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; }
+
+}  // namespace qg

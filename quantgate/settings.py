@@ -1,0 +1,65 @@
+"""Every `QUANTGATE_*` switch, declared once and read here (in the manner of vLLM's `envs.py`).
+
+Each switch is a function that reads the environment when called, so a value exported before the process
+starts holds for the whole process. Code never sets these at run time: an explicit argument (an engine's
+`isa=`, a layer's `isa`) overrides the process default where a test or a benchmark needs another path.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Switch:
+    name: str
+    default: str
+    doc: str
+
+    def raw(self) -> str:
+        return os.environ.get(self.name, self.default).strip()
+
+
+def _switch(name: str, default: str, doc: str) -> Switch:
+    switch = Switch(name, default, doc)
+    SWITCHES[name] = switch
+    return switch
+
+
+SWITCHES: dict[str, Switch] = {}
+
+HOME = _switch("QUANTGATE_HOME", "", "long-lived state (models, variants, MLflow store, kernels); ~/.cache/quantgate")
+ISA = _switch("QUANTGATE_ISA", "auto",
+              "the kernel path: auto (the best this CPU runs), avx512bf16, avx512, avx2, scalar or torch")
+KERNEL_DIR = _switch("QUANTGATE_KERNEL_DIR", "", "where compiled kernels are cached; QUANTGATE_HOME/kernels")
+DTYPE = _switch("QUANTGATE_DTYPE", "auto", "the engine's dtype when the caller names none")
+WOQ_KERNEL = _switch("QUANTGATE_WOQ_KERNEL", "1", "0 keeps torch's weight-only kernels (same as ISA=torch for them)")
+AMX = _switch("QUANTGATE_AMX", "1", "0 keeps the dpbf16 paths where AMX would run (read by the kernel per call)")
+PAGED_KERNEL = _switch("QUANTGATE_PAGED_KERNEL", "1", "0 runs attention through torch")
+FUSED_OPS = _switch("QUANTGATE_FUSED_OPS", "1", "0 runs RMSNorm/rotary through torch")
+PACK_WEIGHTS = _switch("QUANTGATE_PACK_WEIGHTS", "1", "0 keeps plain nn.Linear for bf16 weights")
+FAST_FORWARD = _switch("QUANTGATE_FAST_FORWARD", "1", "0 runs the model's own forward instead of llama_forward")
+
+
+def enabled(switch: Switch) -> bool:
+    return switch.raw() != "0"
+
+
+def home() -> Path:
+    return Path(HOME.raw() or Path.home() / ".cache" / "quantgate").expanduser()
+
+
+def kernel_dir() -> Path:
+    return Path(KERNEL_DIR.raw()) if KERNEL_DIR.raw() else home() / "kernels"
+
+
+def isa() -> str:
+    return ISA.raw().lower() or "auto"
+
+
+def described() -> dict[str, str]:
+    """Every switch with its value in this process (for reports)."""
+    return {name: s.raw() for name, s in SWITCHES.items()}
+
