@@ -6,6 +6,12 @@ the router; the router names the version that answered (`X-Quantgate-Version`). 
 errors (non-200, or an error inside the stream), error rate, TTFT and TPOT quantiles. The flow logs the
 numbers, judges the challenger's with the policy's canary gates, then tells the router to promote or to
 roll back (recorded in the router's decision history, which is kept as an artifact).
+
+The challenger is compared with the champion, not only with an absolute limit: the replay (in submission
+order, `REPLAY_CONCURRENCY` requests in flight) is cut into `SPEED_WINDOWS` windows of consecutive
+requests; both versions answer within a window in the same minutes of the machine, so each window's
+ratio champion TPOT / challenger TPOT is paired, and the windows' ratios give a CI
+(`gates.speed.ratio_ci`) that the canary's speed gate judges with three outcomes.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ import asyncio
 import json
 import os
 import secrets
+import statistics
 from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
@@ -22,6 +29,7 @@ CHAMPION, CHALLENGER = "champion", "challenger"
 CANARY_KV_GB = 0.25
 REPLAY_CONCURRENCY = 4
 MAX_TOKENS = 16
+SPEED_WINDOWS = 6
 
 
 def traffic(n: int, seed: int = 0) -> list[dict]:
@@ -46,6 +54,34 @@ def version_stats(records: list[dict]) -> dict:
         "tpot_p99_s": percentile(tpot, 99),
         "ttft_p99_s": percentile(ttft, 99),
     }
+
+
+def paired_windows(records: list[dict], windows: int = SPEED_WINDOWS) -> list[float]:
+    """Champion TPOT / challenger TPOT (mean of each) per window of consecutive requests, for every window
+    in which both versions streamed tokens."""
+    ordered = sorted(records, key=lambda r: r["id"])
+    size = max(2, -(-len(ordered) // windows))
+    ratios = []
+    for i in range(0, len(ordered), size):
+        tpot = {v: [r["tpot_s"] for r in ordered[i:i + size] if r["version"] == v and r.get("tpot_s")]
+                for v in (CHAMPION, CHALLENGER)}
+        if tpot[CHAMPION] and tpot[CHALLENGER]:
+            ratios.append(statistics.fmean(tpot[CHAMPION]) / statistics.fmean(tpot[CHALLENGER]))
+    return ratios
+
+
+def speed_comparison(records: list[dict], windows: int = SPEED_WINDOWS) -> dict:
+    """The challenger's speedup over the champion: windows, per-window ratios, estimate and CI (>= 2)."""
+    from gates.speed import ratio_ci
+
+    ratios = paired_windows(records, windows)
+    out: dict = {"windows": len(ratios), "ratios": ratios}
+    if len(ratios) >= 2:
+        ci = ratio_ci(ratios)
+        out.update(estimate=ci.estimate, ci_low=ci.low, ci_high=ci.high)
+    elif ratios:
+        out["estimate"] = ratios[0]
+    return out
 
 
 class Canary:
@@ -171,6 +207,7 @@ def run_canary(champion_dir: Path, challenger_dir: Path, n: int, share: float, o
             result["unrouted"] = len(unrouted)
         if result[CHALLENGER]["requests"] == 0:
             raise RuntimeError(f"no request of the {n}-request sample reached the challenger at share {share}")
+        result["speed"] = speed_comparison(records)
         passed, reason = judge(result)
         result["router"] = canary.decide(passed, reason)
     trace = out / "canary_trace.jsonl"
@@ -183,6 +220,8 @@ def run_canary(champion_dir: Path, challenger_dir: Path, n: int, share: float, o
         "challenger_error_rate": result[CHALLENGER]["error_rate"],
         "challenger_tpot_p99_s": result[CHALLENGER]["tpot_p99_s"],
         "champion_tpot_p99_s": result[CHAMPION]["tpot_p99_s"],
+        **{f"tpot_speedup_{k}" if k != "estimate" else "tpot_speedup": v for k, v in result["speed"].items()
+           if k != "ratios"},
         "challenger_kv_cache_dtype": result[CHALLENGER]["kv_cache_dtype"],
         "champion_kv_cache_dtype": result[CHAMPION]["kv_cache_dtype"],
     }

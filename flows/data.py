@@ -45,6 +45,33 @@ class MeasureConfig:
         return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:16]
 
 
+@dataclass(frozen=True)
+class SpeedPlan:
+    """The paired speed measurement (flows.speed): every model at every operating point in each round.
+    Small token counts: each round is ~1-3 s a model for SmolLM2-135M on 2 cores, the rounds ~30-50 s."""
+
+    decode_batches: tuple[int, ...] = (1, 4, 16)  # the policy's decode operating points
+    decode_tokens: int = 8  # timed decode steps per sequence
+    decode_context: int = 8  # prompt tokens of each decoding sequence
+    prefill_tokens: int = 64  # one prompt of this many tokens, timed to its first token
+    rounds: int = 5
+    warmup_rounds: int = 1  # untimed: kernel builds, first-call packing, every batch shape once
+    seed: int = 0
+
+    def points(self) -> list[str]:
+        return ["prefill"] + [f"decode_b{b}" for b in self.decode_batches]
+
+    def key(self) -> str:
+        return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:16]
+
+
+@dataclass
+class SpeedResult:
+    metrics: dict[str, dict[str, float]]  # model name -> its paired speed metrics (gates.metrics names)
+    machine: str  # the machine, in words (flows.machine.describe_line)
+    report: str = ""  # the JSON file of every round's figures
+
+
 @dataclass
 class Measured:
     variant: Variant
@@ -66,6 +93,7 @@ class VariantResult:
     gates_failed: list[str] = field(default_factory=list)
     gates_uninformative: list[str] = field(default_factory=list)  # could not have failed: no evidence
     decision: str = ""
+    gates_reasons: dict[str, str] = field(default_factory=dict)  # each stopping gate's reason, with its figures
 
 
 @dataclass
@@ -82,6 +110,7 @@ class ReleaseSummary:
     canary: dict = field(default_factory=dict)
     outcome: str = ""
     aliases: dict[str, str] = field(default_factory=dict)
+    machine: str = ""  # where the speeds were measured (a verdict on one machine is not another's)
 
     def as_dict(self) -> dict:
         return asdict(self)

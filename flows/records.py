@@ -173,6 +173,12 @@ def record_canary_metrics(release_run_id: str, challenger_run_id: str, result: d
     metrics = {M.CANARY_REQUESTS: ch["requests"], M.CANARY_ERROR_RATE: ch["error_rate"]}
     if ch.get("tpot_p99_s") is not None:
         metrics[M.CANARY_TPOT_P99_S] = ch["tpot_p99_s"]
+    speed = result.get("speed") or {}
+    metrics[M.CANARY_SPEED_WINDOWS] = speed.get("windows", 0)
+    for field, key in (("estimate", M.CANARY_TPOT_SPEEDUP), ("ci_low", M.ci(M.CANARY_TPOT_SPEEDUP, "ci_low")),
+                       ("ci_high", M.ci(M.CANARY_TPOT_SPEEDUP, "ci_high"))):
+        if speed.get(field) is not None:
+            metrics[key] = speed[field]
     log_metrics(challenger_run_id, metrics)
     champ = result["champion"]
     release_metrics = {"canary/champion_requests": champ["requests"], "canary/champion_error_rate": champ["error_rate"],

@@ -29,6 +29,8 @@ from flows.data import (  # noqa: E402
     Measured,
     ReleaseSummary,
     Source,
+    SpeedPlan,
+    SpeedResult,
     Variant,
     VariantResult,
 )
@@ -39,7 +41,7 @@ FLOW_NAME = "quantgate-release"
 DEFAULT_METHODS = ("int8wo", "int4wo")  # our fast weight-only kernels; bitsandbytes int8/nf4/fp4 on request
 TASK_RETRIES = 2
 RETRY_DELAY_S = 3.0
-CACHE_VERSION = "2"  # bump when a cached stage's output format changes (2: the dataclasses moved to flows.data)
+CACHE_VERSION = "3"  # bump when a cached stage's output format changes (3: weights as served, machine in keys)
 
 
 def transient(task, task_run, state) -> bool:
@@ -108,9 +110,29 @@ def quantize_method(source: Source, method: str) -> Variant:
 
 
 def _measure_key(context, parameters) -> str:
+    """Weights, KV dtype, config and the machine (kernel sources, ISA, CPU and flags, threads, dtype)."""
+    from flows import machine
+
     v, cfg = parameters["variant"], parameters["config"]
     kv = "" if v.kv_cache_dtype == "auto" else f"-kv-{v.kv_cache_dtype}"
-    return f"measure-{v.content_hash}{kv}-{cfg.key()}-v{CACHE_VERSION}"
+    return f"measure-{v.content_hash}{kv}-{cfg.key()}-{machine.key()}-v{CACHE_VERSION}"
+
+
+def _speed_key(context, parameters) -> str:
+    from flows import speed
+
+    return f"{speed.cache_key(parameters['models'], parameters['plan'])}-v{CACHE_VERSION}"
+
+
+@task(name="measure-speed", cache_key_fn=_speed_key, persist_result=True, **RETRIED)
+def measure_speed(models: list[Variant], plan: SpeedPlan) -> SpeedResult:
+    """Baseline and variants loaded together, timed in paired interleaved rounds (flows.speed)."""
+    from flows import machine, speed
+    from flows.runtime import work_dir
+
+    with stage(f"paired speed: {len(models)} models x {len(plan.points())} points x {plan.rounds} rounds",
+               total=plan.rounds) as advance:
+        return speed.measure(models, plan, work_dir("speed", speed.cache_key(models, plan)), machine.line(), advance)
 
 
 @task(name="measure", cache_key_fn=_measure_key, persist_result=True, **RETRIED)
@@ -135,14 +157,19 @@ def start_release(source: Source, config: dict) -> str:
 
 
 @task(name="record", cache_policy=NO_CACHE)
-def record(release_run_id: str, measured: Measured, baseline: Measured | None) -> tuple[str, str | None]:
+def record(release_run_id: str, measured: Measured, baseline: Measured | None,
+           speed: SpeedResult | None = None) -> tuple[str, str | None]:
     """Compare with the baseline (variants only), log the run in MLflow, register the variant."""
+    from gates.metrics import MACHINE_TAG
     from gates.tracking import log_variant, register_variant
 
     v = measured.variant
     with stage(f"{v.name}: compare and record in MLflow"):
         metrics = dict(measured.metrics)
         artifacts = [Path(a) for a in measured.artifacts]
+        if speed is not None:
+            metrics.update(speed.metrics.get(v.name, {}))
+            artifacts += [Path(speed.report)] if Path(speed.report).is_file() else []
         if baseline is not None:
             from flows.runtime import work_dir
 
@@ -161,6 +188,8 @@ def record(release_run_id: str, measured: Measured, baseline: Measured | None) -
         }
         run_id = log_variant(release_run_id, v.name, params=params, metrics=metrics, artifacts=artifacts,
                              manifest=v.manifest)
+        if speed is not None:
+            records.tag_release(run_id, {MACHINE_TAG: speed.machine[:5000]})
         version = register_variant(run_id, source=v.path) if baseline is not None else None
     return run_id, version
 
@@ -234,17 +263,21 @@ def release_flow(
         baseline_variant = Variant(BASELINE, None, source.path, source.content_hash, None)
         base = _measure(baseline_variant, config, fresh)
         measured = [_measure(v, config, fresh) for v in variants]
+        plan = SpeedPlan(decode_batches=records.load_policy(policy).decode_batches)
+        speed = measure_speed.with_options(refresh_cache=fresh)([baseline_variant, *variants], plan)
+        summary.machine = speed.machine
 
-        base_run, _ = record(release_id, base, None)
+        base_run, _ = record(release_id, base, None, speed)
         summary.rows.append(VariantResult(BASELINE, None, base_run, weight_bytes=base.metrics.get(measuring.WEIGHTS_BYTES),
                                           decision="reference"))
         for m in measured:
-            run_id, version = record(release_id, m, base)
+            run_id, version = record(release_id, m, base, speed)
             ev = evaluate_gates(run_id, policy)
             summary.rows.append(VariantResult(
                 m.variant.name, m.variant.method, run_id, version, m.metrics.get(measuring.WEIGHTS_BYTES),
                 gates_passed=ev.passed, gates_total=len(ev.results), gates_failed=[r.name for r in ev.failed],
                 gates_uninformative=[r.name for r in ev.uninformative],
+                gates_reasons={r.name: r.reason for r in ev.failed},
             ))
         records.log_comparison(release_id)
         champion = records.champion_or_baseline(summary, source)  # the first release makes the baseline champion

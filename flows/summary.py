@@ -34,6 +34,12 @@ def _stopped_text(row: dict[str, Any]) -> str:
     return "; ".join(parts)
 
 
+def _reasons(row: dict[str, Any]) -> list[tuple[str, str]]:
+    """Each stopping gate with its recorded reason (a speed gate's ratio, CI and rounds)."""
+    reasons = row.get("gates_reasons") or {}
+    return [(g, reasons[g]) for g in row["gates_failed"] if g in reasons]
+
+
 def _mb(value: float | None) -> str:
     return "—" if value is None else f"{value / 1e6:.1f}"
 
@@ -62,7 +68,11 @@ def print_summary(summary: dict[str, Any], console=None) -> None:
     for row in summary["rows"]:
         if row["gates_failed"]:
             console.print(f"[red]{row['name']}[/red] {_stopped_text(row)}")
+            for gate, reason in _reasons(row):
+                console.print(f"  {gate}: {reason}", markup=False)
     console.print(f"[bold]outcome:[/bold] {summary['outcome']}")
+    if summary.get("machine"):
+        console.print(f"speeds measured on: {summary['machine']}", markup=False)
     if summary.get("canary"):
         c = summary["canary"]
         console.print("canary: " + ", ".join(f"{k}={_short(v)}" for k, v in c.items()))
@@ -84,6 +94,7 @@ def render_markdown(summary) -> str:
         "",
         f"- source sha256 `{data['source_hash'][:16]}`, Prefect flow run `{data['flow_run_id']}`",
         f"- outcome: **{data['outcome']}**",
+        f"- speeds measured on: {data.get('machine') or 'not recorded'}",
         "",
         "| variant | version | weight MB | gates | decision | run |",
         "| --- | --- | ---: | --- | --- | --- |",
@@ -93,6 +104,9 @@ def render_markdown(summary) -> str:
         gates = _gates(row) + (f" ({_stopped_text(row)})" if row["gates_failed"] else "")
         lines.append(f"| {row['name']} | {version} | {_mb(row['weight_bytes'])} | {gates} | {row['decision']} "
                      f"| `{row['run_id']}` |")
+    stops = [f"- {row['name']} `{g}`: {reason}" for row in data["rows"] for g, reason in _reasons(row)]
+    if stops:
+        lines += ["", "Why:", *stops]
     if data.get("canary"):
         lines += ["", "Canary: " + ", ".join(f"{k}={_short(v)}" for k, v in data["canary"].items())]
     lines += ["", f"Inspect: `{ui_command(data['tracking_uri'])}`"]

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 from gates import metrics as M
 from gates import sensitivity as S
+from gates import speed
 from gates.policy import Policy, load_policy
 from gates.tracking import BASELINE, TAG_KIND, TAG_ROLE, _log_batch, baseline_run, get_client, get_run
 
@@ -117,6 +118,18 @@ def _need(source: Mapping[str, float], key: str, where: str, missing: list[str])
     return None
 
 
+def _speed_result(v: speed.SpeedVerdict, stage: str, policy: Policy) -> GateResult:
+    """A speed gate's three outcomes as a GateResult: `uninformative` blocks as the `serving` family says."""
+    if not v.verdict:
+        return GateResult(v.name, stage, v.rule, v.threshold, None, False, v.reason)
+    if v.verdict != UNINFORMATIVE:
+        return GateResult(v.name, stage, v.rule, v.threshold, v.observed, v.verdict == speed.PASS, v.reason)
+    blocks = policy.uninformative_blocks("serving")
+    effect = "blocks" if blocks else "reported, does not block"
+    return GateResult(v.name, stage, v.rule, v.threshold, v.observed, not blocks,
+                      f"{UNINFORMATIVE} ({effect}): {v.reason}", UNINFORMATIVE)
+
+
 def _canary_gates(policy: Policy, variant: Mapping[str, float]) -> list[GateResult]:
     results = []
     for key, limit, name in (
@@ -130,6 +143,8 @@ def _canary_gates(policy: Policy, variant: Mapping[str, float]) -> list[GateResu
         value = _need(variant, key, "variant", missing)
         results.append(_missing(name, "canary", rule, limit, missing) if missing
                        else _at_most(name, "canary", rule, value, limit))
+    if policy.canary_min_tpot_speedup is not None:
+        results.append(_speed_result(speed.canary_verdict(variant, policy.canary_min_tpot_speedup), "canary", policy))
     return results
 
 
@@ -194,13 +209,13 @@ def _baseline_gates(policy: Policy, variant: Mapping[str, float], base: Mapping[
          "over_refusal_rate change <= max_rise", diff, False),
         (M.WEIGHTS_BYTES, policy.min_weight_reduction, "weights/min_reduction",
          "1 - variant bytes / baseline bytes >= min", lambda v, b: 1.0 - v / b if b > 0 else None, True),
-        (M.SERVE_DECODE_TPS, policy.min_decode_speedup, "serve/min_decode_speedup",
-         "variant decode tok/s / baseline >= min", _ratio, True),
         (M.CAPACITY_MAX_SEQS, policy.min_capacity_gain, "capacity/min_gain",
          "variant max concurrent seqs / baseline >= min", _ratio, True),
     ):
         if limit is not None:
             results.append(_vs_baseline(variant, base, has_baseline, stage, key, limit, name, rule, combine, at_least))
+    results += [_speed_result(v, stage, policy) for v in speed.release_verdicts(
+        variant, policy.decode_batches, policy.min_decode_speedup, policy.min_prefill_speedup)]
     if policy.max_tpot_p99_s is not None:
         name, rule, missing = "serve/max_tpot_p99_s", f"{M.SERVE_TPOT_P99_S} <= max", []
         value = _need(variant, M.SERVE_TPOT_P99_S, "variant", missing)
@@ -234,6 +249,7 @@ def evaluate_run(
         policy_sha256=policy.sha256,
         policy_source=policy.source,
         baseline_run_id=base.info.run_id if base else "",
+        extra={"machine": run.data.tags.get(M.MACHINE_TAG, "")},
     )
     _record(client, run, evaluation, policy, base.data.metrics if base else {})
     return evaluation
@@ -337,7 +353,7 @@ def read_evaluation(run_id: str, stage: str = "release", client: MlflowClient | 
         policy_sha256=tags.get(M.stage_tag(stage, "policy_sha256"), ""),
         policy_source=tags.get(M.stage_tag(stage, "policy_source"), ""),
         baseline_run_id=tags.get(M.stage_tag(stage, "baseline_run_id"), ""),
-        extra={"verdict": tags[M.stage_tag(stage, "verdict")]},
+        extra={"verdict": tags[M.stage_tag(stage, "verdict")], "machine": tags.get(M.MACHINE_TAG, "")},
     )
 
 
@@ -350,6 +366,7 @@ def render_markdown(evaluation: Evaluation, title: str) -> str:
         f"- policy: `{evaluation.policy_source}` (sha256 `{evaluation.policy_sha256[:12]}`)",
         f"- evaluated at {evaluation.evaluated_at}; a metric that was not recorded fails its gate",
         f"- {_uninformative_line(evaluation)}",
+        f"- measured on: {evaluation.extra.get('machine') or 'not recorded'}",
         "",
         "| gate | rule | threshold | observed | verdict | reason |",
         "| --- | --- | ---: | ---: | --- | --- |",

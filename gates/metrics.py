@@ -13,10 +13,16 @@ One module so both sides agree. Every name is a plain MLflow metric key; values 
 | `weights/bytes` | bytes of weights in memory (parameters + buffers) | quantize / flows |
 | `serve/decode_tps`, `serve/prefill_tps` | tokens per second through our engine | benchmarks |
 | `serve/ttft_p50_s` ... `serve/tpot_p99_s` | latency quantiles in seconds (p50/p95/p99) | benchmarks |
+| `serve/decode_speedup_b<N>` (`_ci_low`, `_ci_high`) | variant / baseline decode tok/s at batch N: geometric mean of the paired per-round ratios and its 95 % CI | flows (speed) |
+| `serve/prefill_speedup` (`_ci_low`, `_ci_high`) | the same for prefill tok/s | flows (speed) |
+| `serve/speed_rounds` | paired rounds behind those ratios | flows (speed) |
+| `serve/paired_decode_b<N>_tps`, `serve/paired_prefill_tps` | the model's own median tok/s over those rounds | flows (speed) |
+| `weights/loaded_bytes` | bytes of weights right after loading, before the engine packed anything | flows |
 | `capacity/max_seqs`, `capacity/kv_blocks`, `capacity/kv_tokens` | KV-cache capacity | benchmarks |
 | `capacity/kv_bytes_per_block` | bytes one KV block takes (codes + scales for an 8-bit cache) | flows |
 | `capacity/gain` | variant `capacity/max_seqs` / baseline's, at the same fixed budget | flows |
 | `canary/error_rate`, `canary/tpot_p99_s`, `canary/requests` | the canary stage's SLO measurements | flows |
+| `canary/tpot_speedup` (`_ci_low`, `_ci_high`), `canary/speed_windows` | champion TPOT / challenger TPOT over paired windows of the replay | flows |
 
 The gate evaluator writes its verdicts under `gate/<gate name>/...` (see `gates.evaluate`).
 """
@@ -41,6 +47,13 @@ CAPACITY_GAIN = "capacity/gain"
 CANARY_ERROR_RATE = "canary/error_rate"
 CANARY_TPOT_P99_S = "canary/tpot_p99_s"
 CANARY_REQUESTS = "canary/requests"
+CANARY_TPOT_SPEEDUP = "canary/tpot_speedup"
+CANARY_SPEED_WINDOWS = "canary/speed_windows"
+WEIGHTS_LOADED_BYTES = "weights/loaded_bytes"
+SERVE_PREFILL_SPEEDUP = "serve/prefill_speedup"
+SERVE_SPEED_ROUNDS = "serve/speed_rounds"
+CI_FIELDS = ("ci_low", "ci_high")
+MACHINE_TAG = "quantgate.machine"  # a run tag: the CPU, flags, kernel path, threads, dtype its speeds were measured on
 
 LATENCY_KINDS = ("ttft", "tpot")
 QUANTILES = (50, 95, 99)
@@ -87,6 +100,25 @@ def latency(kind: str, quantile: int) -> str:
     if kind not in LATENCY_KINDS or quantile not in QUANTILES:
         raise ValueError(f"no latency metric for {kind!r} p{quantile} (kinds {LATENCY_KINDS}, quantiles {QUANTILES})")
     return f"serve/{kind}_p{quantile}_s"
+
+
+def decode_speedup(batch: int) -> str:
+    """`serve/decode_speedup_b4`: the paired decode ratio at decode batch `batch`."""
+    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+        raise ValueError(f"a decode batch is an integer >= 1, got {batch!r}")
+    return f"serve/decode_speedup_b{batch}"
+
+
+def paired_tps(point: str) -> str:
+    """`serve/paired_decode_b4_tps`, `serve/paired_prefill_tps`: one model's median tok/s over the rounds."""
+    return f"serve/paired_{point}_tps"
+
+
+def ci(key: str, bound: str) -> str:
+    """`<key>_ci_low` / `<key>_ci_high`: a ratio's CI bounds."""
+    if bound not in CI_FIELDS:
+        raise ValueError(f"unknown CI bound {bound!r} (known: {', '.join(CI_FIELDS)})")
+    return f"{key}_{bound}"
 
 
 SERVE_TPOT_P99_S = latency("tpot", 99)

@@ -34,14 +34,18 @@ class Policy:
     refusal_rate_max_fall: float | None = None
     over_refusal_rate_max_rise: float | None = None
     min_weight_reduction: float | None = None
-    min_decode_speedup: float | None = None
+    min_decode_speedup: float | None = None  # judged on the paired CI at every decode batch below
+    decode_batches: tuple[int, ...] = (1, 4, 16)  # the decode operating points (4: the flow's concurrency)
+    min_prefill_speedup: float | None = None
     min_capacity_gain: float | None = None
     max_tpot_p99_s: float | None = None
     canary_max_error_rate: float | None = None
     canary_max_tpot_p99_s: float | None = None
+    canary_min_tpot_speedup: float | None = None
     # What an `uninformative` gate (gates.sensitivity) does, per family: "block" or "report".
     uninformative_tasks: str = "report"
     uninformative_safety: str = "block"
+    uninformative_serving: str = "block"  # a speed CI straddling its threshold
     min_baseline_refusal_rate: float = 0.10
     source: str = "<dict>"
     text: str = field(default="", repr=False)
@@ -54,7 +58,8 @@ class Policy:
         return self.task_overrides.get(task, self.tasks)
 
     def uninformative_blocks(self, family: str) -> bool:
-        return (self.uninformative_safety if family == "safety" else self.uninformative_tasks) == "block"
+        action = {"safety": self.uninformative_safety, "serving": self.uninformative_serving}
+        return action.get(family, self.uninformative_tasks) == "block"
 
 
 def _number(kind: str, nullable: bool = False) -> BeforeValidator:
@@ -139,8 +144,19 @@ class _Weights(StrictModel):
     min_reduction: Rate = None
 
 
+def _batches(value: Any) -> list[int]:
+    if not isinstance(value, list) or not value or not all(
+            isinstance(b, int) and not isinstance(b, bool) and b >= 1 for b in value):
+        raise ValueError(f"expected a non-empty list of decode batch sizes (integers >= 1), got {value!r}")
+    if len(set(value)) != len(value):
+        raise ValueError(f"decode batch sizes repeat: {value!r}")
+    return value
+
+
 class _Serving(StrictModel):
     min_decode_speedup: Positive = None
+    decode_batches: Annotated[list[int], BeforeValidator(_batches)] = [1, 4, 16]
+    min_prefill_speedup: Positive = None
     min_capacity_gain: Positive = None
     max_tpot_p99_s: Positive = None
 
@@ -148,6 +164,7 @@ class _Serving(StrictModel):
 class _Canary(StrictModel):
     max_error_rate: Rate = None
     max_tpot_p99_s: Positive = None
+    min_tpot_speedup: Positive = None
 
 
 class _Sensitivity(StrictModel):
@@ -155,6 +172,7 @@ class _Sensitivity(StrictModel):
 
     tasks: Annotated[str, BeforeValidator(_action)] = "report"
     safety: Annotated[str, BeforeValidator(_action)] = "block"
+    serving: Annotated[str, BeforeValidator(_action)] = "block"
     min_baseline_refusal_rate: Annotated[float, _number("rate")] = 0.10
 
 
@@ -212,12 +230,16 @@ def parse_policy(data: Any, source: str = "<dict>", text: str | None = None) -> 
         over_refusal_rate_max_rise=f.safety.over_refusal_rate_max_rise,
         min_weight_reduction=f.weights.min_reduction,
         min_decode_speedup=f.serving.min_decode_speedup,
+        decode_batches=tuple(f.serving.decode_batches),
+        min_prefill_speedup=f.serving.min_prefill_speedup,
         min_capacity_gain=f.serving.min_capacity_gain,
         max_tpot_p99_s=f.serving.max_tpot_p99_s,
         canary_max_error_rate=f.canary.max_error_rate,
         canary_max_tpot_p99_s=f.canary.max_tpot_p99_s,
+        canary_min_tpot_speedup=f.canary.min_tpot_speedup,
         uninformative_tasks=f.sensitivity.tasks,
         uninformative_safety=f.sensitivity.safety,
+        uninformative_serving=f.sensitivity.serving,
         min_baseline_refusal_rate=f.sensitivity.min_baseline_refusal_rate,
         source=source,
         text=text,

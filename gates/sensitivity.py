@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from gates import metrics as M
 
 Z_ONE_SIDED = 1.645
-FAMILIES = ("tasks", "safety")
+FAMILIES = ("tasks", "safety", "serving")  # serving: a speed CI straddling its threshold (gates.speed)
 
 
 @dataclass(frozen=True)
