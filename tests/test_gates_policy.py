@@ -29,12 +29,20 @@ def test_the_demo_policy_refuses_a_variant_that_decodes_slower():
     from pathlib import Path
 
     demo = load_policy(Path(__file__).resolve().parents[1] / "flows" / "demo_policy.yaml")
-    assert demo.min_decode_speedup == 1.0
-    slower = {r.name: r for r in judge(demo, {M.SERVE_DECODE_TPS: 19.0}, {M.SERVE_DECODE_TPS: 20.0})}
-    faster = {r.name: r for r in judge(demo, {M.SERVE_DECODE_TPS: 31.0}, {M.SERVE_DECODE_TPS: 20.0})}
-    assert not slower["serve/min_decode_speedup"].passed
-    assert slower["serve/min_decode_speedup"].observed == pytest.approx(0.95)
-    assert faster["serve/min_decode_speedup"].passed
+    assert demo.min_decode_speedup == 1.0 and demo.decode_batches == (1, 4, 16)
+    assert demo.min_prefill_speedup == 0.8 and demo.uninformative_blocks("serving")
+
+    def at_b4(low: float, high: float) -> dict[str, float]:  # the paired ratio's CI at the flow's 4 streams
+        key = M.decode_speedup(4)
+        return {key: (low * high) ** 0.5, M.ci(key, "ci_low"): low, M.ci(key, "ci_high"): high,
+                M.SERVE_SPEED_ROUNDS: 5}
+
+    slower = {r.name: r for r in judge(demo, at_b4(0.93, 0.97), {})}
+    faster = {r.name: r for r in judge(demo, at_b4(1.4, 1.6), {})}
+    assert not slower["serve/min_decode_speedup/b4"].passed and slower["serve/min_decode_speedup/b4"].verdict == "fail"
+    assert slower["serve/min_decode_speedup/b4"].observed == pytest.approx(0.95, abs=1e-3)
+    assert faster["serve/min_decode_speedup/b4"].passed
+    assert "not measured" in faster["serve/min_decode_speedup/b1"].reason  # every operating point is judged
 
 
 @pytest.mark.parametrize(
@@ -93,11 +101,13 @@ def test_not_measured_fails():
     results = {r.name: r for r in judge(policy, GOOD, BASELINE)}
     assert not results["task/mmlu/max_drop"].passed
     assert results["task/mmlu/max_drop"].reason == f"{NOT_MEASURED}: task/mmlu/delta_ci_low (variant) not recorded"
-    assert results["serve/min_decode_speedup"].observed == pytest.approx(10 / 14) and not results["serve/min_decode_speedup"].passed
+    speed = results["serve/min_decode_speedup/b1"]  # the unpaired decode_tps of one benchmark is no evidence
+    assert speed.observed is None and not speed.passed and "serve/decode_speedup_b1 not recorded" in speed.reason
     [nothing] = judge(parse_policy({"tasks": {"max_drop": 0.05}}), {}, None)
     assert nothing.name == "tasks/any_measured" and not nothing.passed
     canary = judge(load_policy(), {M.CANARY_TPOT_P99_S: 0.5}, None, stage="canary")
-    assert [(r.name, r.passed) for r in canary] == [("canary/max_error_rate", False), ("canary/max_tpot_p99_s", True)]
+    assert [(r.name, r.passed) for r in canary] == [("canary/max_error_rate", False), ("canary/max_tpot_p99_s", True),
+                                                    ("canary/min_tpot_speedup", False)]
     with pytest.raises(ValueError, match="unknown gate stage"):
         judge(load_policy(), {}, None, stage="prod")
 
