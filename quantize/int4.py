@@ -3,10 +3,10 @@
 w ≈ (q - 8) * scale + zero, q in [0, 15], per group of `group_size` inputs of one output row (the
 semantics of `torch._weight_int4pack_mm_for_cpu`). Decode reads a quarter of the bf16 bytes, which
 is what makes it faster. The codes are kept plain on disk (two per byte, low nibble first); on CPU
-they are repacked at load into a kernel's own layout, which then serves alone: quantgate's own kernel
-(quantize/kernels, AVX-512-BF16, every batch size) where it runs, else torch's, with wide inputs (prefill,
-big decode batches), where torch's falls behind a bf16 GEMM, dequantized and run as a GEMM; other
-devices always do that.
+they are repacked at load into a kernel's own layout, which then serves alone: one of quantgate's kernels
+at every batch size where one runs (quantize/kernel_path.py: AVX-512-BF16 for bf16 activations, every x86
+CPU for fp32 ones), else torch's, with wide inputs (prefill, big decode batches), where torch's falls behind
+a GEMM, dequantized and run as a GEMM; other devices always do that.
 """
 
 from __future__ import annotations
@@ -17,7 +17,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from quantgate.kernels import isa as isas
+from quantgate.kernels import wo_linear as wo
 from quantize import kernels as woq
+from quantize.kernel_path import TORCH, KernelPath, choose, wide_compute_dtype
 
 DEFAULT_GROUP_SIZE = 32  # logit cosine to the source on the probe: 0.969 at 32, 0.842 at 64 (default model)
 # Up to this many rows the int4 kernel beats dequantize-then-GEMM on CPU (it costs ~linear in rows;
@@ -91,8 +94,11 @@ class Int4WeightOnlyLinear(nn.Module):
         self.register_buffer("scales_and_zeros",
                              torch.zeros(in_features // group_size, out_features, 2, dtype=torch.bfloat16))
         self.register_buffer("_packed", None, persistent=False)  # torch's kernel layout
-        self.register_buffer("_woq_codes", None, persistent=False)  # quantgate's kernel layout
+        self.register_buffer("_woq_codes", None, persistent=False)  # quantize/kernels' layout
+        self.register_buffer("_wo_codes", None, persistent=False)  # quantgate/kernels/wo_linear's layout
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype), requires_grad=False) if bias else None
+        self.isa = isas.resolve()  # the kernel path in force when the layer was built
+        self._path: KernelPath | None = None
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, group_size: int = DEFAULT_GROUP_SIZE) -> Int4WeightOnlyLinear:
@@ -108,6 +114,8 @@ class Int4WeightOnlyLinear(nn.Module):
             return dequantize_rows(self.codes, self.scales_and_zeros, self.group_size, dtype)
         if self._woq_codes is not None:
             q = woq.unpack_int4(self._woq_codes, self.out_features, self.in_features)
+        elif self._wo_codes is not None:
+            q = unpack_nibbles(wo.untile(self._wo_codes))
         else:
             q = unpack_cpu_layout(self._packed, self.out_features, self.in_features)
         return _dequantize(q, self.scales_and_zeros, self.group_size, dtype)
@@ -118,14 +126,24 @@ class Int4WeightOnlyLinear(nn.Module):
             self._scales_bf16 = self.scales_and_zeros.to(torch.bfloat16)
         return self._packed
 
+    def kernel_path(self) -> KernelPath:
+        """The kernel serving this layer, decided (and its layout packed) on first use."""
+        if self._path is None:
+            k, n, g = self.in_features, self.out_features, self.group_size
+            path = choose(self.isa, self.codes.device, woq.fits(k, n, g), wo.fits(k, n, g))
+            if path.kind == "woq":
+                self._woq_codes = woq.pack_int4(unpack_nibbles(self.codes))
+            elif path.kind == "wo":
+                self._wo_codes = wo.tile(self.codes)
+            self._path = path
+        return self._path
+
     def _own_kernel(self) -> bool:
-        """quantgate's kernel serves this layer (packed on first use)."""
-        if self._woq_codes is None:
-            if not (self.codes.numel() and self.codes.device.type == "cpu" and woq.available()
-                    and woq.fits(self.in_features, self.out_features, self.group_size)):
-                return False
-            self._woq_codes = woq.pack_int4(unpack_nibbles(self.codes))
-        return True
+        """One of quantgate's kernels serves this layer (packed on first use)."""
+        return self.kernel_path().kind != "torch"
+
+    def kernel_layout(self) -> torch.Tensor | None:
+        return self._woq_codes if self._woq_codes is not None else self._wo_codes
 
     def _scales_for_kernel(self) -> torch.Tensor:
         sz = self.scales_and_zeros  # bf16 as stored, unless the model was cast: then converted once
@@ -140,7 +158,7 @@ class Int4WeightOnlyLinear(nn.Module):
         if self.codes.device.type != "cpu":
             return
         if self._own_kernel() or (self.out_features % KERNEL_ROWS == 0 and cpu_layout_known()):
-            if self._woq_codes is None:
+            if self.kernel_layout() is None:
                 self._kernel_weights()
             self.codes = torch.empty(0, dtype=torch.uint8)
 
@@ -148,11 +166,18 @@ class Int4WeightOnlyLinear(nn.Module):
         if self._woq_codes is not None and x.dim() == 2 and x.dtype == torch.bfloat16 and self.bias is None:
             return woq.int4_linear(x.contiguous(), self._woq_codes, self._scales_for_kernel(), self.group_size,
                                    self.out_features, torch.bfloat16)  # the decoder's rows: no reshapes
+        if self._wo_codes is not None and x.dim() == 2 and x.dtype == torch.float32 and self.bias is None:
+            return wo.linear_int4(self._path.isa, x, self._wo_codes, self._scales_for_kernel(), self.group_size)
         rows = x.numel() // self.in_features
-        if x.device.type == "cpu" and self._own_kernel():
+        path = self.kernel_path() if x.device.type == "cpu" else TORCH
+        if path.kind == "woq":
             flat = x.reshape(rows, self.in_features).to(torch.bfloat16).contiguous()
             y = woq.int4_linear(flat, self._woq_codes, self._scales_for_kernel(), self.group_size,
                                 self.out_features, woq.out_dtype(x.dtype))
+            y = y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+        elif path.kind == "wo":
+            y = wo.linear_int4(path.isa, x.reshape(rows, self.in_features), self._wo_codes,
+                               self._scales_for_kernel(), self.group_size)
             y = y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
         elif x.device.type == "cpu" and rows <= FAST_PATH_MAX_ROWS:
             flat = x.reshape(rows, self.in_features).to(torch.bfloat16)
@@ -160,7 +185,7 @@ class Int4WeightOnlyLinear(nn.Module):
                                                            self._scales_bf16)
             y = y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
         else:
-            compute = torch.bfloat16 if x.dtype == torch.float32 and x.device.type == "cpu" else x.dtype
+            compute = wide_compute_dtype(x.dtype, x.device)
             y = F.linear(x.to(compute), self.dequantized_weight(compute)).to(x.dtype)
         if self.bias is not None:
             y = y + self.bias
@@ -183,10 +208,12 @@ class Int4Embedding(nn.Module):
         self.register_buffer("scales_and_zeros",
                              torch.zeros(embedding_dim // group_size, num_embeddings, 2, dtype=torch.bfloat16))
         self.register_buffer("_words", None, persistent=False)  # the tied lm_head's kernel layout
+        self._layout = "woq"
 
-    def read_packed(self, words: torch.Tensor) -> None:
-        """Look rows up in the tied lm_head's kernel layout and free the plain codes (never saved again)."""
-        self._words = words
+    def read_packed(self, words: torch.Tensor, layout: str = "woq") -> None:
+        """Look rows up in the tied lm_head's kernel layout (`layout`: "woq" or "wo") and free the plain
+        codes (never saved again)."""
+        self._words, self._layout = words, layout
         self.codes = torch.empty(0, dtype=torch.uint8)
 
     @classmethod
@@ -208,7 +235,12 @@ class Int4Embedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         flat = ids.reshape(-1)
-        q = woq.int4_rows(self._words, flat) if self._words is not None else unpack_nibbles(self.codes[flat])
+        if self._words is None:
+            q = unpack_nibbles(self.codes[flat])
+        elif self._layout == "woq":
+            q = woq.int4_rows(self._words, flat)
+        else:
+            q = unpack_nibbles(wo.tiled_rows(self._words, flat))
         rows = _dequantize(q, self.scales_and_zeros[:, flat], self.group_size, self.dtype)
         return rows.view(*ids.shape, self.embedding_dim)
 

@@ -1,12 +1,11 @@
 """gpt-fast-style weight-only int8: int8 weights with one fp32 scale per output channel.
 
 On CPU the decode path (a few rows at a time) is bandwidth-bound, so reading int8 instead of fp32
-weights is what makes it faster. `torch._weight_int8pack_mm` does the dequant inside the matmul but is
-only fast with bf16 activations. A bf16 model hands it the scales (rounded to bf16, like its output);
-an fp32 model gets unit scales and its fp32 scales applied afterwards. Wider inputs (prefill, big decode
-batches) convert the int8 weight to bf16 (exactly: int8 values are bf16 numbers) and run a bf16 matmul,
-faster than fp32 here, with the fp32 scales applied to its output. Where quantgate's own kernel runs
-(quantize/kernels: AVX-512-BF16) it serves every batch size instead, reading the int8 weight once per call.
+weights is what makes it faster. quantgate's kernels serve every batch size on CPU, reading the int8
+weight once per call (quantize/kernel_path.py picks one: quantize/kernels for bf16 activations on
+AVX-512-BF16 CPUs, quantgate/kernels/wo_linear for fp32 activations on every x86 CPU). Where neither runs,
+torch's: `torch._weight_int8pack_mm` for a few rows (fast with bf16 activations only), and wider inputs
+dequantized into a matmul, in bf16 only where the CPU multiplies bf16 natively.
 """
 
 from __future__ import annotations
@@ -17,7 +16,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from quantgate.kernels import isa as isas
+from quantgate.kernels import wo_linear as wo
 from quantize import kernels as woq
+from quantize.kernel_path import TORCH, KernelPath, choose, wide_compute_dtype
 
 # Up to this many rows the int8 kernel (a GEMV per row) beats dequantize-then-matmul on CPU (measured,
 # bf16, one thread, SmolLM2 shapes: 10.9 vs 12.3 ms at 8 rows, 17.0 vs 14.3 at 16); beyond, it falls behind fast.
@@ -32,8 +34,11 @@ class Int8WeightOnlyLinear(nn.Module):
         self.register_buffer("weight_int8", torch.zeros(out_features, in_features, dtype=torch.int8))
         self.register_buffer("scales", torch.ones(out_features, dtype=torch.float32))
         self.register_buffer("_unit_scales", torch.ones(out_features, dtype=torch.bfloat16), persistent=False)
-        self.register_buffer("_woq_weight", None, persistent=False)  # quantgate's kernel layout
+        self.register_buffer("_woq_weight", None, persistent=False)  # quantize/kernels' layout
+        self.register_buffer("_wo_weight", None, persistent=False)  # quantgate/kernels/wo_linear's layout
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype), requires_grad=False) if bias else None
+        self.isa = isas.resolve()  # the kernel path in force when the layer was built
+        self._path: KernelPath | None = None
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> Int8WeightOnlyLinear:
@@ -48,16 +53,28 @@ class Int8WeightOnlyLinear(nn.Module):
         return self.plain_weight().to(dtype) * self.scales.to(dtype)[:, None]
 
     def plain_weight(self) -> torch.Tensor:
-        return self.weight_int8 if self.weight_int8.numel() else woq.unpack_int8(self._woq_weight)
+        if self.weight_int8.numel():
+            return self.weight_int8
+        return woq.unpack_int8(self._woq_weight) if self._woq_weight is not None else wo.untile(self._wo_weight)
+
+    def kernel_path(self) -> KernelPath:
+        """The kernel serving this layer, decided (and its layout packed) on first use."""
+        if self._path is None:
+            k, n = self.in_features, self.out_features
+            path = choose(self.isa, self.weight_int8.device, woq.fits(k, n), wo.fits(k, n))
+            if path.kind == "woq":
+                self._woq_weight = woq.pack_int8(self.weight_int8)
+            elif path.kind == "wo":
+                self._wo_weight = wo.tile(self.weight_int8)
+            self._path = path
+        return self._path
 
     def _own_kernel(self) -> bool:
-        """quantgate's kernel serves this layer (packed on first use)."""
-        if self._woq_weight is None:
-            if not (self.weight_int8.numel() and self.weight_int8.device.type == "cpu" and woq.available()
-                    and woq.fits(self.in_features, self.out_features)):
-                return False
-            self._woq_weight = woq.pack_int8(self.weight_int8)
-        return True
+        """One of quantgate's kernels serves this layer (packed on first use)."""
+        return self.kernel_path().kind != "torch"
+
+    def kernel_layout(self) -> torch.Tensor | None:
+        return self._woq_weight if self._woq_weight is not None else self._wo_weight
 
     def drop_plain(self) -> None:
         """Serve from the kernel layout alone (a loaded variant is never saved again): half the bytes."""
@@ -67,10 +84,16 @@ class Int8WeightOnlyLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._woq_weight is not None and x.dim() == 2 and x.dtype == torch.bfloat16 and self.bias is None:
             return woq.int8_linear(x.contiguous(), self._woq_weight, self.scales, torch.bfloat16)  # decoder rows
+        if self._wo_weight is not None and x.dim() == 2 and x.dtype == torch.float32 and self.bias is None:
+            return wo.linear_int8(self._path.isa, x, self._wo_weight, self.scales)
         rows = x.numel() // self.in_features
-        if x.device.type == "cpu" and self._own_kernel():
+        path = self.kernel_path() if x.device.type == "cpu" else TORCH
+        if path.kind == "woq":
             flat = x.reshape(rows, self.in_features).to(torch.bfloat16).contiguous()
             y = woq.int8_linear(flat, self._woq_weight, self.scales, woq.out_dtype(x.dtype))
+            y = y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+        elif path.kind == "wo":
+            y = wo.linear_int8(path.isa, x.reshape(rows, self.in_features), self._wo_weight, self.scales)
             y = y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
         elif x.device.type == "cpu" and rows <= FAST_PATH_MAX_ROWS and x.dtype == torch.bfloat16:
             # bf16 in, bf16 out: the scales may as well be applied in the kernel (rounding a scale to bf16
@@ -83,8 +106,8 @@ class Int8WeightOnlyLinear(nn.Module):
             y = torch._weight_int8pack_mm(flat, self.weight_int8, self._unit_scales.to(torch.bfloat16))
             y = (y.to(torch.float32) * self.scales).to(x.dtype).reshape(*x.shape[:-1], self.out_features)
         else:
-            compute = torch.bfloat16 if x.dtype == torch.float32 else x.dtype
-            y = (F.linear(x.to(compute), self.weight_int8.to(compute)).to(torch.float32) * self.scales).to(x.dtype)
+            compute = wide_compute_dtype(x.dtype, x.device)
+            y = (F.linear(x.to(compute), self.plain_weight().to(compute)).to(torch.float32) * self.scales).to(x.dtype)
         if self.bias is not None:
             y = y + self.bias
         return y
@@ -105,10 +128,12 @@ class Int8Embedding(nn.Module):
         self.register_buffer("weight_int8", torch.zeros(num_embeddings, embedding_dim, dtype=torch.int8))
         self.register_buffer("scales", torch.ones(num_embeddings, dtype=torch.float32))
         self.register_buffer("_packed", None, persistent=False)  # the tied lm_head's kernel layout
+        self._layout = "woq"
 
-    def read_packed(self, packed: torch.Tensor) -> None:
-        """Look rows up in the tied lm_head's kernel layout and free the plain table (never saved again)."""
-        self._packed = packed
+    def read_packed(self, packed: torch.Tensor, layout: str = "woq") -> None:
+        """Look rows up in the tied lm_head's kernel layout (`layout`: "woq" or "wo") and free the plain
+        table (never saved again)."""
+        self._packed, self._layout = packed, layout
         self.weight_int8 = torch.empty(0, dtype=torch.int8)
 
     @classmethod
@@ -130,7 +155,10 @@ class Int8Embedding(nn.Module):
         return torch.empty(self.num_embeddings, self.embedding_dim, dtype=self.dtype, device="meta")
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        codes = woq.packed_rows(self._packed, ids) if self._packed is not None else F.embedding(ids, self.weight_int8)
+        if self._packed is None:
+            codes = F.embedding(ids, self.weight_int8)
+        else:
+            codes = woq.packed_rows(self._packed, ids) if self._layout == "woq" else wo.tiled_rows(self._packed, ids)
         return (codes.to(torch.float32) * self.scales[ids].unsqueeze(-1)).to(self.dtype)
 
     def extra_repr(self) -> str:

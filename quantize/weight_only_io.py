@@ -99,10 +99,10 @@ def _embedding_reads_head_layout(model: PreTrainedModel) -> None:
     embed, head = model.get_input_embeddings(), model.get_output_embeddings()
     if isinstance(embed, Int8Embedding) and isinstance(head, Int8WeightOnlyLinear):
         if embed.weight_int8 is head.weight_int8 and head._own_kernel():
-            embed.read_packed(head._woq_weight)
+            embed.read_packed(head.kernel_layout(), head.kernel_path().kind)
     elif isinstance(embed, Int4Embedding) and isinstance(head, Int4WeightOnlyLinear):
         if embed.codes is head.codes and head._own_kernel():
-            embed.read_packed(head._woq_codes)
+            embed.read_packed(head.kernel_layout(), head.kernel_path().kind)
 
 
 def _config_dtype(config) -> torch.dtype:

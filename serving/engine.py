@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from quantgate.kernels import isa as isas
 from serving.block_manager import BlockManager
 from serving.device import default_device, resolve_dtype
 from serving.model_runner import KVCacheShape, ModelRunner, load_model
@@ -117,6 +118,7 @@ class LLMEngine:
         self._ids = itertools.count()
         self.prompt_tokens = 0
         self.generation_tokens = 0
+        self.kernel_isa = isas.resolve() if self.device.type == "cpu" else self.device.type  # what served
 
     @classmethod
     def from_pretrained(
@@ -126,10 +128,13 @@ class LLMEngine:
         dtype: torch.dtype | str | None = None,
         tensor_parallel_size: int = 1,
         pipeline_parallel_size: int = 1,
+        isa: str | None = None,
         **kwargs,
     ) -> LLMEngine:
         """Load any model reference (`smollm2-135m`, a HF dir, a `.gguf`, a quantized variant dir).
-        With tensor_parallel_size or pipeline_parallel_size > 1 the ranks run as processes (serving/parallel)."""
+        With tensor_parallel_size or pipeline_parallel_size > 1 the ranks run as processes (serving/parallel).
+        `isa` forces a kernel path (avx512bf16, avx512, avx2, scalar, torch; default: `QUANTGATE_ISA`, else
+        the best this CPU runs)."""
         if tensor_parallel_size > 1 or pipeline_parallel_size > 1:
             from serving.parallel import from_pretrained_parallel
 
@@ -144,10 +149,12 @@ class LLMEngine:
         model_dir = resolve_model(model)
         device = torch.device(device or default_device())
         dtype = resolve_dtype(dtype, device)
-        hf_model = load_model(model_dir, device, dtype)
+        hf_model = load_model(model_dir, device, dtype, isa)
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
         kwargs.setdefault("model_name", str(model))
-        return cls(hf_model, tokenizer, device=device, **kwargs)
+        engine = cls(hf_model, tokenizer, device=device, **kwargs)
+        engine.kernel_isa = isas.resolve(isa) if device.type == "cpu" else device.type
+        return engine
 
     # ---- requests ------------------------------------------------------------------------------
     def add_request(

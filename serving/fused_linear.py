@@ -5,8 +5,8 @@ small k/v projections (192 x 576 for SmolLM2-135M) are too short to keep two cor
 the concatenated weight does both jobs once. The modules keep working on their own: their weights become
 views into the fused tensor (slices along the output tiles are contiguous; int4's scales, laid out by
 group first, are strided views), so nothing is held twice and `resident_bytes` still counts every byte
-once. Only quantgate's own kernel layouts fuse (bf16 pairs, int8, int4 of one group size, no bias); any
-other mix returns None and the caller runs the modules.
+once. Only quantgate's own kernel layouts fuse (bf16 pairs, int8, int4 of one group size, no bias, one
+kernel path); any other mix returns None and the caller runs the modules.
 """
 
 from __future__ import annotations
@@ -15,10 +15,11 @@ from collections.abc import Callable
 
 import torch
 
+from quantgate.kernels import wo_linear as wo
 from quantize import kernels as woq
 from quantize.int4 import Int4WeightOnlyLinear
 from quantize.weight_only import Int8WeightOnlyLinear
-from serving.packed_linear import PairPackedLinear
+from serving.packed_linear import PairPackedLinear, WoLinear
 
 Projection = Callable[[torch.Tensor], torch.Tensor]
 
@@ -32,6 +33,12 @@ def fuse(modules: list) -> Projection | None:
     if kind is PairPackedLinear:
         packed = _share(modules, "packed_weight")
         return lambda x: woq.bf16_linear(_bf16(x), packed, woq.out_dtype(x.dtype))
+    if kind is WoLinear and len({(m.isa, m.packed_weight.dtype) for m in modules}) == 1:
+        return _fused_wo(modules)
+    if kind in (Int8WeightOnlyLinear, Int4WeightOnlyLinear):
+        paths = {m.kernel_path() for m in modules}
+        if len(paths) == 1 and next(iter(paths)).kind == "wo":
+            return _fused_wo(modules)
     if kind is Int8WeightOnlyLinear and all(m._own_kernel() for m in modules):
         packed, scales = _share(modules, "_woq_weight"), _share(modules, "scales")
         return lambda x: woq.int8_linear(_bf16(x), packed, scales, woq.out_dtype(x.dtype))
@@ -43,6 +50,26 @@ def fuse(modules: list) -> Projection | None:
         group, n = modules[0].group_size, sum(m.out_features for m in modules)
         return lambda x: woq.int4_linear(_bf16(x), codes, scales, group, n, woq.out_dtype(x.dtype))
     return None
+
+
+def _fused_wo(modules: list) -> Projection | None:
+    """One wo_linear call over the modules' tiled layouts (fp32 math; the caller's dtype out)."""
+    first = modules[0]
+    if isinstance(first, WoLinear):
+        packed, isa = _share(modules, "packed_weight"), first.isa
+        if packed.dtype == torch.float32:
+            return lambda x: wo.linear_f32(isa, x, packed).to(x.dtype)
+        return lambda x: wo.linear_bf16(isa, x, packed).to(x.dtype)
+    isa = first.kernel_path().isa
+    if isinstance(first, Int8WeightOnlyLinear):
+        packed, scales = _share(modules, "_wo_weight"), _share(modules, "scales")
+        return lambda x: wo.linear_int8(isa, x, packed, scales).to(x.dtype)
+    if len({m.group_size for m in modules}) != 1:
+        return None
+    codes = _share(modules, "_wo_codes")
+    scales = _share(modules, "scales_and_zeros", [m._scales_for_kernel() for m in modules], dim=1)
+    group = first.group_size
+    return lambda x: wo.linear_int4(isa, x, codes, scales, group).to(x.dtype)
 
 
 def _bf16(x: torch.Tensor) -> torch.Tensor:

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 
+from quantgate.kernels import isa as isas
 from quantgate.model_shape import kv_shape
 from serving import attention
 from serving.attention import AttentionContext, DecodeBatch, DecodeGroup, PrefillChunk
@@ -71,19 +72,21 @@ class StepResult:
     prompt_logprobs: dict[int, list[TokenLogprob]]  # index -> logprobs of the prompt tokens scored this step
 
 
-def load_model(model_dir: Path, device: torch.device, dtype: torch.dtype):
-    """A plain HF dir loads here; a quantized variant (it has a quantgate.json) is loaded by quantize/."""
-    if (Path(model_dir) / "quantgate.json").is_file():
-        from quantize import load_model as load_variant
+def load_model(model_dir: Path, device: torch.device, dtype: torch.dtype, isa: str | None = None):
+    """A plain HF dir loads here; a quantized variant (it has a quantgate.json) is loaded by quantize/.
+    Its layers take kernel path `isa` (None: the process default, `quantgate.kernels.isa`)."""
+    with isas.using(isa) as path:
+        if (Path(model_dir) / "quantgate.json").is_file():
+            from quantize import load_model as load_variant
 
-        model = load_variant(Path(model_dir), str(device), dtype)
-    else:
-        from quantgate.loading import load_causal_lm
+            model = load_variant(Path(model_dir), str(device), dtype)
+        else:
+            from quantgate.loading import load_causal_lm
 
-        model = load_causal_lm(model_dir, dtype=dtype).to(device)
+            model = load_causal_lm(model_dir, dtype=dtype).to(device)
     model.set_attn_implementation(attention.register())
-    if packing_wanted(torch.device(device), dtype):
-        pack_linears(model)
+    if packing_wanted(torch.device(device), dtype, path):
+        pack_linears(model, path)
     return model.eval()
 
 

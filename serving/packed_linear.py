@@ -14,24 +14,36 @@ SmolLM2-135M's 30 layers of projections as a decode step streams them (2 threads
 2048-token prefill chunk.
 A tied lm_head shares its weight with the embedding, and oneDNN's packed tensor is opaque (no rows to
 look up); the pair layout has rows, so the embedding indexes the head's copy: one copy.
+
+On CPUs without native bf16 (AVX2-only, AVX-512 without BF16) a bf16 model is stored in bf16 and computed
+in fp32: `WoLinear` holds each weight tiled for quantgate/kernels/wo_linear, which widens it in registers
+(half the bytes of fp32; never torch's bf16 matmul, a scalar loop there, nor oneDNN's packing, which
+refuses bf16 on AVX2).
 """
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn as nn
 
+from quantgate import settings
+from quantgate.kernels import isa as isas
+from quantgate.kernels import wo_linear as wo
 from quantize import kernels as woq
 
-PACK_ENV = "QUANTGATE_PACK_WEIGHTS"  # "0" keeps plain nn.Linear (to measure what packing buys)
+ONEDNN_BF16_FLAGS = (frozenset({"avx512bw", "avx512vl", "avx512dq"}), frozenset({"avx_ne_convert"}))
 
 
-def packing_wanted(device: torch.device, dtype: torch.dtype) -> bool:
-    if os.environ.get(PACK_ENV, "1").strip() == "0":
+def onednn_bf16() -> bool:
+    """oneDNN packs bf16 weights on this CPU (it raises on plain AVX2)."""
+    flags = isas.cpu_flags()
+    return torch.backends.mkldnn.is_available() and any(need <= flags for need in ONEDNN_BF16_FLAGS)
+
+
+def packing_wanted(device: torch.device, dtype: torch.dtype, isa: str | None = None) -> bool:
+    if not settings.enabled(settings.PACK_WEIGHTS) or device.type != "cpu" or dtype != torch.bfloat16:
         return False
-    return device.type == "cpu" and dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
+    return isas.resolve(isa) in ("avx512", "avx2", "scalar") or onednn_bf16()
 
 
 class PackedLinear(nn.Module):
@@ -80,6 +92,71 @@ class PairPackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
+class WoLinear(nn.Module):
+    """A bf16 or fp32 `nn.Linear` over the tiled layout quantgate/kernels/wo_linear widens in registers
+    (fp32 math on every x86 CPU); a tied lm_head shares it with `WoEmbedding`."""
+
+    def __init__(self, packed: torch.Tensor, isa: str, bias: torch.Tensor | None = None):
+        super().__init__()
+        self.out_features, self.in_features = packed.shape[0] * wo.TILE, packed.shape[1]
+        self.isa = isa
+        self.register_buffer("packed_weight", packed, persistent=False)
+        self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
+
+    @classmethod
+    def of(cls, linear: nn.Linear, isa: str) -> WoLinear:
+        return cls(wo.tile(linear.weight.detach()), isa, linear.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features)
+        if self.packed_weight.dtype == torch.float32:
+            y = wo.linear_f32(self.isa, flat, self.packed_weight)
+        else:
+            y = wo.linear_bf16(self.isa, flat, self.packed_weight)
+        if self.bias is not None:
+            y = y + self.bias.to(y.dtype)
+        return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, isa={self.isa}"
+
+
+class WoEmbedding(nn.Module):
+    def __init__(self, head: WoLinear):
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = head.out_features, head.in_features
+        self.register_buffer("packed_weight", head.packed_weight, persistent=False)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return torch.empty(self.num_embeddings, self.embedding_dim, dtype=self.packed_weight.dtype, device="meta")
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return wo.tiled_rows(self.packed_weight, ids)
+
+
+def pack_for_wo(model: nn.Module, isa: str) -> int:
+    """Swap every plain bf16 `nn.Linear` (a tied lm_head with its embedding) for a `WoLinear` on path
+    `isa`; returns how many. Shapes the kernel does not take stay plain."""
+    if not wo.available(isa):
+        return 0
+    swapped = 0
+    embed, head = model.get_input_embeddings(), model.get_output_embeddings()
+    tied = type(embed) is nn.Embedding and type(head) is nn.Linear and head.weight is embed.weight
+    if tied and head.bias is None and wo.fits(head.in_features, head.out_features):
+        new_head = WoLinear.of(head, isa)
+        model.set_output_embeddings(new_head)
+        model.set_input_embeddings(WoEmbedding(new_head))
+        swapped += 1
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is nn.Linear and child.weight.dtype == torch.bfloat16 and child.weight is not getattr(
+                    embed, "weight", None) and wo.fits(child.in_features, child.out_features):
+                setattr(parent, name, WoLinear.of(child, isa))
+                swapped += 1
+    return swapped
+
+
 class PairPackedEmbedding(nn.Module):
     def __init__(self, head: PairPackedLinear):
         super().__init__()
@@ -116,16 +193,23 @@ def _packed(linear: nn.Linear, own_kernel: bool) -> nn.Module:
     return PackedLinear(linear)
 
 
-def pack_linears(model: nn.Module) -> int:
-    """Swap every plain bf16 `nn.Linear` for a `PairPackedLinear` (where quantgate's kernel runs) or a
-    `PackedLinear` (oneDNN); returns how many. Subclasses (bitsandbytes' Linear8bitLt is one) and other
+def pack_linears(model: nn.Module, isa: str | None = None) -> int:
+    """Swap every plain bf16 `nn.Linear` for a `WoLinear` (path `isa` is one of wo_linear's: CPUs without
+    native bf16, or forced), a `PairPackedLinear` (where quantgate's bf16 kernel runs) or a `PackedLinear`
+    (oneDNN); returns how many. Subclasses (bitsandbytes' Linear8bitLt is one) and other
     dtypes keep their own kernels. A weight shared with another module (tied embeddings and lm_head) stays
     shared: oneDNN packing would hold a second copy, so it is pair-packed for our kernel where that runs
     (`pack_tied_head`, counted here), else left plain."""
+    path = isas.resolve(isa)
+    if path in ("avx512", "avx2", "scalar"):
+        return pack_for_wo(model, path)
+    if not onednn_bf16():
+        return 0
     counts: dict[int, int] = {}
     for _, tensor in model.named_parameters(remove_duplicate=False):
         counts[id(tensor)] = counts.get(id(tensor), 0) + 1
-    swapped, own_kernel = int(pack_tied_head(model)), woq.available()
+    own_kernel = path == "avx512bf16" and woq.available()
+    swapped = int(own_kernel and pack_tied_head(model))
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is not nn.Linear or child.weight.dtype != torch.bfloat16:

@@ -4,16 +4,28 @@ serves from its kernel layout alone."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 import quantize.int4 as int4
+from quantgate.kernels import isa as isas
+from quantgate.kernels import wo_linear as wo
 from quantize.int4 import Int4WeightOnlyLinear, cpu_layout_known, quantize_groups, unpack_cpu_layout
 
+OWN_PATHS = [i for i in ("avx512bf16", *wo.PATHS) if i in isas.supported()]
 
-def test_this_torch_packs_the_layout_we_unpack():
-    assert cpu_layout_known()
+
+def test_this_torch_packs_the_layout_we_unpack_or_we_keep_the_codes():
+    """torch's int4 CPU layout depends on the CPU that packs it (blocks of 64 rows with AVX-512, 32 with
+    AVX2): where it is not the one we unpack, a layer on torch's path keeps its plain codes."""
     q = torch.randint(0, 16, (192, 64), generator=torch.Generator().manual_seed(1), dtype=torch.int32)
-    assert torch.equal(unpack_cpu_layout(int4.pack_for_cpu(q), 192, 64).int(), q)
+    if cpu_layout_known():
+        assert torch.equal(unpack_cpu_layout(int4.pack_for_cpu(q), 192, 64).int(), q)
+        return
+    with isas.using("torch"):
+        layer = Int4WeightOnlyLinear.from_linear(torch.nn.Linear(64, 192, bias=False), 32)
+    layer.drop_codes()
+    assert layer.codes.numel() == 192 * 32
 
 
 def test_quantization_error_is_at_most_half_a_step_per_group():
@@ -26,10 +38,10 @@ def test_quantization_error_is_at_most_half_a_step_per_group():
 
 
 def test_kernel_and_wide_paths_agree_and_codes_can_be_dropped(monkeypatch):
-    monkeypatch.setenv("QUANTGATE_WOQ_KERNEL", "0")  # torch's kernels (CPUs without AVX-512-BF16)
     torch.manual_seed(0)
     linear = torch.nn.Linear(128, 192, bias=True)
-    layer = Int4WeightOnlyLinear.from_linear(linear, 32)
+    with isas.using("torch"):  # torch's kernels
+        layer = Int4WeightOnlyLinear.from_linear(linear, 32)
     x = torch.randn(5, 128)
     monkeypatch.setattr(int4, "FAST_PATH_MAX_ROWS", 1 << 20)
     kernel = layer(x)
@@ -38,6 +50,8 @@ def test_kernel_and_wide_paths_agree_and_codes_can_be_dropped(monkeypatch):
     reference = torch.nn.functional.linear(x, layer.dequantized_weight(torch.float32), linear.bias)
     scale = reference.abs().max()
     assert (kernel - reference).abs().max() < 0.02 * scale and (wide - reference).abs().max() < 0.02 * scale
+    if not cpu_layout_known():
+        return  # codes kept: the test above
     before = layer.codes.numel()
     layer.drop_codes()
     assert before == 192 * 64 and layer.codes.numel() == 0 and layer._packed.numel() == 192 * 64
@@ -46,22 +60,24 @@ def test_kernel_and_wide_paths_agree_and_codes_can_be_dropped(monkeypatch):
     assert torch.equal(layer(x), kernel)
 
 
-def test_own_kernel_gives_the_exact_group_sums_and_serves_after_dropping_codes():
+@pytest.mark.parametrize("isa", OWN_PATHS)
+def test_own_kernels_give_the_group_sums_and_serve_after_dropping_codes(isa):
     from quantize import kernels as woq
 
     assert woq.available() == woq.cpu_has_avx512_bf16()  # a compiler is there wherever the tests run
-    if not woq.available():
-        return  # torch's kernels serve: covered above
     torch.manual_seed(0)
     linear = torch.nn.Linear(128, 192, bias=True)
-    layer = Int4WeightOnlyLinear.from_linear(linear, 32)
-    x = torch.randn(5, 128)  # few rows: exact group sums of x (bf16, then rounded to int16 per row)
+    with isas.using(isa):
+        layer = Int4WeightOnlyLinear.from_linear(linear, 32)
+    x = torch.randn(5, 128)
     weight = layer.dequantized_weight(torch.float32)
-    reference = torch.nn.functional.linear(x.bfloat16().float(), weight, linear.bias)
+    # avx512bf16: exact group sums of x rounded to bf16 (then int16 per row); the others: fp32 x
+    rows = x.bfloat16().float() if isa == "avx512bf16" else x
+    reference = torch.nn.functional.linear(rows, weight, linear.bias)
     y = layer(x)
-    assert layer._woq_codes is not None and layer._packed is None
+    assert layer.kernel_path().isa == isa and layer._packed is None and layer.kernel_layout() is not None
     assert (y - reference).abs().max() < 1e-4 * reference.abs().max()
     layer.drop_codes()
-    assert layer.codes.numel() == 0 and layer._woq_codes.numel() * 2 == 192 * 64
+    assert layer.codes.numel() == 0 and layer.kernel_layout().numel() * (2 if isa == "avx512bf16" else 1) == 192 * 64
     assert torch.equal(layer(x), y)
     assert torch.equal(layer.dequantized_weight(torch.float32), weight)

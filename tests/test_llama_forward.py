@@ -8,6 +8,8 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
 
+from quantgate.kernels import isa as isas
+from quantgate.kernels import wo_linear as wo
 from quantize import kernels as woq
 from quantize.int4 import Int4WeightOnlyLinear
 from quantize.weight_only import Int8WeightOnlyLinear
@@ -15,9 +17,10 @@ from serving import LLMEngine, SamplingParams
 from serving.fused_linear import fuse
 from serving.kernels import fused_ops
 from serving.llama_forward import FAST_FORWARD_ENV, LlamaForward, supports
-from serving.packed_linear import PairPackedLinear
+from serving.packed_linear import PairPackedLinear, WoLinear
 
 OPS = fused_ops()
+OWN_PATHS = [i for i in ("avx512bf16", *wo.PATHS) if i in isas.supported()]
 pytestmark = pytest.mark.skipif(OPS is None, reason="no C++ compiler for quantgate's kernels")
 ROWS = [1, 5, 16, 17, 300]  # one row, a few, the parallel grain and one past it, a prefill chunk
 
@@ -173,25 +176,28 @@ def test_bf16_engine_on_the_default_model_agrees_with_the_models_own_forward(def
     assert sum(gaps) / len(gaps) < 0.05 and max(gaps) < 0.5
 
 
-def _linears(kind: str, sizes: list[int], k: int = 64) -> list:
-    assert woq.available()  # builds and loads quantgate's kernel (pack_linears does this in the engine)
+def _linears(kind: str, sizes: list[int], isa: str = OWN_PATHS[0], k: int = 64) -> list:
     torch.manual_seed(len(sizes))
     plain = [torch.nn.Linear(k, n, bias=False).to(torch.bfloat16) for n in sizes]
     if kind == "bf16":
-        return [PairPackedLinear.of(m) for m in plain]
-    if kind == "int8":
-        return [Int8WeightOnlyLinear.from_linear(m) for m in plain]
-    return [Int4WeightOnlyLinear.from_linear(m, group_size=32) for m in plain]
+        if isa == "avx512bf16":
+            assert woq.available()  # builds and loads quantgate's bf16 kernel (pack_linears does in the engine)
+            return [PairPackedLinear.of(m) for m in plain]
+        return [WoLinear.of(m, isa) for m in plain]
+    with isas.using(isa):
+        if kind == "int8":
+            return [Int8WeightOnlyLinear.from_linear(m) for m in plain]
+        return [Int4WeightOnlyLinear.from_linear(m, group_size=32) for m in plain]
 
 
-@pytest.mark.skipif(not woq.cpu_has_avx512_bf16(), reason="quantgate's kernel needs AVX-512-BF16")
+@pytest.mark.parametrize("isa", OWN_PATHS)
 @pytest.mark.parametrize("kind", ["bf16", "int8", "int4"])
 @pytest.mark.parametrize("rows", [1, 7, 40])
-def test_a_fused_projection_is_its_modules_side_by_side_bit_for_bit(kind, rows):
+def test_a_fused_projection_is_its_modules_side_by_side_bit_for_bit(kind, rows, isa):
     from quantgate.loading import resident_bytes
 
-    modules = _linears(kind, [96, 32, 32])
-    x = torch.randn(rows, 64).to(torch.bfloat16)
+    modules = _linears(kind, [96, 32, 32], isa)
+    x = torch.randn(rows, 64).to(torch.bfloat16 if isa == "avx512bf16" else torch.float32)
     separate = [m(x) for m in modules]
     before = sum(resident_bytes(m) for m in modules)
     fused = fuse(modules)

@@ -6,20 +6,28 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from quantgate import settings
+from quantgate.kernels import isa as isas
+from quantgate.kernels import wo_linear as wo
 from quantize import kernels as woq
 from serving import LLMEngine, SamplingParams
 from serving.packed_linear import (
-    PACK_ENV,
     PackedLinear,
     PairPackedEmbedding,
     PairPackedLinear,
+    WoEmbedding,
+    WoLinear,
+    onednn_bf16,
     pack_linears,
     packing_wanted,
 )
 
-pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
+PACK_ENV = settings.PACK_WEIGHTS.name
+WO_PATHS = [i for i in wo.PATHS if i in isas.supported()]
+needs_onednn = pytest.mark.skipif(not onednn_bf16(), reason="oneDNN packs bf16 only with AVX-512 (BW/VL/DQ) or AVX-NE-CONVERT")
 
 
+@needs_onednn
 @pytest.mark.parametrize("rows", [1, 7, 300])
 @pytest.mark.parametrize("bias", [False, True])
 def test_packed_linear_is_bit_identical_to_f_linear(rows, bias):
@@ -31,14 +39,15 @@ def test_packed_linear_is_bit_identical_to_f_linear(rows, bias):
     assert packed(x).shape == (2, rows, 80)
 
 
-def test_pack_linears_swaps_plain_bf16_layers_and_keeps_tied_weights(tiny_model_dir, monkeypatch):
+@needs_onednn
+def test_pack_linears_swaps_plain_bf16_layers_and_keeps_tied_weights(tiny_model_dir):
     from quantgate.loading import load_causal_lm, resident_bytes
 
-    monkeypatch.setenv(woq.ENV, "0")  # without quantgate's kernel the tied lm_head stays a plain Linear
     model = load_causal_lm(tiny_model_dir, dtype=torch.bfloat16)
     before = resident_bytes(model)
     layers = model.config.num_hidden_layers
-    assert pack_linears(model) == 7 * layers  # q k v o gate up down; lm_head is tied to the embedding
+    # torch's path (oneDNN), without quantgate's kernels: the tied lm_head stays a plain Linear
+    assert pack_linears(model, isa="torch") == 7 * layers  # q k v o gate up down; lm_head tied to the embedding
     assert type(model.lm_head) is torch.nn.Linear and model.lm_head.weight is model.model.embed_tokens.weight
     assert isinstance(model.model.layers[0].self_attn.q_proj, PackedLinear)
     assert resident_bytes(model) == before  # the packed buffers are counted, nothing is held twice
@@ -96,22 +105,52 @@ def test_a_tied_head_and_its_embedding_share_one_pair_packed_weight(tiny_model_d
 
 def test_packing_is_wanted_for_cpu_bf16_only(monkeypatch):
     cpu = torch.device("cpu")
-    assert packing_wanted(cpu, torch.bfloat16)
+    assert packing_wanted(cpu, torch.bfloat16, isa="scalar")  # every CPU: bf16 stored, fp32 math
+    assert packing_wanted(cpu, torch.bfloat16, isa="torch") == onednn_bf16()
     assert not packing_wanted(cpu, torch.float32)
     assert not packing_wanted(torch.device("cuda"), torch.bfloat16)
     monkeypatch.setenv(PACK_ENV, "0")
     assert not packing_wanted(cpu, torch.bfloat16)
 
 
-def _greedy(model_dir, prompts, monkeypatch, pack: str, own_kernel: str = "0", **kwargs):
+@pytest.mark.parametrize("isa", WO_PATHS)
+def test_bf16_on_any_cpu_is_stored_in_bf16_and_computed_in_fp32(tiny_model_dir, isa):
+    """Where the CPU has no native bf16 (and on any path forced), every projection and the tied head are
+    wo_linear tiles: one copy of each weight, bf16 bytes, results as the bf16 weights in fp32 math."""
+    from quantgate.loading import load_causal_lm, resident_bytes
+
+    model = load_causal_lm(tiny_model_dir, dtype=torch.bfloat16)
+    weight = model.lm_head.weight.detach().clone()
+    before = resident_bytes(model)
+    assert pack_linears(model, isa=isa) == 7 * model.config.num_hidden_layers + 1
+    head, embed = model.lm_head, model.model.embed_tokens
+    assert isinstance(head, WoLinear) and isinstance(embed, WoEmbedding) and head.isa == isa
+    assert embed.packed_weight is head.packed_weight and resident_bytes(model) == before
+    ids = torch.tensor([[0, 3, weight.shape[0] - 1]])
+    assert torch.equal(embed(ids), weight[ids])
+    x = torch.randn(2, 5, weight.shape[1], dtype=torch.bfloat16)
+    reference = (x.float() @ weight.float().T).to(torch.bfloat16)
+    assert torch.allclose(head(x).float(), reference.float(), rtol=0.01, atol=0.02)
+
+
+@pytest.mark.parametrize("isa", WO_PATHS)
+def test_an_explicit_bf16_engine_serves_on_every_path(tiny_model_dir, isa):
+    engine = LLMEngine.from_pretrained(str(tiny_model_dir), device="cpu", dtype="bfloat16", isa=isa)
+    assert engine.kernel_isa == isa and any(isinstance(m, WoLinear) for m in engine.model.modules())
+    out = engine.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+    assert len(out[0].token_ids) == 8
+
+
+def _greedy(model_dir, prompts, monkeypatch, pack: str, **kwargs):
     monkeypatch.setenv(PACK_ENV, pack)
-    monkeypatch.setenv(woq.ENV, own_kernel)
-    engine = LLMEngine.from_pretrained(str(model_dir), device="cpu", dtype="bfloat16", **kwargs)
+    engine = LLMEngine.from_pretrained(str(model_dir), device="cpu", dtype="bfloat16", isa="torch", **kwargs)
     packed = sum(isinstance(m, PackedLinear | PairPackedLinear) for m in engine.model.modules())
     outs = engine.generate(prompts, SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, logprobs=2))
     return packed, [o.token_ids for o in outs], [[lp.logprob for lp in o.logprobs] for o in outs], outs
 
 
+@pytest.mark.skipif(not isas.native_bf16(), reason="oneDNN's packed and plain bf16 kernels agree bit for bit "
+                    "where bf16 is native (on AVX-512 without BF16 they round apart; wo_linear serves there)")
 @pytest.mark.parametrize("model", ["tiny", "default"])
 def test_engine_with_packed_weights_decodes_exactly_as_without(model, tiny_model_dir, default_model_dir, monkeypatch):
     """Many sequences, chunked prefill and preemption: the packed engine's tokens and logprobs equal the
@@ -127,23 +166,22 @@ def test_engine_with_packed_weights_decodes_exactly_as_without(model, tiny_model
     assert lps_packed == lps_plain
 
 
-def _prompt_logprobs(model_dir, prompts, monkeypatch, dtype: str, own_kernel: str) -> tuple[int, list[float]]:
-    monkeypatch.setenv(woq.ENV, own_kernel)
-    engine = LLMEngine.from_pretrained(str(model_dir), device="cpu", dtype=dtype, max_num_batched_tokens=64)
+def _prompt_logprobs(model_dir, prompts, dtype: str, isa: str) -> tuple[int, list[float]]:
+    engine = LLMEngine.from_pretrained(str(model_dir), device="cpu", dtype=dtype, max_num_batched_tokens=64, isa=isa)
     ours = sum(isinstance(m, PairPackedLinear) for m in engine.model.modules())
     outs = engine.generate(prompts, SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=1))
     return ours, [lp.logprob for o in outs for lp in o.prompt_logprobs[1:]]
 
 
 @pytest.mark.skipif(not woq.cpu_has_avx512_bf16(), reason="quantgate's kernel needs AVX-512-BF16")
-def test_engine_with_our_bf16_kernel_is_as_accurate_as_with_onednn(default_model_dir, monkeypatch):
+def test_engine_with_our_bf16_kernel_is_as_accurate_as_with_onednn(default_model_dir):
     """Every projection and the tied head through our kernel sum in another order than oneDNN, so bf16
     texts can part; teacher-forced on the same tokens (chunked prefill), both engines' logprobs are as far
     from the fp32 engine's (itself token-identical to HF): measured 0.0572 vs 0.0573 nats mean."""
     prompts = [[100 + (7 * i + 13 * j) % 3000 for j in range(40 + 9 * i)] for i in range(6)]
-    _, reference = _prompt_logprobs(default_model_dir, prompts, monkeypatch, "float32", "1")
-    n_onednn, onednn = _prompt_logprobs(default_model_dir, prompts, monkeypatch, "bfloat16", "0")
-    n_ours, ours = _prompt_logprobs(default_model_dir, prompts, monkeypatch, "bfloat16", "1")
+    _, reference = _prompt_logprobs(default_model_dir, prompts, "float32", "avx512bf16")
+    n_onednn, onednn = _prompt_logprobs(default_model_dir, prompts, "bfloat16", "torch")
+    n_ours, ours = _prompt_logprobs(default_model_dir, prompts, "bfloat16", "avx512bf16")
     assert n_onednn == 0 and n_ours == 7 * 30 + 1 and len(ours) == len(reference) == sum(map(len, prompts)) - 6
 
     def error(lps: list[float]) -> float:

@@ -5,12 +5,16 @@ CPU has them). `avx512`, `avx2`, `scalar`: the weight-only kernels over fp32 act
 `quantgate/kernels/wo_linear.cpp`, one source compiled per instruction set with that set's flags only
 (`-mavx2 -mfma -mf16c` for avx2, never `-march=native`, so a forced lower path holds no instruction the
 real lower CPU lacks). `torch`: torch's own ops, none of ours. `QUANTGATE_ISA` sets the process default;
-an engine's or a layer's `isa=` overrides it, and every path the CPU runs can be forced on it.
+an engine's `isa=` overrides it for the models it loads (`using`: layers record the path in force when they
+are built), and every path the CPU runs can be forced on it.
 """
 
 from __future__ import annotations
 
 import platform
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from functools import lru_cache
 from pathlib import Path
 
@@ -88,15 +92,30 @@ def _process_default() -> str:
     return best() if chosen == "auto" else check(chosen)
 
 
+_override: ContextVar[str | None] = ContextVar("quantgate_isa", default=None)
+
+
 def resolve(isa: str | None = None) -> str:
-    """An explicit path (checked), else the process default (`QUANTGATE_ISA`, else the best here)."""
-    return _process_default() if isa in (None, "auto") else check(isa)
+    """An explicit path (checked), else the one `using` set, else the process default (`QUANTGATE_ISA`,
+    else the best here)."""
+    if isa not in (None, "auto"):
+        return check(isa)
+    return _override.get() or _process_default()
 
 
-def fp32_path(isa: str) -> str | None:
-    """The wo_linear build that serves fp32 activations on path `isa` (avx512bf16 CPUs run the avx512
-    build for them), or None for torch."""
-    return {"avx512bf16": "avx512", "avx512": "avx512", "avx2": "avx2", "scalar": "scalar"}.get(isa)
+@contextmanager
+def using(isa: str | None) -> Iterator[str]:
+    """Layers built inside take path `isa` (None / "auto": the process default)."""
+    token = _override.set(None if isa in (None, "auto") else check(isa))
+    try:
+        yield resolve()
+    finally:
+        _override.reset(token)
+
+
+def native_bf16(flags: frozenset[str] | None = None) -> bool:
+    """The CPU multiplies bf16 natively (elsewhere torch's bf16 matmul is emulated or a scalar loop)."""
+    return bool({"avx512_bf16", "amx_bf16"} & (cpu_flags() if flags is None else flags))
 
 
 def describe() -> dict[str, object]:

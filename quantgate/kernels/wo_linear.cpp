@@ -1,0 +1,234 @@
+// Weight-only linear over fp32 activations for every x86 CPU: y[M, N] = x[M, K] @ W[N, K]^T, W held as
+// fp32, bf16, int8 (per-channel fp32 scales) or int4 (groups along K, bf16 scale and zero each).
+//
+// Written once against the vector layer (vec.h) and built once per instruction set (avx512, avx2,
+// scalar: quantgate/kernels/isa.py), each build registering its ops under its own namespace
+// (quantgate_wo_<isa>). The weight is read from memory once per call whatever M is: up to kDirectRows rows
+// the codes are widened to fp32 in registers and every row multiplies them there; past that each tile of
+// 16 output channels is widened once into an fp32 panel [K, 16] (L1/L2) and the rows run over it in
+// passes of kRowsPerPass. Never a bf16 matmul: on CPUs without native bf16 that is torch's scalar loop.
+//
+// Packed layouts ([N/16, ..., 16]: 16 consecutive output channels side by side per input; N % 16 == 0):
+//   fp32 / bf16 / int8: [N/16, K, 16], K % 4 == 0
+//   int4: [N/16, K/2, 16] bytes, byte (j, c) = q[c, 2j] | q[c, 2j + 1] << 4 (the plain codes, re-tiled);
+//         scales and zeros are the layer's own bf16 [K/g, N, 2]: w = (q - 8) * scale + zero.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "vec.h"
+
+namespace {
+
+using qg::F16;
+
+// Each format streams tile t's weights as fp32 vectors, four consecutive inputs at a time (K % 4 == 0):
+// fn(i, w) with w[u] the 16 channels' weights at input i + u.
+struct F32Tiles {
+  const float* w;
+  int64_t k;
+  template <class Fn>
+  void stream(int64_t t, Fn&& fn) const {
+    const float* p = w + t * k * 16;
+    for (int64_t i = 0; i < k; i += 4, p += 64) {
+      const F16 v[4] = {F16::load(p), F16::load(p + 16), F16::load(p + 32), F16::load(p + 48)};
+      fn(i, v);
+    }
+  }
+};
+
+struct Bf16Tiles {
+  const uint16_t* w;
+  int64_t k;
+  template <class Fn>
+  void stream(int64_t t, Fn&& fn) const {
+    const uint16_t* p = w + t * k * 16;
+    for (int64_t i = 0; i < k; i += 4, p += 64) {
+      const F16 v[4] = {F16::from_bf16(p), F16::from_bf16(p + 16), F16::from_bf16(p + 32), F16::from_bf16(p + 48)};
+      fn(i, v);
+    }
+  }
+};
+
+struct Int8Tiles {
+  const int8_t* w;
+  int64_t k;
+  template <class Fn>
+  void stream(int64_t t, Fn&& fn) const {
+    const int8_t* p = w + t * k * 16;
+    for (int64_t i = 0; i < k; i += 4, p += 64) {
+      const F16 v[4] = {F16::from_i8(p), F16::from_i8(p + 16), F16::from_i8(p + 32), F16::from_i8(p + 48)};
+      fn(i, v);
+    }
+  }
+};
+
+struct Int4Tiles {
+  const uint8_t* w;
+  const uint16_t* scales_zeros;  // [K/g, N, 2] bf16
+  int64_t k, n, group;           // group % 4 == 0
+  template <class Fn>
+  void stream(int64_t t, Fn&& fn) const {
+    const uint8_t* p = w + t * (k / 2) * 16;
+    for (int64_t g = 0; g < k / group; ++g) {
+      F16 scale, zero;
+      F16::from_bf16_pairs(scales_zeros + (g * n + t * 16) * 2, scale, zero);
+      const F16 offset = fma(scale, -8.0f, zero);  // (q - 8) * s + z = q * s + (z - 8 s)
+      for (int64_t i = g * group; i < (g + 1) * group; i += 4, p += 32) {
+        F16 q[4];
+        F16::from_u4(p, q[0], q[1]);
+        F16::from_u4(p + 16, q[2], q[3]);
+        for (F16& v : q) v = fma(v, scale, offset);
+        fn(i, q);
+      }
+    }
+  }
+};
+
+struct Out {
+  float* y;
+  int64_t ldy;
+  const float* scales;  // per output channel, or nullptr
+};
+
+// Rows [row0, row0 + R) of tile t: every weight vector the stream yields, times each row's input. Few
+// rows get several accumulator chains each (an FMA's latency would otherwise bound a one-row call).
+template <int R, class Tiles>
+void rows_of_tile(const Tiles& tiles, int64_t t, const float* x, int64_t k, int64_t row0, const Out& out) {
+  constexpr int C = R == 1 ? 4 : (R <= 3 ? 2 : 1);
+  F16 acc[C][R];
+  for (int c = 0; c < C; ++c)
+    for (int r = 0; r < R; ++r) acc[c][r] = F16::zero();
+  const float* xr = x + row0 * k;
+  tiles.stream(t, [&](int64_t i, const F16* w) {
+    for (int u = 0; u < 4; ++u)
+      for (int r = 0; r < R; ++r) acc[u % C][r] = fma(w[u], xr[r * k + i + u], acc[u % C][r]);
+  });
+  for (int c = 1; c < C; ++c)
+    for (int r = 0; r < R; ++r) acc[0][r] = fma(acc[c][r], 1.0f, acc[0][r]);
+  const F16 scale = out.scales ? F16::load(out.scales + t * 16) : F16::bcast(1.0f);
+  for (int r = 0; r < R; ++r) mul(acc[0][r], scale).store(out.y + (row0 + r) * out.ldy + t * 16);
+}
+
+template <int R, class Tiles>
+bool rows_if(int64_t left, const Tiles& tiles, int64_t t, const float* x, int64_t k, int64_t row0,
+             const Out& out) {
+  if (left != R) return false;
+  rows_of_tile<R>(tiles, t, x, k, row0, out);
+  return true;
+}
+
+// All rows [0, m) of tile t, kRowsPerPass at a time, then the rest in one pass.
+template <class Tiles>
+void all_rows(const Tiles& tiles, int64_t t, const float* x, int64_t k, int64_t m, const Out& out) {
+  constexpr int P = F16::kRowsPerPass;
+  int64_t row0 = 0;
+  for (; row0 + P <= m; row0 += P) rows_of_tile<P>(tiles, t, x, k, row0, out);
+  const int64_t left = m - row0;
+  rows_if<1>(left, tiles, t, x, k, row0, out) || rows_if<2>(left, tiles, t, x, k, row0, out) ||
+      rows_if<3>(left, tiles, t, x, k, row0, out) || rows_if<4>(left, tiles, t, x, k, row0, out) ||
+      rows_if<5>(left, tiles, t, x, k, row0, out) || rows_if<6>(left, tiles, t, x, k, row0, out) ||
+      rows_if<7>(left, tiles, t, x, k, row0, out) || rows_if<8>(left, tiles, t, x, k, row0, out) ||
+      rows_if<9>(left, tiles, t, x, k, row0, out) || rows_if<10>(left, tiles, t, x, k, row0, out) ||
+      rows_if<11>(left, tiles, t, x, k, row0, out);
+}
+
+// Few rows: straight from the packed weight. More: each tile widened once into an fp32 panel first.
+template <class Tiles>
+void run(const Tiles& tiles, bool widen, const float* x, int64_t m, int64_t k, int64_t n, const Out& out) {
+  const int64_t count = n / 16;
+  at::parallel_for(0, count, 1, [&](int64_t begin, int64_t end) {
+    if (!widen || m <= F16::kDirectRows) {
+      for (int64_t t = begin; t < end; ++t) all_rows(tiles, t, x, k, m, out);
+      return;
+    }
+    std::vector<float> panel(static_cast<size_t>(k) * 16);
+    const F32Tiles widened{panel.data(), k};
+    for (int64_t t = begin; t < end; ++t) {
+      tiles.stream(t, [&](int64_t i, const F16* w) {
+        for (int u = 0; u < 4; ++u) w[u].store(panel.data() + (i + u) * 16);
+      });
+      const Out tile_out{out.y + t * 16, out.ldy, out.scales ? out.scales + t * 16 : nullptr};
+      all_rows(widened, 0, x, k, m, tile_out);  // the panel is tile 0 of its own, written at column t * 16
+    }
+  });
+}
+
+at::Tensor checked_input(const at::Tensor& x, int64_t k) {
+  TORCH_CHECK(k % 4 == 0, "wo_linear: K must be a multiple of 4, got ", k);
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
+              "wo_linear: x must be a contiguous [M, K] float32 tensor");
+  TORCH_CHECK(x.size(1) == k, "wo_linear: x has ", x.size(1), " inputs, the weight ", k);
+  return x;
+}
+
+at::Tensor output(const at::Tensor& x, int64_t n) { return at::empty({x.size(0), n}, x.options()); }
+
+at::Tensor linear_f32(const at::Tensor& x, const at::Tensor& w) {
+  TORCH_CHECK(w.dim() == 3 && w.size(2) == 16 && w.scalar_type() == at::kFloat && w.is_contiguous());
+  const int64_t k = w.size(1), n = w.size(0) * 16;
+  checked_input(x, k);
+  at::Tensor y = output(x, n);
+  run(F32Tiles{w.data_ptr<float>(), k}, false, x.data_ptr<float>(), x.size(0), k, n, {y.data_ptr<float>(), n, nullptr});
+  return y;
+}
+
+at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& w) {
+  TORCH_CHECK(w.dim() == 3 && w.size(2) == 16 && w.scalar_type() == at::kBFloat16 && w.is_contiguous());
+  const int64_t k = w.size(1), n = w.size(0) * 16;
+  checked_input(x, k);
+  at::Tensor y = output(x, n);
+  const auto* p = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
+  run(Bf16Tiles{p, k}, true, x.data_ptr<float>(), x.size(0), k, n, {y.data_ptr<float>(), n, nullptr});
+  return y;
+}
+
+at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales) {
+  TORCH_CHECK(w.dim() == 3 && w.size(2) == 16 && w.scalar_type() == at::kChar && w.is_contiguous());
+  const int64_t k = w.size(1), n = w.size(0) * 16;
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.numel() == n,
+              "wo_linear_int8: scales must be [N] float32");
+  checked_input(x, k);
+  at::Tensor y = output(x, n);
+  run(Int8Tiles{w.data_ptr<int8_t>(), k}, true, x.data_ptr<float>(), x.size(0), k, n,
+      {y.data_ptr<float>(), n, scales.data_ptr<float>()});
+  return y;
+}
+
+at::Tensor linear_int4(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales_zeros, int64_t group) {
+  TORCH_CHECK(w.dim() == 3 && w.size(2) == 16 && w.scalar_type() == at::kByte && w.is_contiguous());
+  const int64_t k = w.size(1) * 2, n = w.size(0) * 16;
+  TORCH_CHECK(group > 0 && group % 4 == 0 && k % group == 0, "wo_linear_int4: group ", group, " does not fit K ", k);
+  TORCH_CHECK(scales_zeros.scalar_type() == at::kBFloat16 && scales_zeros.is_contiguous() &&
+                  scales_zeros.dim() == 3 && scales_zeros.size(0) == k / group && scales_zeros.size(1) == n &&
+                  scales_zeros.size(2) == 2,
+              "wo_linear_int4: scales_zeros must be [K/g, N, 2] bfloat16");
+  checked_input(x, k);
+  at::Tensor y = output(x, n);
+  const auto* sz = reinterpret_cast<const uint16_t*>(scales_zeros.data_ptr<at::BFloat16>());
+  run(Int4Tiles{w.data_ptr<uint8_t>(), sz, k, n, group}, true, x.data_ptr<float>(), x.size(0), k, n,
+      {y.data_ptr<float>(), n, nullptr});
+  return y;
+}
+
+std::string isa_name() { return qg::kIsaName; }
+
+}  // namespace
+
+#ifndef QG_NAMESPACE
+#define QG_NAMESPACE quantgate_wo_scalar
+#endif
+#define QG_LIBRARY(ns, m) TORCH_LIBRARY(ns, m)  // expands QG_NAMESPACE before TORCH_LIBRARY pastes it
+
+QG_LIBRARY(QG_NAMESPACE, m) {
+  m.def("linear_f32(Tensor x, Tensor w) -> Tensor", &linear_f32);
+  m.def("linear_bf16(Tensor x, Tensor w) -> Tensor", &linear_bf16);
+  m.def("linear_int8(Tensor x, Tensor w, Tensor scales) -> Tensor", &linear_int8);
+  m.def("linear_int4(Tensor x, Tensor w, Tensor scales_zeros, int group) -> Tensor", &linear_int4);
+  m.def("isa() -> str", &isa_name);
+}

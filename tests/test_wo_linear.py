@@ -1,0 +1,85 @@
+"""The weight-only kernels over fp32 activations (quantgate/kernels/wo_linear.cpp) on every instruction set
+this CPU runs: each format against its dequantized reference, at the row counts decode and prefill use."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from quantgate.kernels import isa as isas
+from quantgate.kernels import wo_linear as wo
+from quantize.int4 import dequantize_rows, quantize_groups
+from quantize.weight_only import quantize_per_channel
+
+PATHS = [i for i in wo.PATHS if i in isas.supported()]
+ROWS = [1, 3, 8, 16, 64, 300]
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _close(y: torch.Tensor, ref: torch.Tensor) -> None:
+    err = (y - ref).abs().max().item()
+    assert err <= 1e-4 * ref.abs().max().item() + 1e-5, err
+
+
+def test_every_x86_path_is_tested_here():
+    assert "scalar" in PATHS
+    if "avx2" in isas.cpu_flags():
+        assert "avx2" in PATHS and wo.ops("avx2").isa() == "avx2"
+
+
+@pytest.mark.parametrize("isa", PATHS)
+@pytest.mark.parametrize("rows", ROWS)
+def test_int8_matches_dequantized_reference(isa, rows):
+    w = torch.randn(96, 160, generator=_gen(0))
+    q, scales = quantize_per_channel(w)
+    x = torch.randn(rows, 160, generator=_gen(rows))
+    y = wo.linear_int8(isa, x, wo.tile(q), scales)
+    _close(y, x @ (q.float() * scales[:, None]).T)
+
+
+@pytest.mark.parametrize("isa", PATHS)
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("group", [32, 64])
+def test_int4_matches_dequantized_reference(isa, rows, group):
+    w = torch.randn(48, 192, generator=_gen(1))
+    codes, sz = quantize_groups(w, group)
+    x = torch.randn(rows, 192, generator=_gen(rows))
+    y = wo.linear_int4(isa, x, wo.tile(codes), sz, group)
+    _close(y, x @ dequantize_rows(codes, sz, group, torch.float32).T)
+
+
+@pytest.mark.parametrize("isa", PATHS)
+@pytest.mark.parametrize("rows", ROWS)
+def test_bf16_and_fp32_match_torch(isa, rows):
+    w = torch.randn(32, 72, generator=_gen(2))
+    x = torch.randn(rows, 72, generator=_gen(rows))
+    _close(wo.linear_f32(isa, x, wo.tile(w)), x @ w.T)
+    wb = w.to(torch.bfloat16)
+    _close(wo.linear_bf16(isa, x, wo.tile(wb)), x @ wb.float().T)
+
+
+def test_layouts_round_trip_and_look_rows_up():
+    w = torch.randint(-127, 128, (64, 40), generator=_gen(3), dtype=torch.int8)
+    packed = wo.tile(w)
+    assert packed.shape == (4, 40, 16) and torch.equal(wo.untile(packed), w)
+    ids = torch.tensor([[0, 17], [63, 5]])
+    assert torch.equal(wo.tiled_rows(packed, ids), w[ids])
+
+
+@pytest.mark.parametrize("isa", PATHS)
+def test_bad_input_is_a_clear_error(isa):
+    packed = wo.tile(torch.zeros(16, 8, dtype=torch.int8))
+    with pytest.raises(RuntimeError, match="x has 6 inputs"):
+        wo.linear_int8(isa, torch.zeros(1, 6), packed, torch.ones(16))
+
+
+def test_a_path_the_cpu_lacks_is_refused_by_name():
+    missing = [i for i in ("avx512", "avx2") if i not in isas.supported()]
+    for name in missing:
+        with pytest.raises(ValueError, match="cannot run"):
+            isas.check(name)
+    with pytest.raises(ValueError, match="unknown kernel path"):
+        isas.check("neon")
