@@ -222,6 +222,12 @@ def test_release_end_to_end_promotes_the_variant_after_the_canary(first_release)
     run = get_run(nf4["run_id"], client)
     assert run.data.metrics["task/facts_mc/n"] == 4
     assert "serve/tpot_p99_s" in run.data.metrics and "weights/bytes" in run.data.metrics
+    # the paired speed evidence: a ratio with its CI per operating point, and the machine it was taken on
+    for key in ("serve/decode_speedup_b1", "serve/decode_speedup_b4", "serve/decode_speedup_b16", "serve/prefill_speedup"):
+        assert run.data.metrics[f"{key}_ci_low"] <= run.data.metrics[key] <= run.data.metrics[f"{key}_ci_high"]
+    assert run.data.metrics["serve/speed_rounds"] == 5 and "weights/loaded_bytes" in run.data.metrics
+    assert "kernel path" in run.data.tags["quantgate.machine"] and s["machine"] == run.data.tags["quantgate.machine"]
+    assert run.data.metrics["canary/speed_windows"] >= 1
     assert run.data.metrics["canary/error_rate"] == 0.0 and run.data.metrics["canary/requests"] >= 1
     assert read_evaluation(nf4["run_id"], "release").passed
     assert read_evaluation(nf4["run_id"], "canary").passed
@@ -250,6 +256,8 @@ def test_a_failing_gate_promotes_nothing(first_release, tiny_model_dir, policies
     # measurements were cached from the first release: nothing measured twice
     states = {t.name.split("-")[0]: t.state.name for t in _task_runs(s["flow_run_id"])}
     assert states["measure"] == "Cached" and states["quantize"] == "Cached"
+    named = {t.name.rsplit("-", 1)[0]: t.state.name for t in _task_runs(s["flow_run_id"])}
+    assert named["measure-speed"] == "Cached" and named["measure"] == "Cached"  # the paired rounds too
 
 
 def test_a_failing_canary_rolls_back(first_release, tiny_model_dir, policies):
