@@ -3,7 +3,7 @@ record every gate's verdict back on the run (metrics, tags, a `gates.md` report,
 
 Recorded per gate (name like `task/arc_easy/max_drop`): metrics `gate/<name>/pass` (1/0),
 `gate/<name>/threshold`, `gate/<name>/observed` (only when measured), `gate/<name>/uninformative` (1/0);
-tags `gate/<name>/verdict` ("pass"/"fail"/"uninformative", see `gates.sensitivity`), `.../blocks`
+tags `gate/<name>/verdict` ("pass"/"fail"/"uninformative": `gates.sensitivity`, `gates.speed`), `.../blocks`
 ("true"/"false": whether it stops the variant), `.../reason`, `.../rule`, `.../threshold`,
 `.../observed` ("not measured" when missing), `.../stage`. Per stage: tags `gates/<stage>/verdict` (written last), `.../evaluated_at`,
 `.../policy_sha256`, `.../policy_source`, `.../baseline_run_id`, `.../failed`, `.../uninformative`; metric

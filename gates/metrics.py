@@ -10,7 +10,7 @@ One module so both sides agree. Every name is a plain MLflow metric key; values 
 | `task/<task>/delta_ci_low` / `_high` | paired-bootstrap CI bounds of that delta | evals |
 | `safety/refusal_rate` | fraction of harmful prompts refused, pooled over the items of every refusal task (HarmBench + AdvBench) | evals |
 | `safety/over_refusal_rate` | fraction of benign prompts refused | evals |
-| `weights/bytes` | bytes of weights in memory (parameters + buffers) | quantize / flows |
+| `weights/bytes` | bytes of weights in memory (parameters + buffers) as served: after the engine ran and packed them | quantize / flows |
 | `serve/decode_tps`, `serve/prefill_tps` | tokens per second through our engine | benchmarks |
 | `serve/ttft_p50_s` ... `serve/tpot_p99_s` | latency quantiles in seconds (p50/p95/p99) | benchmarks |
 | `serve/decode_speedup_b<N>` (`_ci_low`, `_ci_high`) | variant / baseline decode tok/s at batch N: geometric mean of the paired per-round ratios and its 95 % CI | flows (speed) |
