@@ -83,3 +83,14 @@ def test_a_path_the_cpu_lacks_is_refused_by_name():
             isas.check(name)
     with pytest.raises(ValueError, match="unknown kernel path"):
         isas.check("neon")
+
+
+@pytest.mark.parametrize("isa", PATHS)
+def test_prefill_rows_serve_under_inference_mode(isa):
+    """Many rows go through torch's GEMM from worker threads: the caller's inference mode must hold there."""
+    w = torch.randn(64, 96, generator=_gen(4))
+    q, scales = quantize_per_channel(w)
+    x = torch.randn(200, 96, generator=_gen(5))
+    with torch.inference_mode():
+        y = wo.linear_int8(isa, x, wo.tile(q), scales)
+    _close(y, x @ (q.float() * scales[:, None]).T)

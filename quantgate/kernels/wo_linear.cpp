@@ -6,7 +6,8 @@
 // (quantgate_wo_<isa>). The weight is read from memory once per call whatever M is: up to kDirectRows rows
 // the codes are widened to fp32 in registers and every row multiplies them there; past that each tile of
 // 16 output channels is widened once into an fp32 panel [K, 16] (L1/L2) and the rows run over it in
-// passes of kRowsPerPass. Never a bf16 matmul: on CPUs without native bf16 that is torch's scalar loop.
+// passes of kRowsPerPass; from kGemmRows (prefill) blocks of tiles are widened into L2 and multiplied by
+// torch's fp32 GEMM. Never a bf16 matmul: on CPUs without native bf16 that is torch's scalar loop.
 //
 // Packed layouts ([N/16, ..., 16]: 16 consecutive output channels side by side per input; N % 16 == 0):
 //   fp32 / bf16 / int8: [N/16, K, 16], K % 4 == 0
@@ -17,6 +18,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -140,7 +142,7 @@ void all_rows(const Tiles& tiles, int64_t t, const float* x, int64_t k, int64_t 
 
 // Few rows: straight from the packed weight. More: each tile widened once into an fp32 panel first.
 template <class Tiles>
-void run(const Tiles& tiles, bool widen, const float* x, int64_t m, int64_t k, int64_t n, const Out& out) {
+void run_tiles(const Tiles& tiles, bool widen, const float* x, int64_t m, int64_t k, int64_t n, const Out& out) {
   const int64_t count = n / 16;
   at::parallel_for(0, count, 1, [&](int64_t begin, int64_t end) {
     if (!widen || m <= F16::kDirectRows) {
@@ -159,6 +161,42 @@ void run(const Tiles& tiles, bool widen, const float* x, int64_t m, int64_t k, i
   });
 }
 
+// Many rows (prefill): blocks of kGemmTiles tiles widened (and scaled) into an fp32 [K, 16 * tiles] panel
+// in L2, each multiplied by torch's GEMM (MKL/oneDNN, at the CPU's best width: a compute-bound call gains
+// nothing from our own micro-kernel) into its columns of y. The weight is still read once per call.
+constexpr int64_t kGemmTiles = 8;
+constexpr int64_t kGemmRows = 48;
+
+template <class Tiles>
+void run_gemm(const Tiles& tiles, const at::Tensor& x, at::Tensor& y, const float* scales) {
+  const int64_t k = x.size(1), count = y.size(1) / 16;
+  const int64_t blocks = (count + kGemmTiles - 1) / kGemmTiles;
+  const bool inference = y.is_inference();
+  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+    c10::InferenceMode mode(inference);  // thread-local: the caller's, so y may be written in place
+    std::vector<float> panel(static_cast<size_t>(k) * kGemmTiles * 16);
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t t0 = b * kGemmTiles, tiles_here = std::min(kGemmTiles, count - t0), width = tiles_here * 16;
+      for (int64_t t = t0; t < t0 + tiles_here; ++t) {
+        const F16 scale = scales ? F16::load(scales + t * 16) : F16::bcast(1.0f);
+        float* column = panel.data() + (t - t0) * 16;
+        tiles.stream(t, [&](int64_t i, const F16* w) {
+          for (int u = 0; u < 4; ++u) mul(w[u], scale).store(column + (i + u) * width);
+        });
+      }
+      at::Tensor out = y.narrow(1, t0 * 16, width);
+      at::mm_out(out, x, at::from_blob(panel.data(), {k, width}, x.options()));
+    }
+  });
+}
+
+template <class Tiles>
+void run(const Tiles& tiles, bool widen, const at::Tensor& x, at::Tensor& y, const float* scales) {
+  const int64_t m = x.size(0), k = x.size(1), n = y.size(1);
+  if (m >= kGemmRows) return run_gemm(tiles, x, y, scales);
+  run_tiles(tiles, widen, x.data_ptr<float>(), m, k, n, {y.data_ptr<float>(), n, scales});
+}
+
 at::Tensor checked_input(const at::Tensor& x, int64_t k) {
   TORCH_CHECK(k % 4 == 0, "wo_linear: K must be a multiple of 4, got ", k);
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
@@ -174,7 +212,7 @@ at::Tensor linear_f32(const at::Tensor& x, const at::Tensor& w) {
   const int64_t k = w.size(1), n = w.size(0) * 16;
   checked_input(x, k);
   at::Tensor y = output(x, n);
-  run(F32Tiles{w.data_ptr<float>(), k}, false, x.data_ptr<float>(), x.size(0), k, n, {y.data_ptr<float>(), n, nullptr});
+  run(F32Tiles{w.data_ptr<float>(), k}, false, x, y, nullptr);
   return y;
 }
 
@@ -184,7 +222,7 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& w) {
   checked_input(x, k);
   at::Tensor y = output(x, n);
   const auto* p = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
-  run(Bf16Tiles{p, k}, true, x.data_ptr<float>(), x.size(0), k, n, {y.data_ptr<float>(), n, nullptr});
+  run(Bf16Tiles{p, k}, true, x, y, nullptr);
   return y;
 }
 
@@ -195,8 +233,7 @@ at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& w, const at::Tenso
               "wo_linear_int8: scales must be [N] float32");
   checked_input(x, k);
   at::Tensor y = output(x, n);
-  run(Int8Tiles{w.data_ptr<int8_t>(), k}, true, x.data_ptr<float>(), x.size(0), k, n,
-      {y.data_ptr<float>(), n, scales.data_ptr<float>()});
+  run(Int8Tiles{w.data_ptr<int8_t>(), k}, true, x, y, scales.data_ptr<float>());
   return y;
 }
 
@@ -211,8 +248,7 @@ at::Tensor linear_int4(const at::Tensor& x, const at::Tensor& w, const at::Tenso
   checked_input(x, k);
   at::Tensor y = output(x, n);
   const auto* sz = reinterpret_cast<const uint16_t*>(scales_zeros.data_ptr<at::BFloat16>());
-  run(Int4Tiles{w.data_ptr<uint8_t>(), sz, k, n, group}, true, x.data_ptr<float>(), x.size(0), k, n,
-      {y.data_ptr<float>(), n, nullptr});
+  run(Int4Tiles{w.data_ptr<uint8_t>(), sz, k, n, group}, true, x, y, nullptr);
   return y;
 }
 
