@@ -1,4 +1,4 @@
-"""`quantgate bench hol|dynamic|parallel|serve|kv-waste|sweep|tenants|tenant-leak|throughput|variants|autoscale|fleet-router|peers`: the benchmarks, each printing a table and writing JSON (+ PNGs)."""
+"""`quantgate bench hol|dynamic|parallel|serve|kv-waste|sweep|tenants|tenant-leak|throughput|variants|isa|woq|autoscale|fleet-router|peers`: the benchmarks, each printing a table and writing JSON (+ PNGs)."""
 
 from __future__ import annotations
 
@@ -154,6 +154,8 @@ def _add_script_benchmarks(verbs: argparse._SubParsersAction) -> None:
         ("fleet-router", "benchmarks.fleet_kv_router", "fleet: KV-aware vs power-of-two router, 2 replicas, p99 TTFT"),
         ("attention", "benchmarks.attention", "paged decode attention: the compiled kernel vs the torch path"),
         ("woq", "benchmarks.woq_linear", "weight-only int8/int4 linear: quantgate's kernel vs torch's vs bf16"),
+        ("isa", "benchmarks.isa_paths", "weight-only linear on every kernel path (avx512, avx2) vs fp32, paired, "
+                                        "with the machine's read bandwidth"),
     ):
         p = verbs.add_parser(name, help=what, add_help=False)  # its options (and --help) are the script's
         p.set_defaults(func=_script, module=module, passes_extra_args=True, script_args=[])

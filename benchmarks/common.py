@@ -66,11 +66,14 @@ def ratio(numerator: float | None, denominator: float | None) -> float | None:
 def machine() -> dict[str, Any]:
     import os
 
+    from quantgate.kernels import isa
+
     return {
         "platform": platform.platform(),
         "python": platform.python_version(),
         "cpu_count": os.cpu_count(),
         "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        **isa.describe(),  # the CPU model, its SIMD flags and the kernel path in force
     }
 
 

@@ -123,7 +123,7 @@ def load_engine(name: str, args, text_tokens: int):
     blocks = max(*args.batches, 4) * (-(-longest // BLOCK_SIZE) + 1)
     start = time.perf_counter()
     engine = LLMEngine.from_pretrained(str(variant_dir(args.model, name)), device=args.device, dtype=args.dtype,
-                                       kv_cache_dtype=split_variant(name)[1], enable_prefix_caching=False,
+                                       isa=args.isa, kv_cache_dtype=split_variant(name)[1], enable_prefix_caching=False,
                                        max_num_seqs=max(args.batches), block_size=BLOCK_SIZE, num_kv_blocks=blocks)
     return engine, time.perf_counter() - start
 
@@ -223,6 +223,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--threads", type=int, default=None,
                         help="torch CPU threads (1 keeps timings stable on a shared machine)")
     parser.add_argument("--out-dir", default=None, help="default: benchmarks/results/variants")
+    parser.add_argument("--isa", default=None, help="kernel path for every engine: avx512bf16, avx512, avx2, scalar "
+                                                    "or torch (default: QUANTGATE_ISA, else the best this CPU runs)")
     args = parser.parse_args(argv)
     if args.threads:
         import torch
@@ -242,7 +244,11 @@ def main(argv: list[str] | None = None) -> dict:
     base = results[0]
     header = f"{'variant':<15}{'MiB':>8}{'load s':>8}{'prefill t/s':>13}" + "".join(
         f"{f'decode b{b} t/s':>16}" for b in args.batches) + f"{'top-1':>8}{'bpb':>7}{'KV B/blk':>10}{'max seqs':>11}"
-    print(f"\n{args.model} on {args.device}: {len(text_ids)}-token fixed text, budget {args.memory_gb} GiB, "
+    from quantgate.kernels import isa
+
+    cpu = isa.describe()
+    print(f"\n{args.model} on {args.device} ({cpu['cpu_model']}; {' '.join(cpu['cpu_flags'])}; kernel path "
+          f"{isa.resolve(args.isa)}): {len(text_ids)}-token fixed text, budget {args.memory_gb} GiB, "
           f"sequences of {args.seq_len} tokens\n{header}")
     for r in results:
         cells = [f"{r.weight_bytes / 2**20:>8.1f}", f"{r.load_s:>8.1f}",

@@ -8,13 +8,12 @@ the process builds (tests pin float32 to compare token by token with HF in fp32)
 
 from __future__ import annotations
 
-import os
-from functools import lru_cache
-
 import torch
 
-DTYPE_ENV = "QUANTGATE_DTYPE"
-BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")
+from quantgate import settings
+from quantgate.kernels import isa as isas
+
+DTYPE_ENV = settings.DTYPE.name
 _NAMES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
 
@@ -23,21 +22,8 @@ def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-@lru_cache(maxsize=1)
-def cpu_flags() -> frozenset[str]:
-    """The processor's feature flags (Linux /proc/cpuinfo); empty where they cannot be read."""
-    try:
-        with open("/proc/cpuinfo") as handle:
-            for line in handle:
-                if line.startswith("flags"):
-                    return frozenset(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return frozenset()
-
-
-def native_bf16(flags: frozenset[str] | None = None) -> bool:
-    return bool(set(BF16_CPU_FLAGS) & (cpu_flags() if flags is None else flags))
+cpu_flags = isas.cpu_flags
+native_bf16 = isas.native_bf16
 
 
 def parse_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
@@ -52,7 +38,7 @@ def parse_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
 
 
 def default_dtype(device: torch.device | str) -> torch.dtype:
-    override = os.environ.get(DTYPE_ENV, "").strip()
+    override = settings.DTYPE.raw()
     if override and override != "auto":
         return parse_dtype(override)  # type: ignore[return-value]
     if torch.device(device).type != "cpu":

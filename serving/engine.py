@@ -83,6 +83,7 @@ class LLMEngine:
         model_name: str = "model",
         kv_cache_dtype: str = "auto",
         tenant_fairness: TenantFairness | None = None,
+        isa: str | None = None,
     ):
         if scheduler not in SCHEDULERS:
             raise ValueError(f"unknown scheduler {scheduler!r}; choose one of {sorted(SCHEDULERS)}")
@@ -108,7 +109,10 @@ class LLMEngine:
         self.scheduler = SCHEDULERS[scheduler](self.block_manager, max_num_seqs, max_num_batched_tokens,
                                                fairness=tenant_fairness or TenantFairness())
         self.scheduler_name = scheduler
-        self.runner = ModelRunner(model, self.device, block_size, num_kv_blocks, kv_dtype, kv_cache_dtype)
+        # the kernel path attention and the fused ops take (the model's layers recorded theirs at load)
+        self.kernel_isa = isas.resolve(isa) if self.device.type == "cpu" else self.device.type
+        self.runner = ModelRunner(model, self.device, block_size, num_kv_blocks, kv_dtype, kv_cache_dtype,
+                                  isa if self.device.type == "cpu" else None)
         self.kv_cache_dtype = kv_cache_dtype
         self.eos_token_ids = _eos_token_ids(model, tokenizer)
         self.sequences: dict[str, Sequence] = {}
@@ -118,7 +122,6 @@ class LLMEngine:
         self._ids = itertools.count()
         self.prompt_tokens = 0
         self.generation_tokens = 0
-        self.kernel_isa = isas.resolve() if self.device.type == "cpu" else self.device.type  # what served
 
     @classmethod
     def from_pretrained(
@@ -152,9 +155,7 @@ class LLMEngine:
         hf_model = load_model(model_dir, device, dtype, isa)
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
         kwargs.setdefault("model_name", str(model))
-        engine = cls(hf_model, tokenizer, device=device, **kwargs)
-        engine.kernel_isa = isas.resolve(isa) if device.type == "cpu" else device.type
-        return engine
+        return cls(hf_model, tokenizer, device=device, isa=isa, **kwargs)
 
     # ---- requests ------------------------------------------------------------------------------
     def add_request(

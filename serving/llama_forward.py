@@ -11,26 +11,26 @@ summed in another order), so greedy outputs stay token-identical to HF in fp32. 
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from quantgate import settings
 from serving import attention
 from serving.attention import AttentionContext
 from serving.fused_linear import Projection, fuse
 from serving.kernels import fused_ops
 
-FAST_FORWARD_ENV = "QUANTGATE_FAST_FORWARD"
+FAST_FORWARD_ENV = settings.FAST_FORWARD.name
 # decoder layer class -> what its forward is: pre-norm attention + SwiGLU MLP, RMSNorm, rotary on q and k
 LAYER_CLASSES = ("LlamaDecoderLayer", "Qwen2DecoderLayer", "MistralDecoderLayer")
 
 
 def supports(model) -> bool:
     """Whether `LlamaForward` computes exactly what this model's forward does."""
-    if os.environ.get(FAST_FORWARD_ENV, "1").strip() == "0":
+    if not settings.enabled(settings.FAST_FORWARD):
         return False
     inner = getattr(model, "model", None)
     layers = getattr(inner, "layers", None)
@@ -105,8 +105,8 @@ class LlamaForward:
         self.dtype = compute_dtype(model)
 
     @classmethod
-    def of(cls, model, device: torch.device) -> LlamaForward | None:
-        ops = fused_ops(device) if supports(model) else None
+    def of(cls, model, device: torch.device, isa: str | None = None) -> LlamaForward | None:
+        ops = fused_ops(device, isa) if supports(model) else None
         return None if ops is None else cls(model, ops)
 
     def __call__(self, ctx: AttentionContext, input_ids: torch.Tensor, positions: torch.Tensor,

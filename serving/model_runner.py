@@ -92,7 +92,7 @@ def load_model(model_dir: Path, device: torch.device, dtype: torch.dtype, isa: s
 
 class ModelRunner:
     def __init__(self, model, device: torch.device, block_size: int, num_blocks: int, kv_dtype: torch.dtype,
-                 kv_cache_dtype: str = "auto"):
+                 kv_cache_dtype: str = "auto", isa: str | None = None):
         self.model = model
         self.device = device
         self.block_size = block_size
@@ -110,8 +110,8 @@ class ModelRunner:
                             for _ in range(shape.num_layers)]
             self.v_scale = [torch.zeros_like(s) for s in self.k_scale]
         self.generators: dict[str, torch.Generator] = {}
-        self.decode_kernel = paged_decode(device)  # None: gathered groups and matmuls (CUDA, no compiler)
-        self.fast_forward = LlamaForward.of(model, torch.device(device))  # None: the model's own forward
+        self.decode_kernel = paged_decode(device, isa)  # None: gathered groups and matmuls (CUDA, no compiler)
+        self.fast_forward = LlamaForward.of(model, torch.device(device), isa)  # None: the model's own forward
 
     def kv_cache_bytes(self) -> int:
         """Bytes the cache tensors hold (codes and scales): what `bytes_per_block` promises."""

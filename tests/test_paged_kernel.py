@@ -10,12 +10,15 @@ import torch
 from engine_helpers import hf_greedy
 from test_engine import assert_no_leak, engine_for, random_prompts
 
+from quantgate.kernels import isa as isas
 from serving import SamplingParams, attention, kernels
 
+PATHS = [i for i in isas.ISAS if i in isas.supported() and i != "torch"]  # every build this CPU runs
 
-@pytest.fixture(scope="module")
-def op():
-    kernel = kernels.paged_decode("cpu")
+
+@pytest.fixture(scope="module", params=PATHS)
+def op(request):
+    kernel = kernels.paged_decode("cpu", request.param)
     assert kernel is not None, "the kernel must build here (g++ and Python headers are on this machine)"
     return kernel
 
@@ -88,14 +91,15 @@ def test_the_kernel_is_off_on_request_and_on_other_devices(monkeypatch):
     assert kernels.paged_decode("cpu") is None
 
 
-@pytest.mark.parametrize("kernel", ["kernel", "torch"])
-def test_many_sequences_with_chunked_prefill_and_preemption_match_hf(tiny_model_dir, kernel, monkeypatch):
+@pytest.mark.parametrize("isa", [*PATHS, "torch"])
+def test_many_sequences_with_chunked_prefill_and_preemption_match_hf(tiny_model_dir, isa):
     """40 sequences, late arrivals' chunked prefills sharing steps, a cache small enough to preempt: every
-    output equals HF's, through the kernel and through the torch path (gathered groups)."""
-    if kernel == "torch":
-        monkeypatch.setenv("QUANTGATE_PAGED_KERNEL", "0")
-    engine = engine_for(tiny_model_dir, max_num_seqs=40, max_num_batched_tokens=128, num_kv_blocks=100)
-    assert (engine.runner.decode_kernel is not None) == (kernel == "kernel")
+    fp32 output equals HF's, through the kernels of every path this CPU runs (attention, fused ops; each
+    build with its own ISA's flags) and through the torch path (gathered groups, the model's forward)."""
+    engine = engine_for(tiny_model_dir, max_num_seqs=40, max_num_batched_tokens=128, num_kv_blocks=100, isa=isa)
+    assert engine.kernel_isa == isa
+    assert (engine.runner.decode_kernel is not None) == (isa != "torch")
+    assert (engine.runner.fast_forward is not None) == (isa != "torch")
     prompts = random_prompts(40, engine.vocab_size, seed=3)
     max_tokens = [12 + (7 * i) % 29 for i in range(40)]
     outs = engine.generate(prompts, [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for m in max_tokens])

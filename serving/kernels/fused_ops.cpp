@@ -187,7 +187,13 @@ void rotary_store(at::Tensor q, at::Tensor k, const at::Tensor& v, const at::Ten
 
 }  // namespace
 
-TORCH_LIBRARY(quantgate_ops, m) {
+#ifndef QG_NAMESPACE
+#define QG_NAMESPACE quantgate_ops  // a per-ISA build names its own (serving/kernels/__init__.py)
+#endif
+#define QG_LIBRARY(ns, m) TORCH_LIBRARY(ns, m)  // expands QG_NAMESPACE before TORCH_LIBRARY pastes it
+#define QG_LIBRARY_IMPL(ns, key, m) TORCH_LIBRARY_IMPL(ns, key, m)
+
+QG_LIBRARY(QG_NAMESPACE, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("add_rms_norm(Tensor(a!) residual, Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("rotary(Tensor(a!) q, Tensor(b!) k, Tensor cos, Tensor sin, int head_dim) -> ()");
@@ -195,7 +201,7 @@ TORCH_LIBRARY(quantgate_ops, m) {
         "Tensor(c!) k_cache, Tensor(d!) v_cache, Tensor slots) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(quantgate_ops, CPU, m) {
+QG_LIBRARY_IMPL(QG_NAMESPACE, CPU, m) {
   m.impl("rms_norm", &rms_norm);
   m.impl("add_rms_norm", &add_rms_norm);
   m.impl("rotary", &rotary);

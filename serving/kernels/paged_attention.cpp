@@ -313,9 +313,15 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
 
 }  // namespace
 
-TORCH_LIBRARY(quantgate, m) {
+#ifndef QG_NAMESPACE
+#define QG_NAMESPACE quantgate  // a per-ISA build names its own (serving/kernels/__init__.py)
+#endif
+#define QG_LIBRARY(ns, m) TORCH_LIBRARY(ns, m)  // expands QG_NAMESPACE before TORCH_LIBRARY pastes it
+#define QG_LIBRARY_IMPL(ns, key, m) TORCH_LIBRARY_IMPL(ns, key, m)
+
+QG_LIBRARY(QG_NAMESPACE, m) {
   m.def("paged_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor context_lens, "
         "int block_size, float scale, Tensor? k_scale, Tensor? v_scale, int kv_format, int window=0) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(quantgate, CPU, m) { m.impl("paged_decode", &paged_decode); }
+QG_LIBRARY_IMPL(QG_NAMESPACE, CPU, m) { m.impl("paged_decode", &paged_decode); }
