@@ -31,44 +31,22 @@ using qg::F16;
 
 // Each format streams tile t's weights as fp32 vectors, four consecutive inputs at a time (K % 4 == 0):
 // fn(i, w) with w[u] the 16 channels' weights at input i + u.
-struct F32Tiles {
-  const float* w;
+template <class T, F16 (*Widen)(const T*)>
+struct PlainTiles {
+  const T* w;
   int64_t k;
   template <class Fn>
   void stream(int64_t t, Fn&& fn) const {
-    const float* p = w + t * k * 16;
+    const T* p = w + t * k * 16;
     for (int64_t i = 0; i < k; i += 4, p += 64) {
-      const F16 v[4] = {F16::load(p), F16::load(p + 16), F16::load(p + 32), F16::load(p + 48)};
+      const F16 v[4] = {Widen(p), Widen(p + 16), Widen(p + 32), Widen(p + 48)};
       fn(i, v);
     }
   }
 };
-
-struct Bf16Tiles {
-  const uint16_t* w;
-  int64_t k;
-  template <class Fn>
-  void stream(int64_t t, Fn&& fn) const {
-    const uint16_t* p = w + t * k * 16;
-    for (int64_t i = 0; i < k; i += 4, p += 64) {
-      const F16 v[4] = {F16::from_bf16(p), F16::from_bf16(p + 16), F16::from_bf16(p + 32), F16::from_bf16(p + 48)};
-      fn(i, v);
-    }
-  }
-};
-
-struct Int8Tiles {
-  const int8_t* w;
-  int64_t k;
-  template <class Fn>
-  void stream(int64_t t, Fn&& fn) const {
-    const int8_t* p = w + t * k * 16;
-    for (int64_t i = 0; i < k; i += 4, p += 64) {
-      const F16 v[4] = {F16::from_i8(p), F16::from_i8(p + 16), F16::from_i8(p + 32), F16::from_i8(p + 48)};
-      fn(i, v);
-    }
-  }
-};
+using F32Tiles = PlainTiles<float, &F16::load>;
+using Bf16Tiles = PlainTiles<uint16_t, &F16::from_bf16>;
+using Int8Tiles = PlainTiles<int8_t, &F16::from_i8>;
 
 struct Int4Tiles {
   const uint8_t* w;
