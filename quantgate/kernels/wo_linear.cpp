@@ -6,7 +6,7 @@
 // (quantgate_wo_<isa>). The weight is read from memory once per call whatever M is: up to kDirectRows rows
 // the codes are widened to fp32 in registers and every row multiplies them there; past that each tile of
 // 16 output channels is widened once into an fp32 panel [K, 16] (L1/L2) and the rows run over it in
-// passes of kRowsPerPass; from kGemmRows (prefill) blocks of tiles are widened into L2 and multiplied by
+// passes of kRowsPerPass; from kGemmRows (prefill, big batches) blocks of tiles are widened into L2 and multiplied by
 // torch's fp32 GEMM. Never a bf16 matmul: on CPUs without native bf16 that is torch's scalar loop.
 //
 // Packed layouts ([N/16, ..., 16]: 16 consecutive output channels side by side per input; N % 16 == 0):
@@ -143,7 +143,6 @@ void run_tiles(const Tiles& tiles, bool widen, const float* x, int64_t m, int64_
 // in L2, each multiplied by torch's GEMM (MKL/oneDNN, at the CPU's best width: a compute-bound call gains
 // nothing from our own micro-kernel) into its columns of y. The weight is still read once per call.
 constexpr int64_t kGemmTiles = 8;
-constexpr int64_t kGemmRows = 48;
 
 template <class Tiles>
 void run_gemm(const Tiles& tiles, const at::Tensor& x, at::Tensor& y, const float* scales) {
@@ -171,7 +170,7 @@ void run_gemm(const Tiles& tiles, const at::Tensor& x, at::Tensor& y, const floa
 template <class Tiles>
 void run(const Tiles& tiles, bool widen, const at::Tensor& x, at::Tensor& y, const float* scales) {
   const int64_t m = x.size(0), k = x.size(1), n = y.size(1);
-  if (m >= kGemmRows) return run_gemm(tiles, x, y, scales);
+  if (m >= F16::kGemmRows) return run_gemm(tiles, x, y, scales);
   run_tiles(tiles, widen, x.data_ptr<float>(), m, k, n, {y.data_ptr<float>(), n, scales});
 }
 
