@@ -37,14 +37,21 @@ def cpu_signature() -> str:
     return "\n".join(sorted(set(lines)))
 
 
+# the Python that decides which kernel serves a layer and how it is called changes a speed as much as the C++
+DISPATCH_FILES = ("quantize/kernel_path.py", "quantize/weight_only.py", "quantize/int4.py",
+                  "serving/packed_linear.py", "serving/fused_linear.py", "serving/llama_forward.py")
+
+
 def sources_hash() -> str:
-    """One hash over every kernel source quantgate builds (a measured speed is only as current as these)."""
+    """One hash over every kernel source quantgate builds and the Python that dispatches to them (a measured
+    speed is only as current as these)."""
     root = Path(__file__).resolve().parents[2]
     key = hashlib.sha256()
-    for pattern in ("quantgate/kernels/**/*", "quantize/kernels/*", "serving/kernels/*"):
-        for path in sorted(root.glob(pattern)):
-            if path.suffix in (".cpp", ".h", ".hpp"):
-                key.update(path.relative_to(root).as_posix().encode() + path.read_bytes())
+    paths = [p for pattern in ("quantgate/kernels/**/*", "quantize/kernels/*", "serving/kernels/*")
+             for p in sorted(root.glob(pattern)) if p.suffix in (".cpp", ".h", ".hpp", ".py")]
+    for path in [*paths, *(root / f for f in DISPATCH_FILES)]:
+        if path.is_file():
+            key.update(path.relative_to(root).as_posix().encode() + path.read_bytes())
     return key.hexdigest()[:16]
 
 
