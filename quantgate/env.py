@@ -10,6 +10,8 @@ import os
 import warnings
 from pathlib import Path
 
+from quantgate import settings
+
 OFFLINE_QUIET_DEFAULTS: dict[str, str] = {
     "HF_HUB_OFFLINE": "1",
     "HF_DATASETS_OFFLINE": "1",
@@ -29,7 +31,7 @@ OFFLINE_QUIET_DEFAULTS: dict[str, str] = {
 
 def home() -> Path:
     """Long-lived state (converted models, variants, MLflow store, Prefect home) lives here."""
-    path = Path(os.environ.get("QUANTGATE_HOME", Path.home() / ".cache" / "quantgate")).expanduser()
+    path = settings.home()
     path.mkdir(parents=True, exist_ok=True)
     return path
 

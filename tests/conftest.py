@@ -31,6 +31,15 @@ from quantgate.env import apply_defaults  # noqa: E402
 apply_defaults()
 
 
+@pytest.fixture
+def store(tmp_path, monkeypatch) -> str:
+    """An MLflow sqlite store and a QUANTGATE_HOME of this test's own (files may define their own `store`)."""
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    monkeypatch.setenv("QUANTGATE_HOME", str(tmp_path / "home"))
+    return uri
+
+
 @pytest.fixture(scope="session")
 def default_model_dir() -> Path:
     """The embedded SmolLM2-135M-Instruct, converted once per test session."""

@@ -92,13 +92,6 @@ def test_sensitivity_policy_is_parsed_strictly() -> None:
         ("report", "block", 0.10)
 
 
-@pytest.fixture()
-def store(tmp_path, monkeypatch) -> str:
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
-    monkeypatch.setenv("QUANTGATE_HOME", str(tmp_path / "home"))
-    return uri
-
 
 def test_uninformative_verdict_is_recorded_in_mlflow_and_shown(store, tmp_path, capsys, monkeypatch) -> None:
     from gates.evaluate import evaluate_run, read_evaluation, render_markdown

@@ -20,13 +20,6 @@ COMPARE = {"rows": [
 ]}
 
 
-@pytest.fixture
-def store(tmp_path, monkeypatch) -> str:
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
-    monkeypatch.setenv("QUANTGATE_HOME", str(tmp_path / "home"))
-    return uri
-
 
 def _evidence(root: Path, with_compare: bool) -> list[Path]:
     suite = root / "accuracy"

@@ -256,13 +256,6 @@ def test_the_machine_line_names_cpu_flags_kernel_path_and_threads(machine_of):
 # ---- recorded in MLflow, shown in the report ------------------------------------------------------------
 
 
-@pytest.fixture
-def store(tmp_path, monkeypatch) -> str:
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
-    monkeypatch.setenv("QUANTGATE_HOME", str(tmp_path / "home"))
-    return uri
-
 
 def test_speed_verdicts_are_recorded_with_their_ci_and_the_machine(store, tmp_path):
     from gates_fixtures import make_release
