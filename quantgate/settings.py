@@ -41,6 +41,10 @@ PAGED_KERNEL = _switch("QUANTGATE_PAGED_KERNEL", "1", "0 runs attention through 
 FUSED_OPS = _switch("QUANTGATE_FUSED_OPS", "1", "0 runs RMSNorm/rotary through torch")
 PACK_WEIGHTS = _switch("QUANTGATE_PACK_WEIGHTS", "1", "0 keeps plain nn.Linear for bf16 weights")
 FAST_FORWARD = _switch("QUANTGATE_FAST_FORWARD", "1", "0 runs the model's own forward instead of llama_forward")
+SIGNING_KEY = _switch("QUANTGATE_SIGNING_KEY", "",
+                      "ed25519 private key (PEM) that signs each release's evidence manifest; unset: unsigned")
+VERIFY_KEY = _switch("QUANTGATE_VERIFY_KEY", "",
+                     "ed25519 public key (PEM) `quantgate verify` checks signatures with; unset: integrity only")
 
 
 def enabled(switch: Switch) -> bool:
@@ -57,6 +61,11 @@ def kernel_dir() -> Path:
 
 def isa() -> str:
     return ISA.raw().lower() or "auto"
+
+
+def key_path(switch: Switch) -> Path | None:
+    """The key file a key switch names, or None when it is unset."""
+    return Path(switch.raw()).expanduser() if switch.raw() else None
 
 
 def described() -> dict[str, str]:
