@@ -41,6 +41,8 @@ PAGED_KERNEL = _switch("QUANTGATE_PAGED_KERNEL", "1", "0 runs attention through 
 FUSED_OPS = _switch("QUANTGATE_FUSED_OPS", "1", "0 runs RMSNorm/rotary through torch")
 PACK_WEIGHTS = _switch("QUANTGATE_PACK_WEIGHTS", "1", "0 keeps plain nn.Linear for bf16 weights")
 FAST_FORWARD = _switch("QUANTGATE_FAST_FORWARD", "1", "0 runs the model's own forward instead of llama_forward")
+TRITON_INTERPRET = _switch("TRITON_INTERPRET", "0", "Triton's own (read when kernels are defined): 1 runs "
+                            "serving/cuda's kernels on CPU tensors in its interpreter (tests)")
 SIGNING_KEY = _switch("QUANTGATE_SIGNING_KEY", "",
                       "ed25519 private key (PEM) that signs each release's evidence manifest; unset: unsigned")
 VERIFY_KEY = _switch("QUANTGATE_VERIFY_KEY", "",
