@@ -98,14 +98,33 @@ def mcnemar_exact(lost: int, gained: int) -> float:
     return min(1.0, 2.0 * tail)
 
 
-def _agg_matrix(metric: str, scores: np.ndarray, weights: np.ndarray, idx: np.ndarray) -> np.ndarray:
+def _agg_counts(metric: str, scores: np.ndarray, weights: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """The task's score on each resample, given as item counts (resamples x items); leading axes of
+    `scores` carry through."""
     if metric == "bits_per_byte":
-        return -scores[idx].sum(axis=1) / weights[idx].sum(axis=1) / math.log(2)
-    return scores[idx].mean(axis=1)
+        return -(scores @ counts.T) / (weights @ counts.T) / math.log(2)
+    return (scores @ counts.T) / counts.shape[1]
 
 
 def _agg(metric: str, scores: np.ndarray, weights: np.ndarray) -> float:
-    return float(_agg_matrix(metric, scores, weights, np.arange(len(scores))[None, :])[0])
+    return float(_agg_counts(metric, scores, weights, np.ones((1, len(scores))))[0])
+
+
+def paired_delta_ci(base_scores: np.ndarray, variant_scores: np.ndarray, weights: np.ndarray, metric: str,
+                    seed: int, n_boot: int = DEFAULT_BOOT, alpha: float = 0.05
+                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Percentile bootstrap CI of variant - baseline over paired items (the last axis): (low, high, deltas).
+
+    Leading axes are independent replicates (e.g. simulated draws in gates.power) judged on one set of
+    resamples, as one comparison is."""
+    n = base_scores.shape[-1]
+    rng = np.random.default_rng(seed)
+    idx = rng.integers(0, n, size=(n_boot, n))
+    counts = np.bincount((idx + n * np.arange(n_boot)[:, None]).ravel(), minlength=n_boot * n)
+    counts = counts.reshape(n_boot, n).astype(float)
+    deltas = _agg_counts(metric, variant_scores, weights, counts) - _agg_counts(metric, base_scores, weights, counts)
+    low, high = np.percentile(deltas, [100 * alpha / 2, 100 * (1 - alpha / 2)], axis=-1)
+    return low, high, deltas
 
 
 def _task_seed(seed: int, variant: str, task: str) -> int:
@@ -134,10 +153,9 @@ def compare_task(base: TaskResult, var: TaskResult, variant: str, seed: int = DE
     bs = np.array([b[d].score for d in docs], dtype=float)
     vs = np.array([v[d].score for d in docs], dtype=float)
     ws = np.array([b[d].weight for d in docs], dtype=float)
-    rng = np.random.default_rng(_task_seed(seed, variant, base.task))
-    idx = rng.integers(0, len(docs), size=(n_boot, len(docs)))
-    deltas = _agg_matrix(base.metric, vs, ws, idx) - _agg_matrix(base.metric, bs, ws, idx)
-    low, high = (float(x) for x in np.percentile(deltas, [100 * alpha / 2, 100 * (1 - alpha / 2)]))
+    ci_low, ci_high, deltas = paired_delta_ci(bs, vs, ws, base.metric, _task_seed(seed, variant, base.task),
+                                              n_boot, alpha)
+    low, high = float(ci_low), float(ci_high)
     row = TaskComparison(variant=variant, task=base.task, suite=base.suite, metric=base.metric,
                          higher_is_better=base.higher_is_better, binary=base.binary, n=len(docs),
                          baseline=_agg(base.metric, bs, ws), variant_score=_agg(base.metric, vs, ws),

@@ -5,9 +5,10 @@ Recorded per gate (name like `task/arc_easy/max_drop`): metrics `gate/<name>/pas
 `gate/<name>/threshold`, `gate/<name>/observed` (only when measured), `gate/<name>/uninformative` (1/0);
 tags `gate/<name>/verdict` ("pass"/"fail"/"uninformative": `gates.sensitivity`, `gates.speed`), `.../blocks`
 ("true"/"false": whether it stops the variant), `.../reason`, `.../rule`, `.../threshold`,
-`.../observed` ("not measured" when missing), `.../stage`. Per stage: tags `gates/<stage>/verdict` (written last), `.../evaluated_at`,
+`.../observed` ("not measured" when missing), `.../stage`; task gates also `.../harmless_pass`,
+`.../refusal80_drop`, `.../underpowered` (metrics and tags, gates.power). Per stage: tags `gates/<stage>/verdict` (written last), `.../evaluated_at`,
 `.../policy_sha256`, `.../policy_source`, `.../baseline_run_id`, `.../failed`, `.../uninformative`; metric
-`gates/<stage>/pass`; artifacts `gates/<stage>/gates.md`, `gates.json`, `policy.yaml`, `task_deltas.png`.
+`gates/<stage>/pass`, `.../family_harmless_pass`; artifacts `gates/<stage>/gates.md`, `gates.json`, `policy.yaml`, `task_deltas.png`.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from gates import metrics as M
+from gates import power as P
 from gates import sensitivity as S
 from gates import speed
 from gates.policy import Policy, load_policy
@@ -41,6 +43,9 @@ class GateResult:
     passed: bool  # does not stop the variant (an uninformative gate passes only if the policy lets it)
     reason: str
     verdict: str = ""  # "pass" | "fail" | "uninformative"; empty: from `passed`
+    harmless_pass: float | None = None  # task gates (gates.power): P(a variant equal to the baseline passes)
+    refusal80_drop: float | None = None  # the drop this gate refuses with 80 % probability
+    underpowered: bool = False  # harmless_pass below the policy's min_harmless_pass; never changes the verdict
 
     def __post_init__(self) -> None:
         if not self.verdict:
@@ -102,13 +107,19 @@ def judge(
     variant: Mapping[str, float],
     baseline: Mapping[str, float] | None,
     stage: str = "release",
+    flip_rates: Mapping[str, float] | None = None,
 ) -> list[GateResult]:
-    """Every gate of `stage` against the recorded metrics; a missing metric fails its gate."""
+    """Every gate of `stage` against the recorded metrics; a missing metric fails its gate. Task gates
+    carry their power (gates.power) at the variant's measured `flip_rates`, else the default rate."""
     M.stage_tag(stage, "verdict")  # validates the stage name
     if stage == "canary":
         return _canary_gates(policy, variant)
     base = baseline or {}
-    return _task_gates(policy, variant, base, stage) + _baseline_gates(policy, variant, base, baseline is not None, stage)
+    tasks = P.with_power(_task_gates(policy, variant, base, stage), P.task_powers(policy, variant, base, flip_rates))
+    from gates.fidelity_gates import fidelity_gates  # imports this module: loaded on first use
+
+    return tasks + _baseline_gates(policy, variant, base, baseline is not None, stage) + fidelity_gates(
+        policy, variant, base, stage)
 
 
 def _need(source: Mapping[str, float], key: str, where: str, missing: list[str]) -> float | None:
@@ -240,7 +251,8 @@ def evaluate_run(
     if run.data.tags.get(TAG_ROLE) == BASELINE:
         raise ValueError(f"run {run_id} is the baseline; gates judge variants against it")
     base = baseline_run(run_id, client)
-    results = judge(policy, run.data.metrics, base.data.metrics if base else None, stage)
+    rates = P.recorded_flip_rates(client, run_id) if stage == "release" else {}
+    results = judge(policy, run.data.metrics, base.data.metrics if base else None, stage, rates)
     evaluation = Evaluation(
         run_id=run_id,
         stage=stage,
@@ -262,7 +274,7 @@ def _record(client: MlflowClient, run, evaluation: Evaluation, policy: Policy, b
     for key, value in run.data.tags.items():
         if key.startswith("gate/") and key.endswith("/stage") and value == stage:
             name = key[len("gate/") : -len("/stage")]
-            for f in ("verdict", "blocks", "reason", "rule", "threshold", "observed", "stage"):
+            for f in ("verdict", "blocks", "reason", "rule", "threshold", "observed", "stage", *P.POWER_FIELDS):
                 if M.gate_key(name, f) in run.data.tags:
                     client.delete_tag(run_id, M.gate_key(name, f))
     metrics: dict[str, float] = {}
@@ -273,6 +285,9 @@ def _record(client: MlflowClient, run, evaluation: Evaluation, policy: Policy, b
         metrics[M.gate_key(r.name, UNINFORMATIVE)] = 1.0 if r.verdict == UNINFORMATIVE else 0.0
         if r.observed is not None:
             metrics[M.gate_key(r.name, "observed")] = r.observed
+        power = P.power_tags(r)
+        metrics.update({M.gate_key(r.name, f): float(getattr(r, f)) for f in P.POWER_FIELDS if power})
+        tags.update({M.gate_key(r.name, f): value for f, value in power.items()})
         fields = {
             "verdict": r.verdict,
             "blocks": "false" if r.passed else "true",
@@ -284,6 +299,7 @@ def _record(client: MlflowClient, run, evaluation: Evaluation, policy: Policy, b
         }
         tags.update({M.gate_key(r.name, f): value for f, value in fields.items()})
     metrics[M.stage_tag(stage, "pass")] = 1.0 if evaluation.passed else 0.0
+    metrics.update(P.family_metric(evaluation.results, M.stage_tag(stage, "family_harmless_pass")))
     stage_fields = {
         "evaluated_at": evaluation.evaluated_at,
         "policy_sha256": evaluation.policy_sha256,
@@ -291,6 +307,7 @@ def _record(client: MlflowClient, run, evaluation: Evaluation, policy: Policy, b
         "baseline_run_id": evaluation.baseline_run_id,
         "failed": ", ".join(r.name for r in evaluation.failed)[:7000],
         UNINFORMATIVE: ", ".join(r.name for r in evaluation.uninformative)[:7000],
+        "underpowered": ", ".join(r.name for r in evaluation.results if r.underpowered)[:7000],
     }
     tags.update({M.stage_tag(stage, f): value for f, value in stage_fields.items()})
     _log_batch(client, run_id, metrics=metrics, tags=tags)
@@ -341,6 +358,7 @@ def read_evaluation(run_id: str, stage: str = "release", client: MlflowClient | 
                 passed=verdict == "pass" or (verdict == UNINFORMATIVE and blocks == "false"),
                 reason=tags.get(M.gate_key(name, "reason"), ""),
                 verdict=verdict,
+                **P.power_from_tags(tags, lambda f, name=name: M.gate_key(name, f)),
             )
         )
     families = ("tasks", "task", "safety", "weights", "serve", "canary")
@@ -367,15 +385,16 @@ def render_markdown(evaluation: Evaluation, title: str) -> str:
         f"- evaluated at {evaluation.evaluated_at}; a metric that was not recorded fails its gate",
         f"- {_uninformative_line(evaluation)}",
         f"- measured on: {evaluation.extra.get('machine') or 'not recorded'}",
+        f"- {P.family_line(evaluation.results)}",
         "",
-        "| gate | rule | threshold | observed | verdict | reason |",
-        "| --- | --- | ---: | ---: | --- | --- |",
+        "| gate | rule | threshold | observed | verdict | reason | power |",
+        "| --- | --- | ---: | ---: | --- | --- | --- |",
     ]
     for r in evaluation.results:
         observed = NOT_MEASURED if r.observed is None else f"{r.observed:.4g}"
-        lines.append(f"| `{r.name}` | {r.rule} | {r.threshold:.4g} | {observed} | {verdict_label(r)} | {r.reason} |")
+        lines.append(f"| `{r.name}` | {r.rule} | {r.threshold:.4g} | {observed} | {verdict_label(r)} | {r.reason} | {P.power_cell(r)} |")
     if not evaluation.results:
-        lines.append("| (no gates configured for this stage) | | | | pass | |")
+        lines.append("| (no gates configured for this stage) | | | | pass | | |")
     return "\n".join(lines) + "\n"
 
 

@@ -10,6 +10,7 @@ from typing import Annotated, Any
 
 from pydantic import BeforeValidator, field_validator
 
+from gates import fidelity_policy as FP
 from gates.metrics import check_task_name
 from quantgate.config import StrictModel, validate_config
 
@@ -47,6 +48,13 @@ class Policy:
     uninformative_safety: str = "block"
     uninformative_serving: str = "block"  # a speed CI straddling its threshold
     min_baseline_refusal_rate: float = 0.10
+    # gates.power: a task gate a harmless variant passes with less than this is `underpowered` (reported);
+    # the n per task `quantgate release --plan` sizes so that one passes every task gate with the family level.
+    min_harmless_pass: float | None = 0.8
+    family_harmless_pass: float = 0.9
+    fidelity: FP.FidelityGate = FP.FidelityGate()  # gates.fidelity_policy: KL and top-1 flips on a held text
+    long_context: FP.LongContextGate = FP.LongContextGate()  # pass-key retrieval per prompt length
+    deployment: FP.Deployment = FP.Deployment()  # the system prompt the safety suites run with
     source: str = "<dict>"
     text: str = field(default="", repr=False)
 
@@ -176,6 +184,13 @@ class _Sensitivity(StrictModel):
     min_baseline_refusal_rate: Annotated[float, _number("rate")] = 0.10
 
 
+class _Power(StrictModel):
+    """What a task gate must be able to do for a variant equal to the baseline (gates.power)."""
+
+    min_harmless_pass: Rate = 0.8  # below: the gate is reported `underpowered` (null: never)
+    family_harmless_pass: Annotated[float, _number("rate")] = 0.9  # the level `release --plan` sizes n for
+
+
 class PolicyFile(StrictModel):
     """The policy file's schema, section by section."""
 
@@ -186,6 +201,10 @@ class PolicyFile(StrictModel):
     serving: Annotated[_Serving, _empty_if_null] = _Serving()
     canary: Annotated[_Canary, _empty_if_null] = _Canary()
     sensitivity: Annotated[_Sensitivity, _empty_if_null] = _Sensitivity()
+    fidelity: Annotated[FP.FidelitySection, _empty_if_null] = FP.FidelitySection()
+    long_context: Annotated[FP.LongContextSection, _empty_if_null] = FP.LongContextSection()
+    deployment: Annotated[FP.DeploymentSection, _empty_if_null] = FP.DeploymentSection()
+    power: Annotated[_Power, _empty_if_null] = _Power()
 
     @field_validator("version", mode="before")
     @classmethod
@@ -241,6 +260,11 @@ def parse_policy(data: Any, source: str = "<dict>", text: str | None = None) -> 
         uninformative_safety=f.sensitivity.safety,
         uninformative_serving=f.sensitivity.serving,
         min_baseline_refusal_rate=f.sensitivity.min_baseline_refusal_rate,
+        fidelity=f.fidelity.gate(),
+        long_context=f.long_context.gate(),
+        deployment=f.deployment.deployment(),
+        min_harmless_pass=f.power.min_harmless_pass,
+        family_harmless_pass=f.power.family_harmless_pass,
         source=source,
         text=text,
     )

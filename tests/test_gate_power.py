@@ -1,0 +1,155 @@
+"""Power of the task gates (gates.power) against simulations through the real gate.
+
+Crafted binary tasks (no model): each simulated draw gives baseline and variant outcomes per item under
+the flip model, the CI comes from evals.compare.paired_delta_ci and the verdict from gates.evaluate.judge,
+so the closed forms are checked against the code path a release takes. 200 draws a check, fixed seeds;
+a pass rate p from 200 draws has sd sqrt(p (1 - p) / 200) (0.034 at p = 0.65), so the 0.03 checks sit
+where p is near 0.95, where that noise is half the tolerance.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from gates_fixtures import make_release
+
+from gates import metrics as M
+from gates import power as P
+from gates.evaluate import judge
+from gates.policy import PolicyError, parse_policy
+
+POLICY = parse_policy({"tasks": {"max_drop": 0.05, "overrides": {"t03": {"max_drop": 0.08}}}})
+DRAWS = 200
+
+
+def _family_pass(passed: dict[str, np.ndarray]) -> np.ndarray:
+    return np.logical_and.reduce(list(passed.values()))
+
+
+def test_harmless_pass_of_one_gate_matches_simulation() -> None:
+    for n, score, flip in ((500, 0.6, 0.10), (300, 0.5, 0.06)):
+        model = P.pass_probability(n, 0.05, 0.0, flip)
+        simulated = P.simulate_task_gates(POLICY, {"t": P.SimulatedTask(n, score, flip)}, DRAWS, seed=n)["t"].mean()
+        assert 0.9 < model < 0.97
+        assert abs(model - simulated) <= 0.03, (n, model, simulated)
+
+
+def test_harmless_pass_of_a_20_gate_policy_matches_simulation() -> None:
+    rng = np.random.default_rng(3)
+    tasks = {f"t{i:02d}": P.SimulatedTask(int(rng.integers(500, 900)), float(rng.uniform(0.4, 0.75)),
+                                          float(rng.uniform(0.04, 0.10))) for i in range(20)}
+    powers = [P.gate_power(name, t.n, POLICY.task_gate(name).max_drop, flip_rate=t.flip_rate)
+              for name, t in tasks.items()]
+    family = P.family_harmless_pass(powers)
+    simulated = _family_pass(P.simulate_task_gates(POLICY, tasks, DRAWS, seed=0)).mean()
+    assert 0.9 < family < 0.96  # 20 gates of ~0.997 each
+    assert abs(family - simulated) <= 0.03, (family, simulated)
+
+
+def test_refusal80_drop_matches_simulation() -> None:
+    n, score, flip, max_drop = 400, 0.6, 0.10, 0.05
+    drop80 = P.refusal_drop(n, max_drop, flip_rate=flip)
+    assert P.pass_probability(n, max_drop, drop80, flip) == pytest.approx(0.2, abs=1e-6)
+    grid = np.round(np.arange(drop80 - 0.04, drop80 + 0.0401, 0.01), 6)
+    tasks = {f"d{i}": P.SimulatedTask(n, score, flip, drop=float(d)) for i, d in enumerate(grid)}
+    passed = P.simulate_task_gates(POLICY, tasks, DRAWS, seed=5)
+    rates = [passed[name].mean() for name in tasks]
+    # the simulated drop refused 80 % of the time: where the pass rate falls through 0.2 (linear between points)
+    simulated = float(np.interp(-0.2, -np.minimum.accumulate(rates), grid))
+    assert abs(simulated - drop80) <= 0.02, (drop80, simulated, rates)
+
+
+def _plan_tasks() -> tuple[dict[str, P.SimulatedTask], list[P.PlanTask], object]:
+    policy = parse_policy({"tasks": {"max_drop": 0.15, "overrides": {"b": {"max_drop": 0.10}}}})
+    crafted = {"a": (0.6, 0.10), "b": (0.7, 0.06), "c": (0.5, 0.20), "d": (0.8, 0.08), "e": (0.45, 0.12)}
+    plan_tasks = [P.PlanTask(t, policy.task_gate(t).max_drop, flip_rate=f, available=5000, seconds_per_item=0.1)
+                  for t, (_, f) in crafted.items()]
+    return crafted, plan_tasks, policy
+
+
+def test_plan_sizes_n_so_a_harmless_variant_passes_and_a_harmful_one_is_refused() -> None:
+    crafted, plan_tasks, policy = _plan_tasks()
+    # 0.95 stated so that >= 0.90 holds beyond the noise of 200 draws (sd ~0.015); 0.90 is checked within it
+    for level, floor in ((0.95, 0.90), (0.90, 0.87)):
+        plan = P.plan(plan_tasks, level, models=3)
+        assert plan.reached and plan.family_harmless_pass >= level
+        n = {r.task: r.n for r in plan.rows}
+        harmless = {t: P.SimulatedTask(n[t], s, f) for t, (s, f) in crafted.items()}
+        assert _family_pass(P.simulate_task_gates(policy, harmless, DRAWS, seed=21)).mean() >= floor
+    plan = P.plan(plan_tasks, 0.95)
+    n = {r.task: r.n for r in plan.rows}
+    for worse in crafted:
+        drop = 2 * policy.task_gate(worse).max_drop
+        score, flip = crafted[worse]
+        tasks = {t: P.SimulatedTask(n[t], s, f, drop=drop if t == worse else 0.0) for t, (s, f) in crafted.items()}
+        assert score >= flip / 2 + drop
+        refused = ~_family_pass(P.simulate_task_gates(policy, tasks, DRAWS, seed=31))
+        assert refused.mean() >= 0.90, (worse, refused.mean())
+    assert plan.seconds_per_model == pytest.approx(sum(n.values()) * 0.1)
+    text = P.plan_markdown(plan)
+    assert "reaches 0.95" in text and f"{plan.seconds_per_model * 3:.0f} s for 3 models" in text
+
+
+def test_plan_says_when_a_task_has_too_few_items() -> None:
+    plan = P.plan([P.PlanTask("small", 0.05, flip_rate=0.1, available=50), P.PlanTask("big", 0.05, flip_rate=0.1)],
+                  0.9)
+    rows = {r.task: r for r in plan.rows}
+    assert rows["small"].n == 50 and rows["small"].needed > 50 and not plan.reached
+    assert "too few items to reach the per-gate level: small" in P.plan_markdown(plan)
+    with pytest.raises(ValueError, match="family harmless-pass level"):
+        P.plan([P.PlanTask("x", 0.05)], 1.0)
+
+
+def test_closed_forms_on_known_values() -> None:
+    # no flips: an equal variant always passes; a continuous metric: Phi(m sqrt(n) / sd - z) exactly
+    assert P.pass_probability(100, 0.05, 0.0, flip_rate=0.0) == 1.0
+    assert P.pass_probability(100, 0.05, 0.0, sd=0.25) == pytest.approx(P._NORMAL.cdf(2.0 - P.z_two_sided()))
+    assert P.refusal_drop(100, 0.05, sd=0.25) == pytest.approx(0.05 - (P.z_two_sided() - P._NORMAL.inv_cdf(0.8)) / 40)
+    assert P.capped_flip_rate(0.3, 0.95) == pytest.approx(0.1)  # a 0.95 baseline can flip 5 % each way at most
+    with pytest.raises(ValueError, match="flip_rate"):
+        P.item_sd(1.5)
+    with pytest.raises(ValueError, match="n must be"):
+        P.pass_probability(0, 0.05, flip_rate=0.1)
+
+
+def test_underpowered_is_reported_beside_the_verdict_never_instead() -> None:
+    variant = {**M.task_metrics("t_small", 0.6, delta=0.0, ci_low=-0.04, ci_high=0.04, n=60),
+               **M.task_metrics("t_big", 0.6, delta=0.0, ci_low=-0.02, ci_high=0.02, n=2000)}
+    base = {**M.task_metrics("t_small", 0.6, n=60), **M.task_metrics("t_big", 0.6, n=2000)}
+    results = {r.name: r for r in judge(POLICY, variant, base, flip_rates={"t_small": 0.1, "t_big": 0.1})}
+    small, big = results["task/t_small/max_drop"], results["task/t_big/max_drop"]
+    assert small.passed and small.verdict == "pass" and small.underpowered  # passed: the evidence stands
+    assert small.harmless_pass == pytest.approx(P.pass_probability(60, 0.05, 0.0, 0.1))
+    assert big.passed and not big.underpowered and big.harmless_pass > 0.99
+    off = parse_policy({"tasks": {"max_drop": 0.05}, "power": {"min_harmless_pass": None}})
+    assert not any(r.underpowered for r in judge(off, variant, base))
+    with pytest.raises(PolicyError, match="power"):
+        parse_policy({"tasks": {"max_drop": 0.05}, "power": {"min_harmless_pas": 0.8}})
+    with pytest.raises(PolicyError, match="fraction"):
+        parse_policy({"tasks": {"max_drop": 0.05}, "power": {"family_harmless_pass": 1.5}})
+
+
+def test_power_is_recorded_in_mlflow_and_shown(store, tmp_path) -> None:
+    from gates.evaluate import evaluate_run, read_evaluation, render_markdown
+    from gates.tracking import get_client
+
+    variant = {**M.task_metrics("arc_easy", 0.60, delta=0.0, ci_low=-0.05, ci_high=0.05, n=100),
+               **M.task_metrics("piqa", 0.64, delta=0.0, ci_low=-0.02, ci_high=0.02, n=1000)}
+    base = {**M.task_metrics("arc_easy", 0.60, n=100), **M.task_metrics("piqa", 0.64, n=1000)}
+    run_id, _ = make_release("m-power", {"int4wo": variant}, baseline=base)["int4wo"]
+    policy = tmp_path / "policy.yaml"
+    policy.write_text("tasks: {max_drop: 0.05}\npower: {min_harmless_pass: 0.8}\n")
+    evaluation = evaluate_run(run_id, str(policy))
+    run = get_client().get_run(run_id)
+    arc = P.gate_power("arc_easy", 100, 0.05, flip_rate=P.DEFAULT_FLIP_RATE)  # no compare.json: the default
+    piqa = P.gate_power("piqa", 1000, 0.05, flip_rate=P.DEFAULT_FLIP_RATE)
+    assert run.data.metrics["gate/task/arc_easy/max_drop/harmless_pass"] == pytest.approx(arc.harmless_pass)
+    assert run.data.metrics["gate/task/arc_easy/max_drop/refusal80_drop"] == pytest.approx(arc.refusal80_drop)
+    assert run.data.tags["gate/task/arc_easy/max_drop/underpowered"] == "true"
+    assert run.data.tags["gates/release/underpowered"] == "task/arc_easy/max_drop"
+    assert run.data.metrics["gates/release/family_harmless_pass"] == pytest.approx(arc.harmless_pass * piqa.harmless_pass)
+    assert evaluation.passed  # underpowered never blocks
+    back = read_evaluation(run_id)
+    report = render_markdown(back, "int4wo")
+    assert f"{arc.harmless_pass:.2f} / {arc.refusal80_drop:.3g} **underpowered**" in report
+    assert f"probability {arc.harmless_pass * piqa.harmless_pass:.3f}" in report
