@@ -204,3 +204,29 @@ def log_summary(release_run_id: str, summary: ReleaseSummary) -> None:
     client.log_text(release_run_id, render_markdown(summary), "summary.md")
     client.log_dict(release_run_id, json.loads(json.dumps(summary.as_dict(), default=str)), "summary.json")
     client.set_tag(release_run_id, "quantgate.outcome", summary.outcome[:5000])
+
+
+def check_signing_key() -> None:
+    """A configured signing key that cannot be read fails the release before anything runs."""
+    from gates.signing import load_private_key
+    from quantgate import settings
+
+    path = settings.key_path(settings.SIGNING_KEY)
+    if path is not None:
+        load_private_key(path)
+
+
+def write_evidence(release_run_id: str) -> None:
+    """The release's evidence manifest (gates.evidence). Aliases have moved by now, so a failure to write
+    it is recorded on the run and said, not turned into a failed release; `quantgate verify` reports it."""
+    from flows.progress import note
+    from gates.evidence import write_evidence as write
+
+    try:
+        written = write(release_run_id)
+    except Exception as exc:
+        tag_release(release_run_id, {"evidence.error": f"{type(exc).__name__}: {exc}"[:5000]})
+        note(f"EVIDENCE NOT WRITTEN for release {release_run_id}: {exc}")
+        return
+    signed = f"signed with key {written.key_id}" if written.key_id else "unsigned (no QUANTGATE_SIGNING_KEY)"
+    note(f"evidence manifest sha256 {written.manifest_sha256[:16]}, {signed}; quantgate verify {release_run_id}")

@@ -20,11 +20,10 @@ from prefect import flow, task  # noqa: E402
 from prefect.cache_policies import NO_CACHE  # noqa: E402
 
 from flows import canary as canary_stage  # noqa: E402
-from flows import measuring, records  # noqa: E402
+from flows import fidelity_stage, measuring, records  # noqa: E402
 from flows.approval import APPROVE_MODES, Decision, auto_decision, offers, undecided, wait_for_decision  # noqa: E402
 from flows.data import (  # noqa: E402
     BASELINE,
-    DEFAULT_SUITES,
     MeasureConfig,
     Measured,
     ReleaseSummary,
@@ -74,6 +73,7 @@ def check_options(methods: list[str], approve: str, limit: int | None, policy: s
     if limit is not None and limit < 1:
         raise ValueError(f"limit must be >= 1 (or none for the full suites), got {limit}")
     records.load_policy(policy)
+    records.check_signing_key()
     if suites is not None:
         from evals.tasks import resolve_tasks
 
@@ -246,7 +246,7 @@ def release_flow(
 
     methods = list(methods or DEFAULT_METHODS)
     check_options(methods, approve, limit, policy, suites)
-    config = MeasureConfig(suites=tuple(suites or DEFAULT_SUITES), limit=limit)
+    config = fidelity_stage.measure_config(records.load_policy(policy), methods, suites, limit)
     source = resolve_source(model)
     run_config = {"methods": methods, "approve": approve, "policy": str(records.policy_path(policy)),
                   "measure": asdict(config), "prefect_flow_run_id": str(flow_run.id)}
@@ -297,6 +297,7 @@ def release_flow(
             moved_challenger = None
         summary.aliases = records.aliases(source.name)
         records.log_summary(release_id, summary)
+        records.write_evidence(release_id)
         end_release(release_id)
     except BaseException:
         if moved_challenger is not None:

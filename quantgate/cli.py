@@ -22,6 +22,7 @@ COMMAND_MODULES = [
     "quantize.cli",
     "evals.cli",
     "gates.cli",
+    "gates.evidence_cli",
     "flows.cli",
     "benchmarks.cli",
 ]

@@ -1,0 +1,277 @@
+"""gates/evidence.py, gates/verify.py, gates/signing.py: a release's evidence manifest, its signature, and
+`quantgate verify` catching one changed byte of a weight, an output, the policy or a verdict.
+
+Each case records a small release of its own (real MLflow sqlite store in tmp, a real nf4 variant of a
+tiny random Llama built by quantize/, real per-item eval logs on our `arith` task's data), writes its
+evidence through the real API, changes one thing and verifies.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from evals.results import EvalResult, SampleResult, TaskResult
+from gates import metrics as M
+
+POLICY = """\
+version: 1
+tasks: {max_drop: 0.05}
+weights: {min_reduction: 0.1}
+"""
+N = 200
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory) -> dict[str, Path]:
+    """A tiny random Llama (no tokenizer needed) and its nf4 variant, built once."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from quantize.variant import quantize
+
+    root = tmp_path_factory.mktemp("evidence-models")
+    config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                         tie_word_embeddings=True)
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).eval().save_pretrained(root / "src")
+    return {"src": root / "src", "nf4": quantize(str(root / "src"), "nf4", out_dir=root / "nf4")}
+
+
+@pytest.fixture(scope="module")
+def keys(tmp_path_factory) -> dict[str, tuple[Path, Path]]:
+    from gates.signing import generate_keypair
+
+    root = tmp_path_factory.mktemp("keys")
+    return {name: generate_keypair(root / name) for name in ("ours", "other")}
+
+
+def _evals(out: Path, correct: list[bool]) -> Path:
+    samples = [SampleResult(i, f"arith-{i:04d}", target=str(i), response=str(i) if ok else "?", score=float(ok),
+                            correct=ok) for i, ok in enumerate(correct)]
+    task = TaskResult("arith", "accuracy", "exact_match", sum(correct) / len(correct), len(correct), True, True,
+                      0.0, False, 0, samples=samples)
+    EvalResult("tiny", "engine", ["accuracy"], None, "2026-12-03T00:00:00", {"arith": task}).save(out / "accuracy")
+    return out / "accuracy"
+
+
+def _record(tmp_path: Path, built: dict[str, Path], signing_key: Path | None) -> dict:
+    """A release of the copied source and variant: measured, gated, registered, approved, evidence written."""
+    from gates.evaluate import evaluate_run
+    from gates.evidence import write_evidence
+    from gates.registry import record_approval
+    from gates.tracking import end_release, log_variant, register_variant, start_release
+    from quantgate.models import content_hash
+    from quantize.integrity import read_manifest, weight_bytes
+
+    src, nf4 = shutil.copytree(built["src"], tmp_path / "src"), shutil.copytree(built["nf4"], tmp_path / "nf4")
+    policy = tmp_path / "policy.yaml"
+    policy.write_text(POLICY)
+    release = start_release("tiny", content_hash(src), {"policy": str(policy)})
+    base_metrics = {**M.task_metrics("arith", 0.6, n=N), M.WEIGHTS_BYTES: float(weight_bytes(src)[0])}
+    var_metrics = {**M.task_metrics("arith", 0.6, delta=0.0, ci_low=-0.02, ci_high=0.02, n=N),
+                   M.WEIGHTS_BYTES: float(weight_bytes(nf4)[0])}
+    base_run = log_variant(release, "baseline", {"method": "none", "variant_path": str(src)}, base_metrics,
+                           artifacts=[_evals(tmp_path / "evals-base", [i % 5 < 3 for i in range(N)])])
+    run = log_variant(release, "nf4", {"method": "nf4", "variant_path": str(nf4)}, var_metrics,
+                      artifacts=[_evals(tmp_path / "evals-nf4", [i % 5 < 3 for i in range(N)])],
+                      manifest=read_manifest(nf4))
+    version = register_variant(run, source=nf4)
+    evaluation = evaluate_run(run, str(policy))
+    record_approval("tiny", version, by="alice", comment="looks right")
+    written = write_evidence(release, signing_key=signing_key)
+    end_release(release)
+    return {"release": release, "run": run, "base_run": base_run, "version": version, "src": src, "nf4": nf4,
+            "policy": policy, "evaluation": evaluation, "written": written}
+
+
+@pytest.fixture
+def signed(store, tmp_path, built, keys) -> dict:
+    return _record(tmp_path, built, signing_key=keys["ours"][0])
+
+
+def _artifact(run_id: str, path: str) -> Path:
+    from gates.tracking import get_run
+
+    return Path(get_run(run_id).info.artifact_uri.removeprefix("file://")) / path
+
+
+def _flip_byte(path: Path, offset: int) -> None:
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def _manifest(release: str) -> dict:
+    from gates.evidence import MANIFEST_PATH
+
+    return json.loads(_artifact(release, MANIFEST_PATH).read_bytes())
+
+
+def test_the_manifest_binds_weights_recipe_policy_data_outputs_verdicts_and_approval(signed):
+    from gates.evidence import directory_hashes, sha256
+    from gates.tracking import get_client
+    from quantgate.models import file_sha256
+
+    m = _manifest(signed["release"])
+    assert signed["written"].manifest_sha256 == sha256(_artifact(signed["release"], "evidence/manifest.json").read_bytes())
+    runs = {r["name"]: r for r in m["runs"]}
+    assert set(runs) == {"baseline", "nf4"}
+    nf4 = runs["nf4"]
+    assert nf4["weights"]["files"] == directory_hashes(signed["nf4"])
+    assert nf4["weights"]["files"]["model.safetensors"] == file_sha256(signed["nf4"] / "model.safetensors")
+    assert nf4["recipe"]["method"] == "nf4" and nf4["recipe"]["source"]["content_hash"] == m["source_hash"]
+    assert m["policies"] == {signed["evaluation"].policy_sha256: {"source": str(signed["policy"]), "text": POLICY}}
+    data = Path(__file__).resolve().parents[1] / "evals" / "tasks" / "data"
+    files = [data / "arith.dev.jsonl", data / "arith.jsonl"]  # the few-shot examples and the items
+    assert m["eval_data"] == {"arith": {str(f): file_sha256(f) for f in files}}
+    items = nf4["outputs"]["accuracy/samples/arith.jsonl"]["items"]
+    assert len(items) == N and items[0] == sha256(json.dumps(
+        {"doc_id": 0, "item_id": "arith-0000", "target": "0", "response": "0", "score": 1.0, "correct": True,
+         "weight": 1.0, "extra": {}}, ensure_ascii=False).encode())
+    gates = {g["name"]: g for g in nf4["stages"]["release"]["gates"]}
+    assert gates["task/arith/max_drop"]["verdict"] == "pass" and gates["task/arith/max_drop"]["ci"] == [-0.02, 0.02]
+    assert gates["weights/min_reduction"]["ci"] is None and nf4["stages"]["release"]["verdict"] == "pass"
+    assert (nf4["approval"]["by"], nf4["approval"]["decision"]) == ("alice", "approved")
+    card = get_client().get_model_version("tiny-quantgate", signed["version"]).description
+    assert signed["written"].manifest_sha256 in card and signed["written"].key_id in card and "alice" in card
+
+
+def test_verify_passes_on_an_untouched_release_with_our_key(signed, keys, capsys):
+    from gates.signing import key_id, load_public_key
+    from gates.verify import verify
+    from quantgate.cli import main
+
+    report = verify(signed["run"], verify_key=keys["ours"][1])  # a variant run leads to its release
+    assert report.ok, report.mismatches
+    assert report.release_run_id == signed["release"]
+    assert key_id(load_public_key(keys["ours"][1])) in report.authorship
+    assert any("re-judged task/arith/max_drop" in c for c in report.checked)
+    assert main(["verify", signed["release"], "--key", str(keys["ours"][1])]) == 0
+    assert "VERIFIED" in capsys.readouterr().out
+
+
+def test_without_a_key_only_integrity_is_checked_and_said(signed, capsys):
+    from gates.verify import verify
+    from quantgate.cli import main
+
+    report = verify(signed["release"])
+    assert report.ok and "only integrity is checked, not authorship" in report.authorship
+    assert main(["verify", signed["release"]]) == 0
+    assert "only integrity is checked, not authorship" in capsys.readouterr().out
+
+
+def test_the_verify_key_comes_from_the_verifiers_configuration(signed, keys, monkeypatch):
+    from gates.verify import verify
+
+    monkeypatch.setenv("QUANTGATE_VERIFY_KEY", str(keys["other"][1]))
+    report = verify(signed["release"])
+    assert not report.ok
+    assert any(m.startswith("signature: signed by key") and "not by the configured verify key" in m
+               for m in report.mismatches)
+
+
+def _tamper_weight(s: dict) -> str:
+    _flip_byte(s["nf4"] / "model.safetensors", (s["nf4"] / "model.safetensors").stat().st_size - 7)
+    return "nf4 (run "
+
+
+def _tamper_output(s: dict) -> str:
+    path = _artifact(s["run"], "evidence/accuracy/samples/arith.jsonl")
+    lines = path.read_bytes().splitlines(keepends=True)
+    lines[3] = lines[3].replace(b'"response": "?"', b'"response": "!"')
+    path.write_bytes(b"".join(lines))
+    return "outputs accuracy/samples/arith.jsonl changed: items [3]"
+
+
+def _tamper_policy(s: dict) -> str:
+    s["policy"].write_text(POLICY.replace("0.05", "0.06"))
+    return f"policy file {s['policy']}: sha256"
+
+
+def _tamper_verdict_tag(s: dict) -> str:
+    from gates.tracking import get_client
+
+    get_client().set_tag(s["run"], M.gate_key("task/arith/max_drop", "verdict"), "fail")
+    return "release gate (MLflow tags) task/arith/max_drop"
+
+
+@pytest.mark.parametrize("tamper", [_tamper_weight, _tamper_output, _tamper_policy, _tamper_verdict_tag],
+                         ids=["weight", "output", "policy", "verdict-tag"])
+def test_verify_fails_on_one_changed_byte_naming_it(signed, keys, tamper, capsys):
+    from gates.verify import verify
+    from quantgate.cli import main
+
+    expected = tamper(signed)
+    report = verify(signed["release"], verify_key=keys["ours"][1])
+    assert not report.ok and any(expected in m for m in report.mismatches), report.mismatches
+    assert main(["verify", signed["release"], "--key", str(keys["ours"][1])]) == 1
+    assert "MISMATCH" in capsys.readouterr().out
+
+
+def _rewrite_manifest(release: str, change) -> None:
+    """What someone with write access to the run can do: rewrite the manifest and the tag naming its hash."""
+    from gates.evidence import CARD_SHA_TAG, MANIFEST_PATH, canonical, sha256
+    from gates.tracking import get_client
+
+    manifest = _manifest(release)
+    change(manifest)
+    _artifact(release, MANIFEST_PATH).write_bytes(canonical(manifest))
+    get_client().set_tag(release, CARD_SHA_TAG, sha256(canonical(manifest)))
+
+
+def _flip_verdict(manifest: dict) -> None:
+    nf4 = next(r for r in manifest["runs"] if r["name"] == "nf4")
+    gate = next(g for g in nf4["stages"]["release"]["gates"] if g["name"] == "task/arith/max_drop")
+    gate["verdict"], gate["passed"] = "fail", False
+
+
+def test_a_rewritten_verdict_is_caught_by_rejudging_and_by_the_signature(signed, keys):
+    from gates.verify import verify
+
+    _rewrite_manifest(signed["release"], _flip_verdict)
+    unsigned_check = verify(signed["release"])
+    assert any("re-judged task/arith/max_drop" in m for m in unsigned_check.mismatches)
+    signed_check = verify(signed["release"], verify_key=keys["ours"][1])
+    assert any("signature does not match the manifest" in m for m in signed_check.mismatches)
+
+
+def test_a_forged_signature_or_a_missing_one_fails_with_a_key(signed, keys):
+    from gates.evidence import SIGNATURE_PATH
+    from gates.verify import verify
+
+    path = _artifact(signed["release"], SIGNATURE_PATH)
+    record = json.loads(path.read_text())
+    record["signature"] = record["signature"][:10] + ("A" if record["signature"][10] != "A" else "B") + \
+        record["signature"][11:]
+    path.write_text(json.dumps(record))
+    assert any("does not match" in m for m in verify(signed["release"], verify_key=keys["ours"][1]).mismatches)
+    path.unlink()
+    report = verify(signed["release"], verify_key=keys["ours"][1])
+    assert any("the manifest is unsigned" in m for m in report.mismatches)
+
+
+def test_an_unsigned_release_verifies_for_integrity_only(store, tmp_path, built, keys):
+    from gates.verify import verify
+
+    s = _record(tmp_path, built, signing_key=None)
+    assert s["written"].key_id is None
+    report = verify(s["release"])
+    assert report.ok and "only integrity" in report.authorship, report.mismatches
+
+
+def test_keygen_writes_a_pair_and_never_replaces_one(tmp_path, capsys):
+    from gates.signing import PRIVATE_NAME, PUBLIC_NAME, load_private_key, load_public_key
+    from quantgate.cli import main
+
+    assert main(["keygen", str(tmp_path / "k")]) == 0
+    assert (tmp_path / "k" / PRIVATE_NAME).stat().st_mode & 0o077 == 0
+    load_private_key(tmp_path / "k" / PRIVATE_NAME), load_public_key(tmp_path / "k" / PUBLIC_NAME)
+    assert main(["keygen", str(tmp_path / "k")]) == 2
+    assert "never replaces a key" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="not an ed25519 private key|not a PEM private key"):
+        load_private_key(tmp_path / "k" / PUBLIC_NAME)
