@@ -25,6 +25,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -105,6 +106,7 @@ class AttentionContext:
     kv_format: str = "auto"
     k_scale: list[torch.Tensor] | None = None  # int8: per layer [kv_heads, num_blocks * block_size]
     v_scale: list[torch.Tensor] | None = None
+    paged: Any = None  # a serving.cuda.step.PagedStep: the step runs through the Triton kernels instead
 
 
 _local = threading.local()  # per thread: engines stepping on different threads each see their own step
@@ -142,6 +144,11 @@ def attend(ctx: AttentionContext, layer: int, q: torch.Tensor, key: torch.Tensor
     """One layer's attention for the step's tokens: q [tokens, heads, dim], key and value [kv_heads, tokens,
     dim]; stores K/V in the cache (unless the caller has: `stored`) and returns [tokens, heads, dim].
     A sliding-window layer passes its `window`: each token then sees only the last `window` positions."""
+    if ctx.paged is not None:
+        from serving.cuda.attention import attend as triton_attend
+
+        return triton_attend(ctx.paged, ctx.k_cache[layer], ctx.v_cache[layer], ctx.block_size, ctx.slot_mapping,
+                             q, key, value, scaling if scaling is not None else q.shape[-1] ** -0.5, stored, window)
     # [kv_heads, tokens, head_dim], as the cache will return them
     k, v = (key, value) if stored else _write(ctx, layer, key, value)
 

@@ -14,6 +14,7 @@ import torch
 
 from quantgate.kernels import isa as isas
 from serving.block_manager import BlockManager
+from serving.cuda import resolve_backend
 from serving.device import default_device, resolve_dtype
 from serving.model_runner import KVCacheShape, ModelRunner, load_model
 from serving.sampler import NO_TOKEN
@@ -27,6 +28,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_CPU_KV_GB = 2.0
 GPU_MEMORY_UTILIZATION = 0.9
+MAX_GRAPH_BATCH = 512  # decode steps of more sequences run eagerly
 
 
 @dataclass
@@ -84,12 +86,22 @@ class LLMEngine:
         kv_cache_dtype: str = "auto",
         tenant_fairness: TenantFairness | None = None,
         isa: str | None = None,
+        attention: str = "auto",
+        cuda_graphs: bool | None = None,
     ):
+        """`attention`: auto (Triton kernels on CUDA, torch elsewhere), torch, or triton (serving/cuda; on CPU
+        in Triton's interpreter). `cuda_graphs`: decode replayed from CUDA graphs per batch bucket (None: on
+        wherever Triton attention runs on CUDA; True on CPU runs the eager stand-in)."""
         if scheduler not in SCHEDULERS:
             raise ValueError(f"unknown scheduler {scheduler!r}; choose one of {sorted(SCHEDULERS)}")
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
         self.device = torch.device(device)
+        self.attention = resolve_backend(attention, self.device, kv_cache_dtype)
+        if cuda_graphs is None:
+            cuda_graphs = self.attention == "triton" and self.device.type == "cuda"
+        if cuda_graphs and self.attention != "triton":
+            raise ValueError("cuda_graphs needs attention='triton'")
         self.model = model
         self.tokenizer = tokenizer
         self.model_name = model_name
@@ -111,8 +123,9 @@ class LLMEngine:
         self.scheduler_name = scheduler
         # the kernel path attention and the fused ops take (the model's layers recorded theirs at load)
         self.kernel_isa = isas.resolve(isa) if self.device.type == "cpu" else self.device.type
+        graph_shape = (min(max_num_seqs, MAX_GRAPH_BATCH), -(-self.max_model_len // block_size)) if cuda_graphs else None
         self.runner = ModelRunner(model, self.device, block_size, num_kv_blocks, kv_dtype, kv_cache_dtype,
-                                  isa if self.device.type == "cpu" else None)
+                                  isa if self.device.type == "cpu" else None, self.attention, graph_shape)
         self.kv_cache_dtype = kv_cache_dtype
         self.eos_token_ids = _eos_token_ids(model, tokenizer)
         self.sequences: dict[str, Sequence] = {}

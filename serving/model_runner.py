@@ -12,7 +12,7 @@ from quantgate.model_shape import kv_shape
 from serving import attention
 from serving.attention import AttentionContext, DecodeBatch, DecodeGroup, PrefillChunk
 from serving.kernels import paged_decode
-from serving.llama_forward import LlamaForward
+from serving.llama_forward import LlamaForward, supports
 from serving.packed_linear import pack_linears, packing_wanted
 from serving.sampler import sample, token_logprobs
 from serving.scheduler import ScheduledSeq
@@ -92,7 +92,11 @@ def load_model(model_dir: Path, device: torch.device, dtype: torch.dtype, isa: s
 
 class ModelRunner:
     def __init__(self, model, device: torch.device, block_size: int, num_blocks: int, kv_dtype: torch.dtype,
-                 kv_cache_dtype: str = "auto", isa: str | None = None):
+                 kv_cache_dtype: str = "auto", isa: str | None = None, attention: str = "torch",
+                 graph_shape: tuple[int, int] | None = None):
+        """`attention`: "torch" (serving/attention.py, the compiled CPU kernel where it runs) or "triton"
+        (serving/cuda). `graph_shape` (max batch, max blocks a table): decode steps replayed from captured
+        graphs (serving/cuda/graphs.py; on CPU its eager stand-in), Triton attention only."""
         self.model = model
         self.device = device
         self.block_size = block_size
@@ -112,6 +116,18 @@ class ModelRunner:
         self.generators: dict[str, torch.Generator] = {}
         self.decode_kernel = paged_decode(device, isa)  # None: gathered groups and matmuls (CUDA, no compiler)
         self.fast_forward = LlamaForward.of(model, torch.device(device), isa)  # None: the model's own forward
+        self.attention, self.graphs = attention, None
+        if attention == "triton":
+            from serving.cuda.torch_ops import TorchOps
+
+            self.decode_kernel = None
+            self.fast_forward = LlamaForward(model, TorchOps()) if supports(model) else None
+        if graph_shape is not None:
+            if self.attention != "triton" or self.fast_forward is None:
+                raise ValueError("decode graphs need attention='triton' and a Llama-family model (llama_forward)")
+            from serving.cuda.graphs import DecodeGraphs
+
+            self.graphs = DecodeGraphs(self.fast_forward, self.k_cache, self.v_cache, block_size, *graph_shape, device)
 
     def kv_cache_bytes(self) -> int:
         """Bytes the cache tensors hold (codes and scales): what `bytes_per_block` promises."""
@@ -122,6 +138,7 @@ class ModelRunner:
     def run(self, scheduled: list[ScheduledSeq]) -> StepResult:
         input_ids, positions, slots = [], [], []
         prefills: list[PrefillChunk] = []
+        prefill_tables: list[list[int]] = []
         decode_seqs: list[Sequence] = []
         sample_rows: list[int] = []  # (row of the last token) for sequences that get a new token
         sample_idx: list[int] = []
@@ -138,7 +155,8 @@ class ModelRunner:
                 decode_seqs.append(seq)
             else:
                 context = None
-                if start > 0:
+                prefill_tables.append(table)
+                if start > 0 and self.attention == "torch":
                     context = torch.tensor(
                         [table[p // bs] * bs + p % bs for p in range(end)], device=self.device
                     )
@@ -151,18 +169,29 @@ class ModelRunner:
                 sample_rows.append(row + n - 1)
                 sample_idx.append(idx)
 
+        if self.graphs is not None and decode_seqs and not prefills and self.graphs.fits(
+                len(decode_seqs), max(len(s.block_table) for s in decode_seqs)):
+            logits = self.graphs.run(input_ids, positions, slots, [s.block_table for s in decode_seqs],
+                                     [s.num_computed_tokens + 1 for s in decode_seqs])
+            return self._postprocess(scheduled, logits.float(), sample_idx, prompt_rows)
         ctx = AttentionContext(
             self.k_cache,
             self.v_cache,
             bs,
             torch.tensor(slots, device=self.device),
             prefills,
-            self._decode_groups(decode_seqs) if self.decode_kernel is None else [],
+            self._decode_groups(decode_seqs) if self.decode_kernel is None and self.attention == "torch" else [],
             kv_format=self.shape.cache_dtype,
             k_scale=self.k_scale,
             v_scale=self.v_scale,
             decode_batch=self._decode_batch(decode_seqs),
         )
+        if self.attention == "triton":
+            from serving.cuda.step import PagedStep
+
+            ctx.paged = PagedStep.build([s.block_table for s in decode_seqs],
+                                        [s.num_computed_tokens + 1 for s in decode_seqs], prefill_tables,
+                                        [(c.start, c.length, c.context_len) for c in prefills], self.device)
         keep_rows = sample_rows + [r for rows in prompt_rows.values() for r in rows]
         logits = self._forward(ctx, torch.tensor(input_ids, device=self.device),
                                torch.tensor(positions, device=self.device),
