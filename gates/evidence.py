@@ -92,6 +92,14 @@ def output_hashes(evidence_dir: Path | None) -> dict[str, dict[str, Any]]:
     return out
 
 
+def artifact_hashes(evidence_dir: Path | None) -> dict[str, str]:
+    """Every file a run recorded under `evidence/` (comparison, serving report, plots...) -> sha256."""
+    if evidence_dir is None or not evidence_dir.is_dir():
+        return {}
+    return {str(p.relative_to(evidence_dir)): sha256(p.read_bytes()) for p in sorted(evidence_dir.rglob("*"))
+            if p.is_file()}
+
+
 def task_of(output: str) -> str:
     return Path(output).stem
 
@@ -200,13 +208,14 @@ def policy_texts(client: MlflowClient, run: Run, stages: dict[str, Any], work: P
 
 def _run_entry(client: MlflowClient, run: Run, work: Path) -> tuple[dict[str, Any], dict[str, dict]]:
     from gates.registry import read_approval
-    from gates.tracking import MANIFEST_DIR
+    from gates.tracking import EVIDENCE_DIR, MANIFEST_DIR
 
     run_id = run.info.run_id
     metrics = dict(run.data.metrics)
     version, weights = weights_dir(client, run)
     recipe_path = download(client, run_id, f"{MANIFEST_DIR}/quantgate.json", work / "recipe")
     stages = gate_records(client, run, metrics, work / "gates")
+    evidence = download(client, run_id, EVIDENCE_DIR, work / "outputs")
     approval = read_approval(run.data.tags[TAG_MODEL], version) if version else None
     entry = {
         "name": run.data.tags.get(TAG_VARIANT, ""),
@@ -218,7 +227,8 @@ def _run_entry(client: MlflowClient, run: Run, work: Path) -> tuple[dict[str, An
                     else None},
         "recipe": json.loads(recipe_path.read_text()) if recipe_path else None,
         "metrics": metrics,
-        "outputs": output_hashes(download(client, run_id, "evidence", work / "outputs")),
+        "outputs": output_hashes(evidence),
+        "artifacts": artifact_hashes(evidence),
         "stages": stages,
         "approval": asdict(approval) if approval else None,
     }

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from gates import evidence as E
-from gates.tracking import TAG_RELEASE, get_client, get_run, release_children
+from gates.tracking import EVIDENCE_DIR, TAG_RELEASE, get_client, get_run, release_children
 
 if TYPE_CHECKING:
     from mlflow import MlflowClient
@@ -158,9 +158,13 @@ def _check_runs(report: Report, manifest: dict[str, Any], client: MlflowClient, 
         where = f"{entry['name']} (run {entry['run_id'][:8]})"
         _check_weights(report, manifest, entry, where)
         report.compare(f"{where}: metrics", entry["metrics"], dict(run.data.metrics))
-        outputs = E.output_hashes(E.download(client, entry["run_id"], "evidence", work / str(i)))
-        _check_outputs(report, entry["outputs"], outputs, where)
-        _check_stages(report, manifest, entry, baseline, client, where)
+        evidence = E.download(client, entry["run_id"], EVIDENCE_DIR, work / str(i))
+        _check_outputs(report, entry["outputs"], E.output_hashes(evidence), where)
+        now = E.artifact_hashes(evidence)
+        for name in sorted(set(entry["artifacts"]) | set(now)):
+            report.compare(f"{where}: artifact {EVIDENCE_DIR}/{name}", entry["artifacts"].get(name, "absent"),
+                           now.get(name, "absent"))
+        _check_stages(report, manifest, entry, baseline, client, where, _flip_rates(evidence), work / f"g{i}")
         _check_registration(report, entry, client, digest, where)
 
 
@@ -204,8 +208,16 @@ def _check_outputs(report: Report, recorded: dict[str, Any], now: dict[str, Any]
                                  + (f"; {extra:+d} items" if extra else ""))
 
 
+def _flip_rates(evidence: Path | None) -> dict[str, float]:
+    """Per-task flip rates from the run's `compare.json` (hash-checked above), as `evaluate_run` reads them."""
+    from gates.power import flip_rates
+
+    path = evidence / "compare.json" if evidence else None
+    return flip_rates(json.loads(path.read_text())) if path and path.is_file() else {}
+
+
 def _check_stages(report: Report, manifest: dict[str, Any], entry: dict[str, Any], baseline: dict[str, Any] | None,
-                  client: MlflowClient, where: str) -> None:
+                  client: MlflowClient, where: str, rates: dict[str, float], work: Path) -> None:
     from gates.evaluate import judge, read_evaluation
     from gates.policy import PolicyError, parse_policy
 
@@ -213,6 +225,9 @@ def _check_stages(report: Report, manifest: dict[str, Any], entry: dict[str, Any
         recorded = read_evaluation(entry["run_id"], stage, client)
         report.compare(f"{where}: {stage} verdict recorded in MLflow", record["verdict"],
                        recorded.extra.get("verdict") if recorded else "none")
+        path = E.download(client, entry["run_id"], f"gates/{stage}/gates.json", work / stage)
+        report.compare(f"{where}: {stage} gates.json sha256", record["gates_json_sha256"],
+                       E.sha256(path.read_bytes()) if path else None)
         tags = {r.name: asdict(r) for r in recorded.results} if recorded else {}
         _compare_gates(report, f"{where}: {stage} gate (MLflow tags)", record["gates"], tags)
         policy = manifest["policies"].get(record["policy_sha256"])
@@ -230,7 +245,8 @@ def _check_stages(report: Report, manifest: dict[str, Any], entry: dict[str, Any
             continue
         variant_metrics = _judged_metrics(entry["metrics"])
         base_metrics = _judged_metrics(baseline["metrics"]) if baseline else None
-        rejudged = {r.name: asdict(r) for r in judge(parsed, variant_metrics, base_metrics, stage)}
+        results = judge(parsed, variant_metrics, base_metrics, stage, rates if stage == "release" else {})
+        rejudged = {r.name: asdict(r) for r in results}
         _compare_gates(report, f"{where}: {stage} gate re-judged", record["gates"], rejudged)
 
 

@@ -43,6 +43,16 @@ def built(tmp_path_factory) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="module")
+def module_store(tmp_path_factory):
+    """One MLflow store for the module (creating one costs seconds); each case records its own model."""
+    root = tmp_path_factory.mktemp("evidence-store")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{root / 'mlflow.db'}")
+        mp.setenv("QUANTGATE_HOME", str(root / "home"))
+        yield
+
+
+@pytest.fixture(scope="module")
 def keys(tmp_path_factory) -> dict[str, tuple[Path, Path]]:
     from gates.signing import generate_keypair
 
@@ -71,7 +81,8 @@ def _record(tmp_path: Path, built: dict[str, Path], signing_key: Path | None) ->
     src, nf4 = shutil.copytree(built["src"], tmp_path / "src"), shutil.copytree(built["nf4"], tmp_path / "nf4")
     policy = tmp_path / "policy.yaml"
     policy.write_text(POLICY)
-    release = start_release("tiny", content_hash(src), {"policy": str(policy)})
+    model = f"tiny-{tmp_path.name}"[:60].replace("[", "-").replace("]", "")
+    release = start_release(model, content_hash(src), {"policy": str(policy)})
     base_metrics = {**M.task_metrics("arith", 0.6, n=N), M.WEIGHTS_BYTES: float(weight_bytes(src)[0])}
     var_metrics = {**M.task_metrics("arith", 0.6, delta=0.0, ci_low=-0.02, ci_high=0.02, n=N),
                    M.WEIGHTS_BYTES: float(weight_bytes(nf4)[0])}
@@ -82,15 +93,22 @@ def _record(tmp_path: Path, built: dict[str, Path], signing_key: Path | None) ->
                       manifest=read_manifest(nf4))
     version = register_variant(run, source=nf4)
     evaluation = evaluate_run(run, str(policy))
-    record_approval("tiny", version, by="alice", comment="looks right")
+    record_approval(model, version, by="alice", comment="looks right")
     written = write_evidence(release, signing_key=signing_key)
     end_release(release)
-    return {"release": release, "run": run, "base_run": base_run, "version": version, "src": src, "nf4": nf4,
+    return {"model": model, "release": release, "run": run, "base_run": base_run, "version": version, "src": src, "nf4": nf4,
             "policy": policy, "evaluation": evaluation, "written": written}
 
 
+@pytest.fixture(scope="module")
+def pristine(module_store, tmp_path_factory, built, keys) -> dict:
+    """A signed release the read-only cases share."""
+    return _record(tmp_path_factory.mktemp("pristine"), built, signing_key=keys["ours"][0])
+
+
 @pytest.fixture
-def signed(store, tmp_path, built, keys) -> dict:
+def signed(module_store, tmp_path, built, keys) -> dict:
+    """A signed release of the case's own, to change."""
     return _record(tmp_path, built, signing_key=keys["ours"][0])
 
 
@@ -112,20 +130,20 @@ def _manifest(release: str) -> dict:
     return json.loads(_artifact(release, MANIFEST_PATH).read_bytes())
 
 
-def test_the_manifest_binds_weights_recipe_policy_data_outputs_verdicts_and_approval(signed):
+def test_the_manifest_binds_weights_recipe_policy_data_outputs_verdicts_and_approval(pristine):
     from gates.evidence import directory_hashes, sha256
     from gates.tracking import get_client
     from quantgate.models import file_sha256
 
-    m = _manifest(signed["release"])
-    assert signed["written"].manifest_sha256 == sha256(_artifact(signed["release"], "evidence/manifest.json").read_bytes())
+    m = _manifest(pristine["release"])
+    assert pristine["written"].manifest_sha256 == sha256(_artifact(pristine["release"], "evidence/manifest.json").read_bytes())
     runs = {r["name"]: r for r in m["runs"]}
     assert set(runs) == {"baseline", "nf4"}
     nf4 = runs["nf4"]
-    assert nf4["weights"]["files"] == directory_hashes(signed["nf4"])
-    assert nf4["weights"]["files"]["model.safetensors"] == file_sha256(signed["nf4"] / "model.safetensors")
+    assert nf4["weights"]["files"] == directory_hashes(pristine["nf4"])
+    assert nf4["weights"]["files"]["model.safetensors"] == file_sha256(pristine["nf4"] / "model.safetensors")
     assert nf4["recipe"]["method"] == "nf4" and nf4["recipe"]["source"]["content_hash"] == m["source_hash"]
-    assert m["policies"] == {signed["evaluation"].policy_sha256: {"source": str(signed["policy"]), "text": POLICY}}
+    assert m["policies"] == {pristine["evaluation"].policy_sha256: {"source": str(pristine["policy"]), "text": POLICY}}
     data = Path(__file__).resolve().parents[1] / "evals" / "tasks" / "data"
     files = [data / "arith.dev.jsonl", data / "arith.jsonl"]  # the few-shot examples and the items
     assert m["eval_data"] == {"arith": {str(f): file_sha256(f) for f in files}}
@@ -137,39 +155,39 @@ def test_the_manifest_binds_weights_recipe_policy_data_outputs_verdicts_and_appr
     assert gates["task/arith/max_drop"]["verdict"] == "pass" and gates["task/arith/max_drop"]["ci"] == [-0.02, 0.02]
     assert gates["weights/min_reduction"]["ci"] is None and nf4["stages"]["release"]["verdict"] == "pass"
     assert (nf4["approval"]["by"], nf4["approval"]["decision"]) == ("alice", "approved")
-    card = get_client().get_model_version("tiny-quantgate", signed["version"]).description
-    assert signed["written"].manifest_sha256 in card and signed["written"].key_id in card and "alice" in card
+    card = get_client().get_model_version(f"{pristine['model']}-quantgate", pristine["version"]).description
+    assert pristine["written"].manifest_sha256 in card and pristine["written"].key_id in card and "alice" in card
 
 
-def test_verify_passes_on_an_untouched_release_with_our_key(signed, keys, capsys):
+def test_verify_passes_on_an_untouched_release_with_our_key(pristine, keys, capsys):
     from gates.signing import key_id, load_public_key
     from gates.verify import verify
     from quantgate.cli import main
 
-    report = verify(signed["run"], verify_key=keys["ours"][1])  # a variant run leads to its release
+    report = verify(pristine["run"], verify_key=keys["ours"][1])  # a variant run leads to its release
     assert report.ok, report.mismatches
-    assert report.release_run_id == signed["release"]
+    assert report.release_run_id == pristine["release"]
     assert key_id(load_public_key(keys["ours"][1])) in report.authorship
     assert any("re-judged task/arith/max_drop" in c for c in report.checked)
-    assert main(["verify", signed["release"], "--key", str(keys["ours"][1])]) == 0
+    assert main(["verify", pristine["release"], "--key", str(keys["ours"][1])]) == 0
     assert "VERIFIED" in capsys.readouterr().out
 
 
-def test_without_a_key_only_integrity_is_checked_and_said(signed, capsys):
+def test_without_a_key_only_integrity_is_checked_and_said(pristine, capsys):
     from gates.verify import verify
     from quantgate.cli import main
 
-    report = verify(signed["release"])
+    report = verify(pristine["release"])
     assert report.ok and "only integrity is checked, not authorship" in report.authorship
-    assert main(["verify", signed["release"]]) == 0
+    assert main(["verify", pristine["release"]]) == 0
     assert "only integrity is checked, not authorship" in capsys.readouterr().out
 
 
-def test_the_verify_key_comes_from_the_verifiers_configuration(signed, keys, monkeypatch):
+def test_the_verify_key_comes_from_the_verifiers_configuration(pristine, keys, monkeypatch):
     from gates.verify import verify
 
     monkeypatch.setenv("QUANTGATE_VERIFY_KEY", str(keys["other"][1]))
-    report = verify(signed["release"])
+    report = verify(pristine["release"])
     assert not report.ok
     assert any(m.startswith("signature: signed by key") and "not by the configured verify key" in m
                for m in report.mismatches)
@@ -255,7 +273,7 @@ def test_a_forged_signature_or_a_missing_one_fails_with_a_key(signed, keys):
     assert any("the manifest is unsigned" in m for m in report.mismatches)
 
 
-def test_an_unsigned_release_verifies_for_integrity_only(store, tmp_path, built, keys):
+def test_an_unsigned_release_verifies_for_integrity_only(module_store, tmp_path, built):
     from gates.verify import verify
 
     s = _record(tmp_path, built, signing_key=None)
