@@ -14,6 +14,7 @@ DEMO_POLICY = Path(__file__).with_name("demo_policy.yaml")  # the default gates,
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("release", help="run the release flow: quantize, measure, gate, approve, canary, promote")
     _release_args(p)
+    _plan_args(p)
     p.set_defaults(func=_release)
 
     p = subparsers.add_parser("demo", help="the whole release on the embedded default model, auto-approved")
@@ -65,6 +66,17 @@ def _release_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fresh", action="store_true", help="ignore cached quantizations and measurements")
     p.add_argument("--json", default=None, help="also write the summary as JSON to this file")
     p.add_argument("--verbose", action="store_true", help="show Prefect's run logs in the terminal too")
+
+
+def _plan_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("--plan: size n per task instead of releasing (gates/plan.py)")
+    g.add_argument("--plan", action="store_true", help="print the n per task at which a variant equal to the baseline "
+                   "passes every task gate with the policy's power.family_harmless_pass, and its eval time; exit")
+    g.add_argument("--plan-level", type=float, default=None, help="family harmless-pass level (default: the policy's)")
+    g.add_argument("--flip-rate", type=float, default=None, help="per-item answer changes of a harmless variant "
+                   "(default: the --from-run run's per task, else gates.power.DEFAULT_FLIP_RATE)")
+    g.add_argument("--from-run", default=None, help="a recorded variant run: its flip rates, baseline scores, CIs")
+    g.add_argument("--seconds-per-item", default=None, help="eval seconds per item and model: S or TASK=S,...")
 
 
 def _event_args(p: argparse.ArgumentParser) -> None:
@@ -146,6 +158,14 @@ def run_release(args: argparse.Namespace, model: str, methods: list[str]) -> int
 
 
 def _release(args: argparse.Namespace) -> int:
+    if args.plan:
+        from gates.plan import plan_report
+        from gates.policy import load_policy
+
+        print(plan_report(load_policy(_policy(args.policy)), _methods(args.suites), models=1 + len(_methods(args.methods)),
+                          level=args.plan_level, flip_rate=args.flip_rate, seconds=args.seconds_per_item,
+                          from_run=args.from_run), end="")
+        return 0
     return run_release(args, args.model, _methods(args.methods))
 
 

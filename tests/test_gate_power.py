@@ -153,3 +153,20 @@ def test_power_is_recorded_in_mlflow_and_shown(store, tmp_path) -> None:
     report = render_markdown(back, "int4wo")
     assert f"{arc.harmless_pass:.2f} / {arc.refusal80_drop:.3g} **underpowered**" in report
     assert f"probability {arc.harmless_pass * piqa.harmless_pass:.3f}" in report
+
+
+def test_release_plan_command_prints_n_per_task_and_time(capsys) -> None:
+    from quantgate.cli import main
+
+    assert main(["release", "--plan", "--suites", "facts_mc,cloze,perplexity", "--methods", "int8wo,int4wo",
+                 "--flip-rate", "0.05", "--seconds-per-item", "0.2,cloze=0.5", "--plan-level", "0.9"]) == 0
+    out = capsys.readouterr().out
+    expected = P.plan([P.PlanTask("facts_mc", 0.05, flip_rate=0.05, available=235),
+                       P.PlanTask("cloze", 0.05, flip_rate=0.05, available=158)], 0.9)
+    n = {r.task: r.n for r in expected.rows}
+    assert n == {"facts_mc": 235, "cloze": 158}  # gates/policy.yaml's max_drop 0.05 asks for more items than they have
+    assert "| facts_mc | 0.05 | 0.05 | 235 | 235 |" in out and "too few items" in out and "does NOT reach 0.9" in out
+    assert "for 3 models" in out and "not planned: perplexity" in out
+    assert f"{n['facts_mc'] * 0.2 + n['cloze'] * 0.5:.0f} s per model" in out
+    assert main(["release", "--plan", "--suites", "cloze", "--seconds-per-item", "cloze=fast"]) == 2
+    assert "--seconds-per-item: 'cloze=fast' is not S or TASK=S" in capsys.readouterr().err
