@@ -142,9 +142,11 @@ def markdown_table(result: EvalResult) -> str:
 
 def run_suite(model: Any, suites: list[str] | str = ("accuracy", "safety"), limit: int | None = None,
               out_dir: Path | str | None = None, data_dir: Path | None = None,
-              docs: range | None = None) -> EvalResult:
+              docs: range | None = None, system_prompt: str | None = None,
+              chat_template: bool | None = None) -> EvalResult:
     """Evaluate `model` (reference, LLMEngine or lm-eval LM) on suites and/or task names; `docs` instead
-    of `limit` picks the same items of every task by index (a shard of a long run).
+    of `limit` picks the same items of every task by index (a shard of a long run). `system_prompt` and
+    `chat_template` (None: each task's own) are the deployment's: they apply to the safety suite's tasks.
 
     Writes to out_dir (if given) only when every task finished: files are staged in a hidden sibling
     directory and moved into place at the end, summary.json last.
@@ -155,11 +157,13 @@ def run_suite(model: Any, suites: list[str] | str = ("accuracy", "safety"), limi
         raise ValueError(f"--limit must be a positive number of items, got {limit}")
     if docs is not None and (limit is not None or len(docs) == 0):
         raise ValueError("docs takes a non-empty range of item indices, and no limit beside it")
+    if system_prompt is not None and (not isinstance(system_prompt, str) or not system_prompt.strip()):
+        raise ValueError(f"system_prompt must be a non-empty string or None, got {system_prompt!r}")
     for spec in specs:
         validate_task_data(spec, data_dir)
     staging = _prepare_out_dir(Path(out_dir)) if out_dir is not None else None
     try:
-        result, lm_eval_out = _evaluate(model, specs, limit, data_dir, docs)
+        result, lm_eval_out = _evaluate(model, specs, limit, data_dir, docs, (system_prompt, chat_template))
         if staging is not None:
             _write(result, lm_eval_out, staging, Path(out_dir).resolve())
         return result
@@ -169,7 +173,8 @@ def run_suite(model: Any, suites: list[str] | str = ("accuracy", "safety"), limi
 
 
 def _evaluate(model: Any, specs: list[TaskSpec], limit: int | None,
-              data_dir: Path | None, docs: range | None = None) -> tuple[EvalResult, dict]:
+              data_dir: Path | None, docs: range | None = None,
+              deployment: tuple[str | None, bool | None] = (None, None)) -> tuple[EvalResult, dict]:
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
 
@@ -178,12 +183,13 @@ def _evaluate(model: Any, specs: list[TaskSpec], limit: int | None,
     manager = TaskManager(include_defaults=False)
     merged: dict[str, Any] = {}
     tasks: dict[str, TaskResult] = {}
-    for chat in (False, True):
-        group = [s for s in specs if s.chat == chat]
-        if not group:
-            continue
+    groups: dict[tuple[bool, str | None], list[TaskSpec]] = {}
+    for spec in specs:
+        groups.setdefault(_prompting(spec, *deployment), []).append(spec)
+    for (chat, system), group in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1] or "")):
         out = simple_evaluate(model=lm, tasks=[lm_eval_config(s, data_dir) for s in group], task_manager=manager,
                               limit=limit, apply_chat_template=chat, fewshot_as_multiturn=chat,
+                              system_instruction=system,
                               samples=None if docs is None else {s.name: list(docs) for s in group},
                               bootstrap_iters=0, log_samples=True)
         for spec in group:
@@ -196,7 +202,16 @@ def _evaluate(model: Any, specs: list[TaskSpec], limit: int | None,
     result = EvalResult(model=model_name, backend=backend, suites=sorted({s.suite for s in specs}),
                         limit=limit, created=time.strftime("%Y-%m-%dT%H:%M:%S"),
                         tasks={s.name: tasks[s.name] for s in specs})
+    if deployment != (None, None):
+        result.meta["deployment"] = {"system_prompt": deployment[0], "chat_template": deployment[1]}
     return result, merged
+
+
+def _prompting(spec: TaskSpec, system_prompt: str | None, chat_template: bool | None) -> tuple[bool, str | None]:
+    """(chat template?, system prompt) a task runs with: the deployment's for safety tasks, else its own."""
+    if spec.suite != "safety":
+        return spec.chat, None
+    return (spec.chat if chat_template is None else chat_template), system_prompt
 
 
 def _write(result: EvalResult, lm_eval_out: dict, staging: Path, out_dir: Path) -> None:

@@ -40,6 +40,14 @@ class MeasureConfig:
     capacity_budget_gb: float = 2.0  # weights + KV cache: how many sequences fit beside each variant
     capacity_seq_len: int = 1024
     seed: int = 0
+    # flows.fidelity_stage, from the policy's fidelity / long_context / deployment sections
+    fidelity_chunks: int = 0  # held-text chunks teacher-forced for the fidelity gates (0: none)
+    fidelity_chunk_tokens: int = 128
+    probe_lengths: tuple[int, ...] = ()  # long-context probe lengths in tokens
+    probes_per_length: int = 0
+    probe_models: tuple[str, ...] = ()  # the models (baseline, variant names) that run the probe
+    system_prompt: str | None = None  # the deployment's: the safety suites run with it
+    chat_template: bool | None = None  # None: each task's own
 
     def key(self) -> str:
         return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:16]

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from flows import fidelity_stage
 from flows.data import MeasureConfig, Measured, Variant
 from gates import metrics as M
 
@@ -121,10 +122,11 @@ def measure(variant: Variant, config: MeasureConfig, out: Path, advance: Callabl
     advance(1)
     eval_dir = out / "evals"
     for suite in config.suites:
-        run_evals(engine, suite, config.limit, eval_dir / suite)
+        run_evals(engine, suite, config.limit, eval_dir / suite, config.system_prompt, config.chat_template)
         advance(1)
     metrics.update(eval_metrics(eval_dir, config.suites))
     artifacts = [str(bench_json)] + [str(eval_dir / s) for s in config.suites]
+    artifacts += fidelity_stage.measure(engine, variant, config, out)
     return Measured(variant=variant, metrics=metrics, eval_dir=str(eval_dir), bench_json=str(bench_json),
                     artifacts=artifacts)
 
@@ -159,10 +161,11 @@ def capacity_gain(variant: dict[str, float], baseline: dict[str, float]) -> dict
     return {M.CAPACITY_GAIN: v / b} if v is not None and b else {}
 
 
-def run_evals(engine, suite: str, limit: int | None, out_dir: Path) -> None:
+def run_evals(engine, suite: str, limit: int | None, out_dir: Path, system_prompt: str | None = None,
+              chat_template: bool | None = None) -> None:
     from evals.run import run_suite
 
-    run_suite(engine, [suite], limit=limit, out_dir=out_dir)
+    run_suite(engine, [suite], limit=limit, out_dir=out_dir, system_prompt=system_prompt, chat_template=chat_template)
 
 
 def eval_metrics(eval_dir: Path, suites: tuple[str, ...]) -> dict[str, float]:
@@ -214,4 +217,5 @@ def compare(baseline_eval: Path, variant_eval: Path, name: str, out: Path) -> tu
     for row in comparison.rows:
         metrics.update(M.task_metrics(row.task, row.variant_score, delta=row.delta, ci_low=row.ci_low,
                                       ci_high=row.ci_high, n=row.n))
-    return metrics, list(paths.values())
+    seen, seen_paths = fidelity_stage.compare(Path(baseline_eval).parent, Path(variant_eval).parent, out)
+    return metrics | seen, list(paths.values()) + seen_paths

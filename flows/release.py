@@ -20,11 +20,10 @@ from prefect import flow, task  # noqa: E402
 from prefect.cache_policies import NO_CACHE  # noqa: E402
 
 from flows import canary as canary_stage  # noqa: E402
-from flows import measuring, records  # noqa: E402
+from flows import fidelity_stage, measuring, records  # noqa: E402
 from flows.approval import APPROVE_MODES, Decision, auto_decision, offers, undecided, wait_for_decision  # noqa: E402
 from flows.data import (  # noqa: E402
     BASELINE,
-    DEFAULT_SUITES,
     MeasureConfig,
     Measured,
     ReleaseSummary,
@@ -247,7 +246,7 @@ def release_flow(
 
     methods = list(methods or DEFAULT_METHODS)
     check_options(methods, approve, limit, policy, suites)
-    config = MeasureConfig(suites=tuple(suites or DEFAULT_SUITES), limit=limit)
+    config = fidelity_stage.measure_config(records.load_policy(policy), methods, suites, limit)
     source = resolve_source(model)
     run_config = {"methods": methods, "approve": approve, "policy": str(records.policy_path(policy)),
                   "measure": asdict(config), "prefect_flow_run_id": str(flow_run.id)}

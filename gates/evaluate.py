@@ -18,10 +18,10 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING
 
+from gates import fidelity_gates, speed
 from gates import metrics as M
 from gates import power as P
 from gates import sensitivity as S
-from gates import speed
 from gates.policy import Policy, load_policy
 from gates.tracking import BASELINE, TAG_KIND, TAG_ROLE, _log_batch, baseline_run, get_client, get_run
 
@@ -116,10 +116,8 @@ def judge(
         return _canary_gates(policy, variant)
     base = baseline or {}
     tasks = P.with_power(_task_gates(policy, variant, base, stage), P.task_powers(policy, variant, base, flip_rates))
-    from gates.fidelity_gates import fidelity_gates  # imports this module: loaded on first use
-
-    return tasks + _baseline_gates(policy, variant, base, baseline is not None, stage) + fidelity_gates(
-        policy, variant, base, stage)
+    seen = [_speed_result(v, stage, policy, family) for v, family in fidelity_gates.verdicts(policy, variant)]
+    return tasks + _baseline_gates(policy, variant, base, baseline is not None, stage) + seen
 
 
 def _need(source: Mapping[str, float], key: str, where: str, missing: list[str]) -> float | None:
@@ -129,13 +127,13 @@ def _need(source: Mapping[str, float], key: str, where: str, missing: list[str])
     return None
 
 
-def _speed_result(v: speed.SpeedVerdict, stage: str, policy: Policy) -> GateResult:
-    """A speed gate's three outcomes as a GateResult: `uninformative` blocks as the `serving` family says."""
+def _speed_result(v: speed.SpeedVerdict, stage: str, policy: Policy, family: str = "serving") -> GateResult:
+    """A three-outcome gate as a GateResult: `uninformative` blocks as its family (speed: `serving`) says."""
     if not v.verdict:
         return GateResult(v.name, stage, v.rule, v.threshold, None, False, v.reason)
     if v.verdict != UNINFORMATIVE:
         return GateResult(v.name, stage, v.rule, v.threshold, v.observed, v.verdict == speed.PASS, v.reason)
-    blocks = policy.uninformative_blocks("serving")
+    blocks = policy.uninformative_blocks(family)
     effect = "blocks" if blocks else "reported, does not block"
     return GateResult(v.name, stage, v.rule, v.threshold, v.observed, not blocks,
                       f"{UNINFORMATIVE} ({effect}): {v.reason}", UNINFORMATIVE)
