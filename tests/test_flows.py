@@ -238,6 +238,20 @@ def test_release_end_to_end_promotes_the_variant_after_the_canary(first_release)
     assert states["quantize"] in ("Completed", "Cached")
 
 
+def test_the_release_writes_evidence_that_verify_accepts(first_release):
+    from gates.evidence import CARD_SHA_TAG
+    from gates.tracking import get_client, get_run
+    from gates.verify import verify
+
+    s = first_release
+    report = verify(s["release_run_id"])
+    assert report.ok, report.mismatches
+    assert "only integrity is checked, not authorship" in report.authorship  # no QUANTGATE_VERIFY_KEY here
+    digest = get_run(s["release_run_id"]).data.tags[CARD_SHA_TAG]
+    nf4 = s["rows"][1]
+    assert digest in get_client().get_model_version(s["registered_model"], nf4["version"]).description
+
+
 def test_a_failing_gate_promotes_nothing(first_release, tiny_model_dir, policies):
     from gates import registry
     from gates.evaluate import read_evaluation
