@@ -1,12 +1,18 @@
-"""serving/cuda's Triton kernels on CPU tensors in Triton's interpreter, against the torch path
-(serving/attention.py): the K/V store, paged decode, prefill over cached context; then the engine through
-them, greedy token-identical to the torch path; and the CUDA-graph buckets replayed eagerly on CPU."""
+"""serving/cuda's Triton kernels against the torch path (serving/attention.py): the K/V store, paged decode,
+prefill over cached context; then the engine through them, greedy token-identical to the torch path in fp32
+(chunked prefill, prefix hits, preemption, graph buckets), bf16 within tolerance.
+
+On CPU (make test) the kernels run on CPU tensors in Triton's interpreter and graphs in their eager stand-in;
+scripts/gpu_check.sh runs the same file on CUDA (QUANTGATE_TEST_DEVICE=cuda). The model is a tiny random
+Llama with a word-level tokenizer built here, so nothing needs the default model's package."""
 
 from __future__ import annotations
 
 import os
 
-os.environ["TRITON_INTERPRET"] = "1"  # test-only: read by triton when the kernels are defined, so before
+DEVICE = os.environ.get("QUANTGATE_TEST_DEVICE", "cpu")
+if DEVICE == "cpu":
+    os.environ["TRITON_INTERPRET"] = "1"  # test-only: triton reads it when the kernels are defined, so first
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -40,8 +46,9 @@ def _scenario(seed: int, dtype: torch.dtype):
     q = torch.randn(tokens, HEADS, HEAD_DIM, generator=gen).to(dtype)
     key = torch.randn(KV_HEADS, tokens, HEAD_DIM, generator=gen).to(dtype)
     value = torch.randn(KV_HEADS, tokens, HEAD_DIM, generator=gen).to(dtype)
-    return dict(tables=tables, lens=lens, slots_of=slots_of, slot_mapping=slot_mapping, k_cache=k_cache,
-                v_cache=v_cache, q=q, key=key, value=value, prompt_len=prompt_len, chunk=chunk)
+    return dict(tables=tables, lens=lens, slots_of=slots_of, slot_mapping=slot_mapping.to(DEVICE),
+                k_cache=k_cache.to(DEVICE), v_cache=v_cache.to(DEVICE), q=q.to(DEVICE), key=key.to(DEVICE),
+                value=value.to(DEVICE), prompt_len=prompt_len, chunk=chunk)
 
 
 def _torch_context(s, k_cache, v_cache) -> AttentionContext:
@@ -49,15 +56,15 @@ def _torch_context(s, k_cache, v_cache) -> AttentionContext:
     tables = torch.tensor([t + [0] * (width - len(t)) for t in s["tables"][:3]])
     lens = torch.tensor(s["lens"][:3])
     pad = torch.arange(width * BLOCK_SIZE)[None, :] >= lens[:, None]
-    group = DecodeGroup(0, tables.view(-1), pad[None, :, None, :], lens)
+    group = DecodeGroup(0, tables.view(-1).to(DEVICE), pad[None, :, None, :].to(DEVICE), lens)
     prompt = PrefillChunk(3, s["prompt_len"], s["prompt_len"], None)
-    chunk = PrefillChunk(3 + s["prompt_len"], s["chunk"], s["lens"][4], torch.tensor(s["slots_of"][4]))
+    chunk = PrefillChunk(3 + s["prompt_len"], s["chunk"], s["lens"][4], torch.tensor(s["slots_of"][4], device=DEVICE))
     return AttentionContext([k_cache], [v_cache], BLOCK_SIZE, s["slot_mapping"], [prompt, chunk], [group])
 
 
 def _triton_step(s) -> PagedStep:
     prefills = [(3, s["prompt_len"], s["prompt_len"]), (3 + s["prompt_len"], s["chunk"], s["lens"][4])]
-    return PagedStep.build(s["tables"][:3], s["lens"][:3], s["tables"][3:], prefills, "cpu")
+    return PagedStep.build(s["tables"][:3], s["lens"][:3], s["tables"][3:], prefills, DEVICE)
 
 
 @pytest.mark.parametrize("dtype,window", [(torch.float32, None), (torch.float32, 5), (torch.bfloat16, None)])
@@ -74,10 +81,32 @@ def test_store_decode_and_prefill_match_the_torch_path(dtype, window):
     assert (out[:3].float() - ref[:3].float()).abs().max() < tol  # the decode rows
 
 
+VOCAB = 512
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory):
+    """A 2-layer random Llama (GQA, head_dim 16) and a word-level tokenizer, built offline."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    path = tmp_path_factory.mktemp("tiny-llama")
+    words = Tokenizer(models.WordLevel({f"w{i}": i for i in range(VOCAB)}, unk_token="w0"))
+    words.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=words, unk_token="w0", bos_token="w1", eos_token="w2").save_pretrained(path)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                         initializer_range=0.2, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).eval().save_pretrained(path)
+    return path
+
+
 def _greedy(model_dir, prompts, max_tokens, **kwargs):
     from serving import LLMEngine, SamplingParams
 
-    engine = LLMEngine.from_pretrained(str(model_dir), device="cpu", **kwargs)
+    kwargs.setdefault("isa", "torch")  # on CPU: no compiled kernels for the reference (nor build time)
+    engine = LLMEngine.from_pretrained(str(model_dir), device=DEVICE, **kwargs)
     params = [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True, logprobs=0) for m in max_tokens]
     outs = engine.generate(prompts, params)
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
@@ -100,14 +129,11 @@ def _prompts(vocab: int) -> list[list[int]]:
     ],
     ids=["chunked-prefix", "preempt", "graphs"],
 )
-def test_engine_through_triton_is_token_identical_to_the_torch_path_fp32(tiny_model_dir, config):
-    from serving import LLMEngine
-
-    vocab = LLMEngine.from_pretrained(str(tiny_model_dir), device="cpu", dtype="float32").vocab_size
-    prompts, max_tokens = _prompts(vocab), [9, 6, 8, 7]
+def test_engine_through_triton_is_token_identical_to_the_torch_path_fp32(llama_dir, config):
+    prompts, max_tokens = _prompts(VOCAB), [9, 6, 8, 7]
     torch_config = {k: v for k, v in config.items() if k != "cuda_graphs"}
-    _, ref, _ = _greedy(tiny_model_dir, prompts, max_tokens, dtype="float32", attention="torch", **torch_config)
-    engine, out, _ = _greedy(tiny_model_dir, prompts, max_tokens, dtype="float32", attention="triton", **config)
+    _, ref, _ = _greedy(llama_dir, prompts, max_tokens, dtype="float32", attention="torch", **torch_config)
+    engine, out, _ = _greedy(llama_dir, prompts, max_tokens, dtype="float32", attention="triton", **config)
     assert out == ref
     stats = engine.stats()
     if config.get("max_num_batched_tokens"):
@@ -118,13 +144,13 @@ def test_engine_through_triton_is_token_identical_to_the_torch_path_fp32(tiny_mo
         assert set(engine.runner.graphs.graphs) <= {1, 2, 4} and engine.runner.graphs.graphs
 
 
-def test_bf16_engine_through_triton_agrees_with_the_torch_path(tiny_model_dir):
+def test_bf16_engine_through_triton_agrees_with_the_torch_path(llama_dir):
     """bf16 rounds in other places (scores accumulate in fp32 tiles, no bf16 score matrix): texts may part
     at a near tie, so logprobs are compared where the tokens agree."""
-    prompts, max_tokens = _prompts(49152), [8, 8, 8, 8]
+    prompts, max_tokens = _prompts(VOCAB), [8, 8, 8, 8]
     kwargs = dict(dtype="bfloat16", max_num_batched_tokens=8, block_size=4)
-    _, ref, ref_lps = _greedy(tiny_model_dir, prompts, max_tokens, attention="torch", **kwargs)
-    _, out, lps = _greedy(tiny_model_dir, prompts, max_tokens, attention="triton", **kwargs)
+    _, ref, ref_lps = _greedy(llama_dir, prompts, max_tokens, attention="torch", **kwargs)
+    _, out, lps = _greedy(llama_dir, prompts, max_tokens, attention="triton", **kwargs)
     gaps = []
     for a, b, la, lb in zip(out, ref, lps, ref_lps, strict=True):
         same = next((t for t, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), len(b))
@@ -142,12 +168,12 @@ def test_graph_buckets_and_padding_rows_leave_the_cache_alone():
     assert [bucket_for(n, batch_buckets(64)) for n in (1, 3, 5, 9, 17, 64, 65)] == [1, 4, 8, 16, 32, 64, None]
     with pytest.raises(ValueError, match="max_batch"):
         batch_buckets(0)
-    buffers = StaticDecodeBuffers.allocate(8, 3, torch.device("cpu"))
+    buffers = StaticDecodeBuffers.allocate(8, 3, torch.device(DEVICE))
     buffers.fill([5, 6, 7], [3, 9, 1], [12, 40, 2], [[3], [1, 9, 10], [0]], [4, 10, 2], bucket=4)
     assert buffers.slot_mapping[:4].tolist() == [12, 40, 2, -1] and buffers.context_lens[:4].tolist() == [4, 10, 2, 0]
     assert buffers.block_tables[:4].tolist() == [[3, 0, 0], [1, 9, 10], [0, 0, 0], [0, 0, 0]]
-    k_cache, v_cache = torch.zeros(2, 16, 16), torch.zeros(2, 16, 16)
-    key = torch.randn(2, 4, 16)
-    store_kv(key, key, k_cache, v_cache, torch.tensor([3, -1, 7, -1]))
+    k_cache, v_cache = torch.zeros(2, 16, 16, device=DEVICE), torch.zeros(2, 16, 16, device=DEVICE)
+    key = torch.randn(2, 4, 16, device=DEVICE)
+    store_kv(key, key, k_cache, v_cache, torch.tensor([3, -1, 7, -1], device=DEVICE))
     assert torch.equal(k_cache[:, 3], key[:, 0]) and torch.equal(v_cache[:, 7], key[:, 2])
     assert k_cache.abs().sum() == key[:, 0].abs().sum() + key[:, 2].abs().sum()  # padding rows wrote nothing
