@@ -220,12 +220,13 @@ def write_evidence(release_run_id: str) -> None:
     """The release's evidence manifest (gates.evidence). Aliases have moved by now, so a failure to write
     it is recorded on the run and said, not turned into a failed release; `quantgate verify` reports it."""
     from flows.progress import note
+    from gates.evidence import ERROR_TAG
     from gates.evidence import write_evidence as write
 
     try:
         written = write(release_run_id)
     except Exception as exc:
-        tag_release(release_run_id, {"evidence.error": f"{type(exc).__name__}: {exc}"[:5000]})
+        tag_release(release_run_id, {ERROR_TAG: f"{type(exc).__name__}: {exc}"[:5000]})
         note(f"EVIDENCE NOT WRITTEN for release {release_run_id}: {exc}")
         return
     signed = f"signed with key {written.key_id}" if written.key_id else "unsigned (no QUANTGATE_SIGNING_KEY)"

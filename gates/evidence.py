@@ -8,7 +8,8 @@ it, e.g. power), and the registered version's approval (who, when). Release-wide
 hash, the policies' text and sha256, the sha256 of the eval data files the tasks read, library versions.
 
 Written on the release run as `evidence/manifest.json` (canonical JSON: the bytes hashed and signed) and,
-when `QUANTGATE_SIGNING_KEY` names an ed25519 key, `evidence/signature.json`; each registered version's
+`evidence/signature.json` (an ed25519 signature when `QUANTGATE_SIGNING_KEY` names a key, else a record
+saying "none", which replaces any older signature of a manifest written again); each registered version's
 description becomes a model card naming the manifest's sha256. `gates.verify` re-checks all of it.
 """
 
@@ -43,6 +44,7 @@ MANIFEST_PATH = "evidence/manifest.json"
 SIGNATURE_PATH = "evidence/signature.json"
 CARD_SHA_TAG = "evidence.manifest_sha256"
 CARD_RUN_TAG = "evidence.release_run_id"
+ERROR_TAG = "evidence.error"  # on a release run whose evidence could not be written: why
 SAMPLES_DIR = "samples"
 _CARD_MAX = 4900  # MLflow keeps 5000 characters of a version's description
 
@@ -285,8 +287,8 @@ def write_evidence(release_run_id: str, signing_key: Path | None = None,
         folder = Path(tmp) / "evidence"
         folder.mkdir()
         (folder / "manifest.json").write_bytes(payload)
-        if signature is not None:
-            (folder / "signature.json").write_text(json.dumps(signature.as_dict(), indent=2) + "\n")
+        record = signature or signing.NO_SIGNATURE
+        (folder / "signature.json").write_text(json.dumps(record.as_dict(), indent=2) + "\n")
         client.log_artifacts(release_run_id, str(folder), "evidence")
     client.set_tag(release_run_id, CARD_SHA_TAG, digest)
     versions = []

@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
 ALGORITHM = "ed25519"
+UNSIGNED = "none"  # the record an unsigned manifest carries, so that no older signature stays beside it
 PRIVATE_NAME = "quantgate-evidence.key"
 PUBLIC_NAME = "quantgate-evidence.pub"
 
@@ -37,6 +38,13 @@ class Signature:
 
     def as_dict(self) -> dict[str, str]:
         return asdict(self)
+
+    @property
+    def signed(self) -> bool:
+        return self.algorithm != UNSIGNED
+
+
+NO_SIGNATURE = Signature(UNSIGNED, "", "")
 
 
 def key_id(public: Ed25519PublicKey) -> str:

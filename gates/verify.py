@@ -74,7 +74,9 @@ def verify(run_id: str, verify_key: Path | None = None, client: MlflowClient | N
         work = Path(tmp)
         path = E.download(client, release_id, E.MANIFEST_PATH, work / "bundle")
         if path is None:
-            report.mismatches.append(f"release run {release_id} has no {E.MANIFEST_PATH} (no evidence was written)")
+            error = get_run(release_id, client).data.tags.get(E.ERROR_TAG)
+            report.mismatches.append(f"release run {release_id} has no {E.MANIFEST_PATH} (no evidence was written"
+                                     + (f": {error})" if error else ")"))
             return report
         payload = path.read_bytes()
         sig_path = E.download(client, release_id, E.SIGNATURE_PATH, work / "bundle")
@@ -101,22 +103,26 @@ def verify(run_id: str, verify_key: Path | None = None, client: MlflowClient | N
 def _check_signature(report: Report, payload: bytes, sig_path: Path | None, key_path: Path | None) -> None:
     from gates import signing
 
+    try:
+        signature = signing.Signature.from_dict(json.loads(sig_path.read_text())) if sig_path else None
+    except ValueError as exc:
+        report.mismatches.append(f"signature: unreadable {E.SIGNATURE_PATH}: {exc}")
+        signature = None
+    signature = signature if signature is not None and signature.signed else None
     if key_path is None:
         report.authorship = ("no verify key configured (QUANTGATE_VERIFY_KEY or --key): only integrity is checked, "
                              "not authorship; whoever can write the run could have rewritten the manifest and "
                              "its signature together")
-        if sig_path is not None:
-            report.notes.append("the manifest carries a signature, not checked without a verify key")
+        if signature is not None:
+            report.notes.append(f"the manifest carries a signature by key {signature.key_id}, not checked without "
+                                "a verify key")
         return
     public = signing.load_public_key(key_path)
-    if sig_path is None:
+    if signature is None:
         report.mismatches.append(f"signature: the manifest is unsigned, but verify key {key_path} is configured")
         report.authorship = "not established: unsigned"
         return
-    try:
-        problem = signing.check(payload, signing.Signature.from_dict(json.loads(sig_path.read_text())), public)
-    except ValueError as exc:
-        problem = f"unreadable {E.SIGNATURE_PATH}: {exc}"
+    problem = signing.check(payload, signature, public)
     if problem:
         report.mismatches.append(f"signature: {problem}")
         report.authorship = f"not established: {problem}"
@@ -157,7 +163,8 @@ def _check_runs(report: Report, manifest: dict[str, Any], client: MlflowClient, 
             continue
         where = f"{entry['name']} (run {entry['run_id'][:8]})"
         _check_weights(report, manifest, entry, where)
-        report.compare(f"{where}: metrics", entry["metrics"], dict(run.data.metrics))
+        for key in sorted(set(entry["metrics"]) | set(run.data.metrics)):
+            report.compare(f"{where}: metric {key}", entry["metrics"].get(key), run.data.metrics.get(key))
         evidence = E.download(client, entry["run_id"], EVIDENCE_DIR, work / str(i))
         _check_outputs(report, entry["outputs"], E.output_hashes(evidence), where)
         now = E.artifact_hashes(evidence)

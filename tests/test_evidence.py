@@ -218,8 +218,15 @@ def _tamper_verdict_tag(s: dict) -> str:
     return "release gate (MLflow tags) task/arith/max_drop"
 
 
-@pytest.mark.parametrize("tamper", [_tamper_weight, _tamper_output, _tamper_policy, _tamper_verdict_tag],
-                         ids=["weight", "output", "policy", "verdict-tag"])
+def _tamper_metric(s: dict) -> str:
+    from gates.tracking import get_client
+
+    get_client().log_metric(s["run"], M.task_delta_ci_low("arith"), -0.2)
+    return "nf4 (run " + s["run"][:8] + "): metric task/arith/delta_ci_low: manifest says -0.02, found -0.2"
+
+
+@pytest.mark.parametrize("tamper", [_tamper_weight, _tamper_output, _tamper_policy, _tamper_verdict_tag, _tamper_metric],
+                         ids=["weight", "output", "policy", "verdict-tag", "metric"])
 def test_verify_fails_on_one_changed_byte_naming_it(signed, keys, tamper, capsys):
     from gates.verify import verify
     from quantgate.cli import main
@@ -258,8 +265,8 @@ def test_a_rewritten_verdict_is_caught_by_rejudging_and_by_the_signature(signed,
     assert any("signature does not match the manifest" in m for m in signed_check.mismatches)
 
 
-def test_a_forged_signature_or_a_missing_one_fails_with_a_key(signed, keys):
-    from gates.evidence import SIGNATURE_PATH
+def test_a_forged_missing_or_withdrawn_signature_fails_with_a_key(signed, keys):
+    from gates.evidence import SIGNATURE_PATH, write_evidence
     from gates.verify import verify
 
     path = _artifact(signed["release"], SIGNATURE_PATH)
@@ -271,15 +278,12 @@ def test_a_forged_signature_or_a_missing_one_fails_with_a_key(signed, keys):
     path.unlink()
     report = verify(signed["release"], verify_key=keys["ours"][1])
     assert any("the manifest is unsigned" in m for m in report.mismatches)
-
-
-def test_an_unsigned_release_verifies_for_integrity_only(module_store, tmp_path, built):
-    from gates.verify import verify
-
-    s = _record(tmp_path, built, signing_key=None)
-    assert s["written"].key_id is None
-    report = verify(s["release"])
+    # written again without a key: no older signature stays beside the new manifest
+    assert write_evidence(signed["release"], signing_key=None).key_id is None
+    report = verify(signed["release"])
     assert report.ok and "only integrity" in report.authorship, report.mismatches
+    report = verify(signed["release"], verify_key=keys["ours"][1])
+    assert any("the manifest is unsigned" in m for m in report.mismatches)
 
 
 def test_keygen_writes_a_pair_and_never_replaces_one(tmp_path, capsys):
