@@ -157,7 +157,7 @@ def dry_run(args) -> dict:
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda")
-    parser.add_argument("--shapes", default=",".join(SHAPES), help=f"comma list of {', '.join(SHAPES)}")
+    parser.add_argument("--shapes", default="smollm2-135m,llama-1b", help=f"comma list of {', '.join(SHAPES)}")
     parser.add_argument("--batches", default=",".join(map(str, BATCHES)))
     parser.add_argument("--prompt", type=int, default=128, help="prompt tokens per request")
     parser.add_argument("--warmup", type=int, default=4)

@@ -123,8 +123,8 @@ def _prompts(vocab: int) -> list[list[int]]:
 @pytest.mark.parametrize(
     "config",
     [
-        dict(max_num_batched_tokens=8, block_size=4),  # chunked prefill, prefix hits
-        dict(num_kv_blocks=12, block_size=4),  # preemption: recompute through prefill over cached blocks
+        dict(max_num_batched_tokens=8, block_size=4, cuda_graphs=False),  # chunked prefill, prefix hits
+        dict(num_kv_blocks=12, block_size=4, cuda_graphs=False),  # preemption: recompute over cached blocks
         dict(block_size=4, cuda_graphs=True),  # decode through the graph buckets' eager stand-in
     ],
     ids=["chunked-prefix", "preempt", "graphs"],

@@ -53,6 +53,7 @@ class CudaGraph:
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph, pool=pool):
             self.output = call()
+        self.graph.replay()  # capture records without running: fill `output` for this step
 
     def replay(self) -> None:
         self.graph.replay()
