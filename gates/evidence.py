@@ -102,6 +102,18 @@ def artifact_hashes(evidence_dir: Path | None) -> dict[str, str]:
             if p.is_file()}
 
 
+def release_artifacts(client: MlflowClient, run_id: str, work: Path) -> dict[str, str]:
+    """The release run's own records (config.json, summary.json, summary.md...) -> sha256; not `evidence/`."""
+    out = {}
+    for info in client.list_artifacts(run_id):
+        if info.path == "evidence":
+            continue
+        path = download(client, run_id, info.path, work)
+        files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
+        out.update({str(f.relative_to(work)): sha256(f.read_bytes()) for f in files})
+    return out
+
+
 def task_of(output: str) -> str:
     return Path(output).stem
 
@@ -253,6 +265,7 @@ def build_manifest(release_run_id: str, client: MlflowClient | None = None) -> d
             entry, found = _run_entry(client, run, Path(tmp) / str(i))
             runs.append(entry)
             policies.update(found)
+        records = release_artifacts(client, release_run_id, Path(tmp) / "release")
     tasks = {task_of(o) for r in runs for o in r["outputs"]}
     return {
         "kind": KIND,
@@ -263,6 +276,7 @@ def build_manifest(release_run_id: str, client: MlflowClient | None = None) -> d
         "created_at": dt.datetime.now(dt.UTC).isoformat(timespec="milliseconds"),
         "approval": {k.removeprefix("approval."): v for k, v in release.data.tags.items()
                      if k.startswith("approval.")},
+        "release_artifacts": records,
         "policies": policies,
         "eval_data": data_hashes(tasks),
         "runs": runs,

@@ -89,15 +89,27 @@ def verify(run_id: str, verify_key: Path | None = None, client: MlflowClient | N
         if manifest.get("kind") != E.KIND or manifest.get("format_version") != E.FORMAT_VERSION:
             report.mismatches.append(f"{E.MANIFEST_PATH} is not a quantgate evidence manifest v{E.FORMAT_VERSION}")
             return report
-        report.compare("manifest release run id", manifest["release_run_id"], release_id)
-        release_tags = get_run(release_id, client).data.tags
-        report.compare("manifest sha256 on the release run", E.sha256(payload), release_tags.get(E.CARD_SHA_TAG))
-        report.compare("release approval", manifest["approval"],
-                       {k.removeprefix("approval."): v for k, v in release_tags.items() if k.startswith("approval.")})
-        _check_policies(report, manifest)
-        _check_runs(report, manifest, client, E.sha256(payload), work)
-        _check_data(report, manifest)
+        try:
+            _check_release(report, manifest, client, E.sha256(payload), work)
+        except (KeyError, TypeError, AttributeError) as exc:
+            report.mismatches.append(f"{E.MANIFEST_PATH} is malformed ({type(exc).__name__}: {exc})")
     return report
+
+
+def _check_release(report: Report, manifest: dict[str, Any], client: MlflowClient, digest: str, work: Path) -> None:
+    release_id = report.release_run_id
+    report.compare("manifest release run id", manifest["release_run_id"], release_id)
+    release_tags = get_run(release_id, client).data.tags
+    report.compare("manifest sha256 on the release run", digest, release_tags.get(E.CARD_SHA_TAG))
+    report.compare("release approval", manifest["approval"],
+                   {k.removeprefix("approval."): v for k, v in release_tags.items() if k.startswith("approval.")})
+    now = E.release_artifacts(client, release_id, work / "release")
+    for name in sorted(set(manifest["release_artifacts"]) | set(now)):
+        report.compare(f"release run artifact {name}", manifest["release_artifacts"].get(name, "absent"),
+                       now.get(name, "absent"))
+    _check_policies(report, manifest)
+    _check_runs(report, manifest, client, digest, work)
+    _check_data(report, manifest)
 
 
 def _check_signature(report: Report, payload: bytes, sig_path: Path | None, key_path: Path | None) -> None:

@@ -139,6 +139,7 @@ def test_the_manifest_binds_weights_recipe_policy_data_outputs_verdicts_and_appr
     assert pristine["written"].manifest_sha256 == sha256(_artifact(pristine["release"], "evidence/manifest.json").read_bytes())
     runs = {r["name"]: r for r in m["runs"]}
     assert set(runs) == {"baseline", "nf4"}
+    assert m["release_artifacts"] == {"config.json": sha256(_artifact(pristine["release"], "config.json").read_bytes())}
     nf4 = runs["nf4"]
     assert nf4["weights"]["files"] == directory_hashes(pristine["nf4"])
     assert nf4["weights"]["files"]["model.safetensors"] == file_sha256(pristine["nf4"] / "model.safetensors")
