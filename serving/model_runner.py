@@ -118,10 +118,10 @@ class ModelRunner:
         self.fast_forward = LlamaForward.of(model, torch.device(device), isa)  # None: the model's own forward
         self.attention, self.graphs = attention, None
         if attention == "triton":
-            from serving.cuda.torch_ops import TorchOps
+            from serving.cuda.fused_ops import TritonOps
 
             self.decode_kernel = None
-            self.fast_forward = LlamaForward(model, TorchOps()) if supports(model) else None
+            self.fast_forward = LlamaForward(model, TritonOps()) if supports(model) else None
         if graph_shape is not None:
             if self.attention != "triton" or self.fast_forward is None:
                 raise ValueError("decode graphs need attention='triton' and a Llama-family model (llama_forward)")

@@ -147,7 +147,7 @@ def test_engine_through_triton_is_token_identical_to_the_torch_path_fp32(llama_d
 def test_bf16_engine_through_triton_agrees_with_the_torch_path(llama_dir):
     """bf16 rounds in other places (scores accumulate in fp32 tiles, no bf16 score matrix): texts may part
     at a near tie, so logprobs are compared where the tokens agree."""
-    prompts, max_tokens = _prompts(VOCAB), [8, 8, 8, 8]
+    prompts, max_tokens = _prompts(VOCAB), [6, 6, 6, 6]
     kwargs = dict(dtype="bfloat16", max_num_batched_tokens=8, block_size=4)
     _, ref, ref_lps = _greedy(llama_dir, prompts, max_tokens, attention="torch", **kwargs)
     _, out, lps = _greedy(llama_dir, prompts, max_tokens, attention="triton", **kwargs)
@@ -177,3 +177,44 @@ def test_graph_buckets_and_padding_rows_leave_the_cache_alone():
     store_kv(key, key, k_cache, v_cache, torch.tensor([3, -1, 7, -1], device=DEVICE))
     assert torch.equal(k_cache[:, 3], key[:, 0]) and torch.equal(v_cache[:, 7], key[:, 2])
     assert k_cache.abs().sum() == key[:, 0].abs().sum() + key[:, 2].abs().sum()  # padding rows wrote nothing
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_ops_round_as_the_torch_ops(dtype):
+    """RMSNorm sums its variance in another order (a float32 ulp of the scale); rotary rounds op by op as
+    HF does, so it agrees to the bit in bf16; K/V land in their slots, a padding row's (-1) nowhere."""
+    from serving.cuda.fused_ops import TritonOps
+    from serving.cuda.torch_ops import TorchOps
+
+    gen = torch.Generator().manual_seed(1)
+    tokens, heads, kv_heads, dim, hidden = 5, 6, 2, 16, 40
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen).to(dtype).to(DEVICE)
+
+    x, residual, weight = rand(tokens, hidden), rand(tokens, hidden), rand(hidden)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(TritonOps.rms_norm(x, weight, 1e-5), TorchOps.rms_norm(x, weight, 1e-5), **tol)
+    res_a, res_b = residual.clone(), residual.clone()
+    out_a, out_b = TritonOps.add_rms_norm(res_a, x, weight, 1e-5), TorchOps.add_rms_norm(res_b, x, weight, 1e-5)
+    assert torch.equal(res_a, res_b)
+    torch.testing.assert_close(out_a, out_b, **tol)
+
+    qkv = rand(tokens, (heads + 2 * kv_heads) * dim)  # one fused projection's output, split as the model does
+    angles = torch.rand(tokens, dim // 2, generator=gen).to(DEVICE) * 6
+    cos, sin = torch.cat([angles.cos()] * 2, -1).to(dtype), torch.cat([angles.sin()] * 2, -1).to(dtype)
+    slots = torch.tensor([7, 0, -1, 3, 12], device=DEVICE)
+    outs = []
+    for ops in (TritonOps, TorchOps):
+        q, k, v = qkv.clone().split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+        caches = torch.zeros(2, kv_heads, 16, dim, dtype=dtype, device=DEVICE)
+        ops.rotary_store(q, k, v, cos, sin, dim, caches[0], caches[1], slots)
+        outs.append((q, k, caches))
+    (q_a, k_a, c_a), (q_b, k_b, c_b) = outs
+    if dtype == torch.bfloat16:
+        assert torch.equal(q_a, q_b) and torch.equal(k_a, k_b) and torch.equal(c_a, c_b)
+    else:
+        torch.testing.assert_close(q_a, q_b, atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(c_a, c_b, atol=1e-6, rtol=1e-6)
+    written = {7, 0, 3, 12}
+    assert all(c_a[:, :, s].abs().sum() == 0 for s in range(16) if s not in written)

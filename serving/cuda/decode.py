@@ -12,20 +12,10 @@ import torch
 import triton
 import triton.language as tl
 
+from serving.cuda.interpreter import dot_operand, interpreted, round_to
+
 BLOCK_N = 32  # key positions per tile
 MIN_DOT = 16  # tl.dot's smallest tile side on GPUs
-
-
-@triton.jit
-def dot_operand(x, dtype: tl.constexpr, UPCAST: tl.constexpr):
-    """x as tl.dot takes it: rounded to `dtype`, then held in float32 where UPCAST (Triton's interpreter
-    multiplies bfloat16 tiles wrongly; products of bf16 values are exact in float32, which the GPU
-    accumulates in, so the result is the same)."""
-    if UPCAST:
-        y = x.to(dtype).to(tl.float32)
-    else:
-        y = x.to(dtype)
-    return y
 
 
 @triton.jit
@@ -34,7 +24,7 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, table_ptr, length_ptr, out_p
                    cache_head_stride, cache_slot_stride, table_stride, scale, window,
                    GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
-                   UPCAST: tl.constexpr):
+                   INTERPRETED: tl.constexpr):
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1).to(tl.int64)
     length = tl.load(length_ptr + seq)
@@ -44,7 +34,7 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, table_ptr, length_ptr, out_p
     hd_mask = (h < GROUP)[:, None] & (d < HEAD_DIM)[None, :]
     q = tl.load(q_ptr + seq * q_row_stride + heads[:, None] * q_head_stride + d[None, :], mask=hd_mask, other=0.0)
     dtype = q.dtype
-    q = dot_operand(q, dtype, UPCAST)
+    q = dot_operand(q, dtype, INTERPRETED)
     k_base = k_cache_ptr + kv_head * cache_head_stride
     v_base = v_cache_ptr + kv_head * cache_head_stride
     first = tl.where(window > 0, tl.maximum(length - window, 0), 0)  # the oldest position the token sees
@@ -58,7 +48,7 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, table_ptr, length_ptr, out_p
         slot = block * BLOCK_SIZE + pos % BLOCK_SIZE
         kv_mask = valid[:, None] & (d < HEAD_DIM)[None, :]
         k = tl.load(k_base + slot[:, None] * cache_slot_stride + d[None, :], mask=kv_mask, other=0.0)
-        scores = tl.dot(q, tl.trans(dot_operand(k, dtype, UPCAST)), input_precision=PRECISION) * scale
+        scores = tl.dot(q, tl.trans(dot_operand(k, dtype, INTERPRETED)), input_precision=PRECISION) * scale
         scores = tl.where(valid[None, :], scores, float("-inf"))
         m_new = tl.maximum(m, tl.max(scores, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -66,12 +56,12 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, table_ptr, length_ptr, out_p
         p = tl.exp(scores - m_safe[:, None])
         total = total * alpha + tl.sum(p, 1)
         v = tl.load(v_base + slot[:, None] * cache_slot_stride + d[None, :], mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(dot_operand(p, dtype, UPCAST), dot_operand(v, dtype, UPCAST),
+        acc = acc * alpha[:, None] + tl.dot(dot_operand(p, dtype, INTERPRETED), dot_operand(v, dtype, INTERPRETED),
                                              input_precision=PRECISION)
         m = m_new
     out = acc / tl.where(total == 0.0, 1.0, total)[:, None]
     tl.store(out_ptr + seq * out_row_stride + heads[:, None] * out_head_stride + d[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=hd_mask)
+             round_to(out, out_ptr.dtype.element_ty, INTERPRETED), mask=hd_mask)
 
 
 def dot_precision(dtype: torch.dtype) -> str:
@@ -96,6 +86,6 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         block_tables.stride(0), scale, window or 0,
         GROUP=group, BLOCK_H=max(MIN_DOT, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         BLOCK_D=max(MIN_DOT, triton.next_power_of_2(head_dim)), BLOCK_SIZE=block_size, BLOCK_N=BLOCK_N,
-        PRECISION=dot_precision(q.dtype), UPCAST=q.device.type == "cpu",
+        PRECISION=dot_precision(q.dtype), INTERPRETED=interpreted(q),
     )
     return out

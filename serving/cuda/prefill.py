@@ -12,7 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
-from serving.cuda.decode import MIN_DOT, dot_operand, dot_precision
+from serving.cuda.decode import MIN_DOT, dot_precision
+from serving.cuda.interpreter import dot_operand, interpreted, round_to
 
 BLOCK_M = 16  # query rows per program
 BLOCK_N = 32  # key positions per tile
@@ -24,7 +25,7 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, table_ptr, start_ptr, lengt
                     cache_head_stride, cache_slot_stride, table_stride, scale, window,
                     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+                    PRECISION: tl.constexpr, INTERPRETED: tl.constexpr):
     chunk = tl.program_id(0).to(tl.int64)
     tile = tl.program_id(1)
     head = tl.program_id(2).to(tl.int64)
@@ -40,7 +41,7 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, table_ptr, start_ptr, lengt
         q = tl.load(q_ptr + rows[:, None] * q_row_stride + head * q_head_stride + d[None, :], mask=qd_mask,
                     other=0.0)
         dtype = q.dtype
-        q = dot_operand(q, dtype, UPCAST)
+        q = dot_operand(q, dtype, INTERPRETED)
         kv_head = head // GROUP
         k_base = k_cache_ptr + kv_head * cache_head_stride
         v_base = v_cache_ptr + kv_head * cache_head_stride
@@ -57,7 +58,7 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, table_ptr, start_ptr, lengt
             slot = block * BLOCK_SIZE + pos % BLOCK_SIZE
             kv_mask = valid[:, None] & (d < HEAD_DIM)[None, :]
             k = tl.load(k_base + slot[:, None] * cache_slot_stride + d[None, :], mask=kv_mask, other=0.0)
-            scores = tl.dot(q, tl.trans(dot_operand(k, dtype, UPCAST)), input_precision=PRECISION) * scale
+            scores = tl.dot(q, tl.trans(dot_operand(k, dtype, INTERPRETED)), input_precision=PRECISION) * scale
             seen = valid[None, :] & (pos[None, :] <= q_pos[:, None])
             seen = seen & ((window <= 0) | (pos[None, :] > q_pos[:, None] - window))
             scores = tl.where(seen, scores, float("-inf"))
@@ -67,12 +68,12 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, table_ptr, start_ptr, lengt
             p = tl.exp(scores - m_safe[:, None])
             total = total * alpha + tl.sum(p, 1)
             v = tl.load(v_base + slot[:, None] * cache_slot_stride + d[None, :], mask=kv_mask, other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(dot_operand(p, dtype, UPCAST), dot_operand(v, dtype, UPCAST),
+            acc = acc * alpha[:, None] + tl.dot(dot_operand(p, dtype, INTERPRETED), dot_operand(v, dtype, INTERPRETED),
                                                  input_precision=PRECISION)
             m = m_new
         out = acc / tl.where(total == 0.0, 1.0, total)[:, None]
         tl.store(out_ptr + rows[:, None] * out_row_stride + head * out_head_stride + d[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=qd_mask)
+                 round_to(out, out_ptr.dtype.element_ty, INTERPRETED), mask=qd_mask)
 
 
 def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -95,6 +96,6 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         block_tables.stride(0), scale, window or 0,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=max(MIN_DOT, triton.next_power_of_2(head_dim)),
         BLOCK_SIZE=block_size, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, PRECISION=dot_precision(q.dtype),
-        UPCAST=q.device.type == "cpu",
+        INTERPRETED=interpreted(q),
     )
     return out
