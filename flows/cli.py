@@ -9,6 +9,7 @@ from pathlib import Path
 
 DEMO_LIMIT = 40  # items per task in `make demo`: enough for the gates to tell int8 from noise, ~6 min on 2 cores
 DEMO_POLICY = Path(__file__).with_name("demo_policy.yaml")  # the default gates, sized for 40 items a task
+DEMO_SUITES = "accuracy,safety,arc_easy,piqa,hellaswag,winogrande"  # our own tasks beside four real benchmarks
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -21,6 +22,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--limit", type=int, default=DEMO_LIMIT, help=f"items per eval task (default {DEMO_LIMIT})")
     p.add_argument("--methods", default="int8wo,int4wo", help="comma-separated quantization methods")
     p.add_argument("--policy", default=str(DEMO_POLICY), help="gate policy (default flows/demo_policy.yaml)")
+    p.add_argument("--suites", default=DEMO_SUITES, help=f"eval suites and/or task names (default {DEMO_SUITES})")
     p.add_argument("--verbose", action="store_true", help="show Prefect's run logs in the terminal too")
     p.set_defaults(func=_demo)
 
@@ -174,7 +176,7 @@ def _demo(args: argparse.Namespace) -> int:
 
     Console(stderr=True).print(
         f"[bold]quantgate demo[/bold]: release of the embedded SmolLM2-135M-Instruct ({args.methods}), "
-        f"{args.limit} items per eval task, auto-approval, canary, promotion; gates from {args.policy}"
+        f"{args.limit} items per eval task ({args.suites}), auto-approval, canary, promotion; gates from {args.policy}"
     )
     return run_release(args, "smollm2-135m", _methods(args.methods))
 

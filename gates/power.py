@@ -15,7 +15,7 @@ so var(D) = flip_rate + drop - drop^2. A task scored by a continuous metric (bit
 its per-item sd comes from the measured CI instead. The flip rate is the variant's own (from its
 comparison) when recorded, else DEFAULT_FLIP_RATE. Gates judge disjoint item sets, so the policy's
 harmless-pass probability is the product over its task gates (an independence assumption, stated in
-the report; `simulate_task_gates` checks it on crafted data through the real CI and the real gate).
+the report; gates.power_sim checks it on crafted data through the real CI and the real gate).
 
 Power never changes a verdict: a gate passed at low power still showed the drop is within max_drop
 (the burden of proof stays on the variant); a gate below `min_harmless_pass` is labelled `underpowered`,
@@ -30,10 +30,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from statistics import NormalDist
 
-import numpy as np
-
 DEFAULT_FLIP_RATE = 0.10  # per-item answer changes of a harmless variant when none was measured (docs/gates.md)
-DEFAULT_SECONDS_PER_ITEM = 0.10  # eval time per item per model when no run recorded one (docs/gates.md)
+DEFAULT_SECONDS_PER_ITEM = 0.15  # eval time per item and model when none is given (docs/gates.md)
 REFUSAL_POWER = 0.80
 CI_ALPHA = 0.05  # evals.compare's default: the gates judge 95 % CIs
 _NORMAL = NormalDist()
@@ -203,51 +201,6 @@ def recorded_flip_rates(client, run_id: str) -> dict[str, float]:
             return flip_rates(json.loads(Path(path).read_text()))
         except (MlflowException, OSError, ValueError, KeyError):  # recorded without its comparison
             return {}
-
-
-@dataclass(frozen=True)
-class SimulatedTask:
-    """A crafted binary task for `simulate_task_gates`: baseline accuracy, flip rate, the variant's drop."""
-
-    n: int
-    score: float
-    flip_rate: float = DEFAULT_FLIP_RATE
-    drop: float = 0.0
-
-
-def simulate_task_gates(policy, tasks: Mapping[str, SimulatedTask], draws: int = 200,
-                        seed: int = 0) -> dict[str, np.ndarray]:
-    """Per task, whether each of `draws` simulated variants passes its gate: items drawn under the flip
-    model, the CI from evals.compare.paired_delta_ci and the verdict from gates.evaluate.judge."""
-    from evals.compare import paired_delta_ci
-    from gates import metrics as M
-    from gates.evaluate import judge
-
-    rng = np.random.default_rng(seed)
-    variants: list[dict[str, float]] = [{} for _ in range(draws)]
-    baselines: list[dict[str, float]] = [{} for _ in range(draws)]
-    for i, (task, t) in enumerate(tasks.items()):
-        lost, gained = t.flip_rate / 2 + t.drop, t.flip_rate / 2
-        if not policy.task_gate(task).higher_is_better:
-            raise ValueError(f"{task}: the simulation draws higher-is-better accuracy tasks only")
-        if not (0 < t.score < 1 and lost <= t.score and gained <= 1 - t.score):
-            raise ValueError(f"{task}: flip rate {t.flip_rate} and drop {t.drop} do not fit baseline score {t.score}")
-        base = (rng.random((draws, t.n)) < t.score).astype(float)
-        u = rng.random((draws, t.n))
-        var = np.where(base == 1.0, u >= lost / t.score, u < gained / (1 - t.score)).astype(float)
-        low, high, _ = paired_delta_ci(base, var, np.ones(t.n), "acc", seed + i)
-        for d in range(draws):
-            b, v = float(base[d].mean()), float(var[d].mean())
-            variants[d].update(M.task_metrics(task, v, delta=v - b, ci_low=float(low[d]), ci_high=float(high[d]),
-                                              n=t.n))
-            baselines[d].update(M.task_metrics(task, b, n=t.n))
-    passed = {task: np.zeros(draws, dtype=bool) for task in tasks}
-    for d in range(draws):
-        for r in judge(policy, variants[d], baselines[d]):
-            task = r.name[len("task/"):-len("/max_drop")] if r.name.startswith("task/") else None
-            if task in passed:
-                passed[task][d] = r.passed
-    return passed
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ from gates_fixtures import make_release
 
 from gates import metrics as M
 from gates import power as P
+from gates import power_sim as S
 from gates.evaluate import judge
 from gates.policy import PolicyError, parse_policy
 
@@ -29,19 +30,19 @@ def _family_pass(passed: dict[str, np.ndarray]) -> np.ndarray:
 def test_harmless_pass_of_one_gate_matches_simulation() -> None:
     for n, score, flip in ((500, 0.6, 0.10), (300, 0.5, 0.06)):
         model = P.pass_probability(n, 0.05, 0.0, flip)
-        simulated = P.simulate_task_gates(POLICY, {"t": P.SimulatedTask(n, score, flip)}, DRAWS, seed=n)["t"].mean()
+        simulated = S.simulate_task_gates(POLICY, {"t": S.SimulatedTask(n, score, flip)}, DRAWS, seed=n)["t"].mean()
         assert 0.9 < model < 0.97
         assert abs(model - simulated) <= 0.03, (n, model, simulated)
 
 
 def test_harmless_pass_of_a_20_gate_policy_matches_simulation() -> None:
     rng = np.random.default_rng(3)
-    tasks = {f"t{i:02d}": P.SimulatedTask(int(rng.integers(500, 900)), float(rng.uniform(0.4, 0.75)),
+    tasks = {f"t{i:02d}": S.SimulatedTask(int(rng.integers(500, 900)), float(rng.uniform(0.4, 0.75)),
                                           float(rng.uniform(0.04, 0.10))) for i in range(20)}
     powers = [P.gate_power(name, t.n, POLICY.task_gate(name).max_drop, flip_rate=t.flip_rate)
               for name, t in tasks.items()]
     family = P.family_harmless_pass(powers)
-    simulated = _family_pass(P.simulate_task_gates(POLICY, tasks, DRAWS, seed=0)).mean()
+    simulated = _family_pass(S.simulate_task_gates(POLICY, tasks, DRAWS, seed=0)).mean()
     assert 0.9 < family < 0.96  # 20 gates of ~0.997 each
     assert abs(family - simulated) <= 0.03, (family, simulated)
 
@@ -51,15 +52,15 @@ def test_refusal80_drop_matches_simulation() -> None:
     drop80 = P.refusal_drop(n, max_drop, flip_rate=flip)
     assert P.pass_probability(n, max_drop, drop80, flip) == pytest.approx(0.2, abs=1e-6)
     grid = np.round(np.arange(drop80 - 0.04, drop80 + 0.0401, 0.01), 6)
-    tasks = {f"d{i}": P.SimulatedTask(n, score, flip, drop=float(d)) for i, d in enumerate(grid)}
-    passed = P.simulate_task_gates(POLICY, tasks, DRAWS, seed=5)
+    tasks = {f"d{i}": S.SimulatedTask(n, score, flip, drop=float(d)) for i, d in enumerate(grid)}
+    passed = S.simulate_task_gates(POLICY, tasks, DRAWS, seed=5)
     rates = [passed[name].mean() for name in tasks]
     # the simulated drop refused 80 % of the time: where the pass rate falls through 0.2 (linear between points)
     simulated = float(np.interp(-0.2, -np.minimum.accumulate(rates), grid))
     assert abs(simulated - drop80) <= 0.02, (drop80, simulated, rates)
 
 
-def _plan_tasks() -> tuple[dict[str, P.SimulatedTask], list[P.PlanTask], object]:
+def _plan_tasks() -> tuple[dict[str, S.SimulatedTask], list[P.PlanTask], object]:
     policy = parse_policy({"tasks": {"max_drop": 0.15, "overrides": {"b": {"max_drop": 0.10}}}})
     crafted = {"a": (0.6, 0.10), "b": (0.7, 0.06), "c": (0.5, 0.20), "d": (0.8, 0.08), "e": (0.45, 0.12)}
     plan_tasks = [P.PlanTask(t, policy.task_gate(t).max_drop, flip_rate=f, available=5000, seconds_per_item=0.1)
@@ -74,16 +75,16 @@ def test_plan_sizes_n_so_a_harmless_variant_passes_and_a_harmful_one_is_refused(
         plan = P.plan(plan_tasks, level, models=3)
         assert plan.reached and plan.family_harmless_pass >= level
         n = {r.task: r.n for r in plan.rows}
-        harmless = {t: P.SimulatedTask(n[t], s, f) for t, (s, f) in crafted.items()}
-        assert _family_pass(P.simulate_task_gates(policy, harmless, DRAWS, seed=21)).mean() >= floor
+        harmless = {t: S.SimulatedTask(n[t], s, f) for t, (s, f) in crafted.items()}
+        assert _family_pass(S.simulate_task_gates(policy, harmless, DRAWS, seed=21)).mean() >= floor
     plan = P.plan(plan_tasks, 0.95)
     n = {r.task: r.n for r in plan.rows}
     for worse in crafted:
         drop = 2 * policy.task_gate(worse).max_drop
         score, flip = crafted[worse]
-        tasks = {t: P.SimulatedTask(n[t], s, f, drop=drop if t == worse else 0.0) for t, (s, f) in crafted.items()}
+        tasks = {t: S.SimulatedTask(n[t], s, f, drop=drop if t == worse else 0.0) for t, (s, f) in crafted.items()}
         assert score >= flip / 2 + drop
-        refused = ~_family_pass(P.simulate_task_gates(policy, tasks, DRAWS, seed=31))
+        refused = ~_family_pass(S.simulate_task_gates(policy, tasks, DRAWS, seed=31))
         assert refused.mean() >= 0.90, (worse, refused.mean())
     assert plan.seconds_per_model == pytest.approx(sum(n.values()) * 0.1)
     text = P.plan_markdown(plan)
