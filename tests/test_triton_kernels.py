@@ -218,3 +218,21 @@ def test_fused_ops_round_as_the_torch_ops(dtype):
         torch.testing.assert_close(c_a, c_b, atol=1e-6, rtol=1e-6)
     written = {7, 0, 3, 12}
     assert all(c_a[:, :, s].abs().sum() == 0 for s in range(16) if s not in written)
+
+
+def test_attention_choice_is_checked_before_anything_is_built():
+    from serving.cuda import resolve_backend
+
+    assert resolve_backend("auto", "cpu") == "torch" and resolve_backend("triton", "cpu") == "triton"
+    assert resolve_backend("auto", "cuda", "int8") == "torch"  # the Triton kernels read the model's dtype only
+    with pytest.raises(ValueError, match="unknown attention 'flash'"):
+        resolve_backend("flash", "cpu")
+    with pytest.raises(ValueError, match="kv_cache_dtype 'fp8'"):
+        resolve_backend("triton", DEVICE, "fp8")
+
+
+def test_graphs_need_the_triton_path(llama_dir):
+    from serving import LLMEngine
+
+    with pytest.raises(ValueError, match="cuda_graphs needs attention='triton'"):
+        LLMEngine.from_pretrained(str(llama_dir), device=DEVICE, attention="torch", cuda_graphs=True)

@@ -7,8 +7,10 @@ slot = block * block_size + offset) through each sequence's block table, in plac
 - `decode.py`: one query token per sequence, the query heads of a KV head read its K/V once (GQA);
 - `prefill.py`: prompt chunks over their cached context and themselves, causal (chunked prefill, prefix hits);
 - `step.py`: the step's block tables and lengths as device tensors; `attention.py` runs one layer with them;
-- `torch_ops.py`: RMSNorm and rotary in torch, so `LlamaForward` serves CUDA with the same ~12 ops a layer;
-- `graphs.py`: decode steps captured per bucketed batch size (static buffers, padding to the bucket).
+- `fused_ops.py`: RMSNorm, add + RMSNorm, rotary + K/V store, one launch each, so `LlamaForward` serves CUDA
+  with the same ~12 ops a layer as on CPU (`torch_ops.py`: the same in torch, their reference);
+- `graphs.py`: decode steps captured per bucketed batch size (static buffers, padding to the bucket);
+- `interpreter.py`: where Triton's interpreter computes otherwise than a GPU, and the way around it.
 
 On a CUDA device the engine takes this path by default; on CPU only when asked (`attention="triton"`), which
 needs Triton's interpreter (`TRITON_INTERPRET=1` before the process starts): how tests check the kernels.

@@ -1,6 +1,6 @@
 """The decoder's small ops in torch, with the calls of quantgate's fused-ops namespace (rms_norm,
-add_rms_norm, rotary, rotary_store), so `LlamaForward` runs on CUDA (and beside the Triton kernels on CPU)
-with the same ~12 ops a layer. Each rounds where the model's forward rounds (HF's LlamaRMSNorm: float32
+add_rms_norm, rotary, rotary_store): the reference fused_ops.py's Triton kernels are checked against, and a
+`LlamaForward` ops namespace for any torch device. Each rounds where the model's forward rounds (HF's LlamaRMSNorm: float32
 variance, the normalized row cast back before the weight; rotary in the activations' dtype), so fp32 greedy
 outputs stay token-identical to the model's own forward."""
 
