@@ -138,12 +138,15 @@ def test_power_is_recorded_in_mlflow_and_shown(store, tmp_path) -> None:
                **M.task_metrics("piqa", 0.64, delta=0.0, ci_low=-0.02, ci_high=0.02, n=1000)}
     base = {**M.task_metrics("arc_easy", 0.60, n=100), **M.task_metrics("piqa", 0.64, n=1000)}
     run_id, _ = make_release("m-power", {"int4wo": variant}, baseline=base)["int4wo"]
+    flip = {"item_id": "x", "doc_id": 0, "target": "", "baseline_response": "", "variant_response": ""}
+    compare = {"rows": [{"task": "piqa", "binary": True, "n": 1000, "lost": [flip] * 30, "gained": [flip] * 20}]}
+    get_client().log_dict(run_id, compare, "evidence/compare.json")  # as the release records its comparison
     policy = tmp_path / "policy.yaml"
     policy.write_text("tasks: {max_drop: 0.05}\npower: {min_harmless_pass: 0.8}\n")
     evaluation = evaluate_run(run_id, str(policy))
     run = get_client().get_run(run_id)
-    arc = P.gate_power("arc_easy", 100, 0.05, flip_rate=P.DEFAULT_FLIP_RATE)  # no compare.json: the default
-    piqa = P.gate_power("piqa", 1000, 0.05, flip_rate=P.DEFAULT_FLIP_RATE)
+    arc = P.gate_power("arc_easy", 100, 0.05, flip_rate=P.DEFAULT_FLIP_RATE)  # not in compare.json: the default
+    piqa = P.gate_power("piqa", 1000, 0.05, flip_rate=0.05)  # its measured 50 flips of 1000
     assert run.data.metrics["gate/task/arc_easy/max_drop/harmless_pass"] == pytest.approx(arc.harmless_pass)
     assert run.data.metrics["gate/task/arc_easy/max_drop/refusal80_drop"] == pytest.approx(arc.refusal80_drop)
     assert run.data.tags["gate/task/arc_easy/max_drop/underpowered"] == "true"
@@ -154,6 +157,12 @@ def test_power_is_recorded_in_mlflow_and_shown(store, tmp_path) -> None:
     report = render_markdown(back, "int4wo")
     assert f"{arc.harmless_pass:.2f} / {arc.refusal80_drop:.3g} **underpowered**" in report
     assert f"probability {arc.harmless_pass * piqa.harmless_pass:.3f}" in report
+    from gates.plan import plan_report
+    from gates.policy import load_policy
+
+    plan = plan_report(load_policy(policy), ["arc_easy", "piqa"], models=2, from_run=run_id)
+    assert "| piqa | 0.05 | 0.05 |" in plan and "| arc_easy | 0.05 | 0.1 |" in plan
+    assert f"flip rates from run {run_id}" in plan
 
 
 def test_release_plan_command_prints_n_per_task_and_time(capsys) -> None:
