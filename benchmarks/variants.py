@@ -223,7 +223,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--threads", type=int, default=None,
                         help="torch CPU threads (1 keeps timings stable on a shared machine)")
     parser.add_argument("--out-dir", default=None, help="default: benchmarks/results/variants")
-    parser.add_argument("--isa", default=None, help="kernel path for every engine: avx512bf16, avx512, avx2, scalar "
+    parser.add_argument("--isa", default=None, help="kernel path for every engine: amx, avx512bf16, avx512, avx2, scalar "
                                                     "or torch (default: QUANTGATE_ISA, else the best this CPU runs)")
     args = parser.parse_args(argv)
     if args.threads:

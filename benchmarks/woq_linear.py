@@ -1,4 +1,4 @@
-"""Linear layers on CPU as a decode step streams them: quantgate's kernels (quantize/kernels) for bf16,
+"""Linear layers on CPU as a decode step streams them: quantgate's kernels (quantgate/kernels/woq) for bf16,
 int8 and int4 weights beside oneDNN's packed bf16 and torch's own int8/int4 CPU kernels, in one run.
 
 One pass = SmolLM2-135M's 7 projection shapes for each of `--layers` layers (30: the model's weights,
@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable
-from contextlib import nullcontext
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a script: import the repo's packages
@@ -30,7 +29,8 @@ import torch.nn.functional as F  # noqa: E402
 
 from benchmarks.common import add_kernel_bench_options, mean_seconds, pyplot, save_figure, write_rows_report  # noqa: E402
 from benchmarks.peers import cpu_info  # noqa: E402
-from quantize import kernels as woq  # noqa: E402
+from quantgate import settings  # noqa: E402
+from quantgate.kernels import woq  # noqa: E402
 from quantize.int4 import pack_for_cpu, quantize_groups, unpack_nibbles  # noqa: E402
 from quantize.weight_only import FAST_PATH_MAX_ROWS, quantize_per_channel  # noqa: E402
 from serving.packed_linear import PackedLinear  # noqa: E402
@@ -38,7 +38,7 @@ from serving.packed_linear import PackedLinear  # noqa: E402
 # (out, in) of q, k, v, o, gate, up, down, then the lm_head
 SHAPES = ((576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536), (49152, 576))
 PATHS = ("bf16", "bf16_onednn", "int8_torch", "int8_ours", "int4_torch", "int4_ours")
-if woq.cpu_has_amx():  # our kernel with AMX tiles off: what they buy
+if woq.cpu_has_amx():  # our kernel's build without AMX tiles: what they buy
     PATHS = (*PATHS, "bf16_dpbf16", "int8_dpbf16", "int4_dpbf16")
 
 
@@ -49,6 +49,7 @@ def _layer_calls(out_features: int, in_features: int, seed: int) -> dict[str, Ca
     onednn, pairs = PackedLinear(linear), woq.pack_bf16(linear.weight.data)
     q, scales = quantize_per_channel(weight)
     int8_packed, int8_pairs, scales_bf16 = woq.pack_int8(q), woq.pack_int8(q, 2), scales.bfloat16()
+    no_amx = "avx512bf16"  # the build without AMX tiles
     codes, sz = quantize_groups(weight, 32)
     int4_torch, int4_ours = pack_for_cpu(unpack_nibbles(codes)), woq.pack_int4(unpack_nibbles(codes))
 
@@ -64,9 +65,9 @@ def _layer_calls(out_features: int, in_features: int, seed: int) -> dict[str, Ca
         "int8_ours": lambda x: woq.int8_linear(x, int8_packed, scales, torch.bfloat16),
         "int4_torch": lambda x: torch.ops.aten._weight_int4pack_mm_for_cpu(x, int4_torch, 32, sz),
         "int4_ours": lambda x: woq.int4_linear(x, int4_ours, sz, 32, out_features, torch.bfloat16),
-        "bf16_dpbf16": lambda x: woq.bf16_linear(x, pairs, torch.bfloat16),
-        "int8_dpbf16": lambda x: woq.int8_linear(x, int8_pairs, scales, torch.bfloat16),
-        "int4_dpbf16": lambda x: woq.int4_linear(x, int4_ours, sz, 32, out_features, torch.bfloat16),
+        "bf16_dpbf16": lambda x: woq.bf16_linear(x, pairs, torch.bfloat16, no_amx),
+        "int8_dpbf16": lambda x: woq.int8_linear(x, int8_pairs, scales, torch.bfloat16, no_amx),
+        "int4_dpbf16": lambda x: woq.int4_linear(x, int4_ours, sz, 32, out_features, torch.bfloat16, no_amx),
     }
 
 
@@ -83,8 +84,7 @@ def measure(rows: int, layers: list[tuple[int, dict]], rounds: int = 3) -> dict:
     with torch.inference_mode():
         for _ in range(rounds):
             for name in PATHS:
-                with woq.without_amx() if name.endswith("_dpbf16") else nullcontext():
-                    seconds = mean_seconds(lambda name=name: [calls[name](inputs[k]) for k, calls in layers], 4)
+                seconds = mean_seconds(lambda name=name: [calls[name](inputs[k]) for k, calls in layers], 4)
                 totals[name] = min(totals[name], seconds)
     row = {"rows": rows, **{f"{name}_ms": seconds * 1e3 for name, seconds in totals.items()}}
     row.update({f"{name}_vs_bf16": totals["bf16"] / totals[name] for name in PATHS[1:]})
@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     if not woq.available():
         print("quantgate's weight-only kernel does not run here (no AVX-512-BF16, no compiler, or "
-              f"{woq.ENV}=0)")
+              f"{settings.WOQ_KERNEL.name}=0)")
         return 1
     cpu = cpu_info()
     print(f"{cpu['model_name']}, {torch.get_num_threads()} threads, flags: {' '.join(cpu['flags'])}")

@@ -19,7 +19,7 @@ from torch import nn
 
 from quantgate.kernels import isa as isas
 from quantgate.kernels import wo_linear as wo
-from quantize import kernels as woq
+from quantgate.kernels import woq
 from quantize.kernel_path import TORCH, KernelPath, choose, wide_compute_dtype
 
 DEFAULT_GROUP_SIZE = 32  # logit cosine to the source on the probe: 0.969 at 32, 0.842 at 64 (default model)
@@ -94,7 +94,7 @@ class Int4WeightOnlyLinear(nn.Module):
         self.register_buffer("scales_and_zeros",
                              torch.zeros(in_features // group_size, out_features, 2, dtype=torch.bfloat16))
         self.register_buffer("_packed", None, persistent=False)  # torch's kernel layout
-        self.register_buffer("_woq_codes", None, persistent=False)  # quantize/kernels' layout
+        self.register_buffer("_woq_codes", None, persistent=False)  # quantgate/kernels/woq's layout
         self.register_buffer("_wo_codes", None, persistent=False)  # quantgate/kernels/wo_linear's layout
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype), requires_grad=False) if bias else None
         self.isa = isas.resolve()  # the kernel path in force when the layer was built
@@ -165,7 +165,7 @@ class Int4WeightOnlyLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._woq_codes is not None and x.dim() == 2 and x.dtype == torch.bfloat16 and self.bias is None:
             return woq.int4_linear(x.contiguous(), self._woq_codes, self._scales_for_kernel(), self.group_size,
-                                   self.out_features, torch.bfloat16)  # the decoder's rows: no reshapes
+                                   self.out_features, torch.bfloat16, self._path.isa)  # decoder rows as they are
         if self._wo_codes is not None and x.dim() == 2 and x.dtype == torch.float32 and self.bias is None:
             return wo.linear_int4(self._path.isa, x, self._wo_codes, self._scales_for_kernel(), self.group_size)
         rows = x.numel() // self.in_features
@@ -173,7 +173,7 @@ class Int4WeightOnlyLinear(nn.Module):
         if path.kind == "woq":
             flat = x.reshape(rows, self.in_features).to(torch.bfloat16).contiguous()
             y = woq.int4_linear(flat, self._woq_codes, self._scales_for_kernel(), self.group_size,
-                                self.out_features, woq.out_dtype(x.dtype))
+                                self.out_features, woq.out_dtype(x.dtype), path.isa)
             y = y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
         elif path.kind == "wo":
             y = wo.linear_int4(path.isa, x.reshape(rows, self.in_features), self._wo_codes,

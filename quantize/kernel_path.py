@@ -1,8 +1,8 @@
 """Which kernel serves a weight-only layer on the path (`quantgate.kernels.isa`) it was built under.
 
-`woq`: quantize/kernels, bf16 activations, on CPUs with AVX-512-BF16 (AMX inside where present).
+`woq`: quantgate/kernels/woq_linear, bf16 activations, the `amx` or `avx512bf16` build.
 `wo`: quantgate/kernels/wo_linear, fp32 activations, the build for the layer's ISA (avx512, avx2 or
-scalar; an avx512bf16 CPU runs the avx512 build where `woq`'s shape rules do not fit).
+scalar; a bf16 path runs the avx512 build where `woq`'s shape rules do not fit).
 `torch`: torch's own ops (another device, `QUANTGATE_ISA=torch`, no compiler, shapes no kernel takes).
 """
 
@@ -14,7 +14,7 @@ import torch
 
 from quantgate.kernels import isa as isas
 from quantgate.kernels import wo_linear as wo
-from quantize import kernels as woq
+from quantgate.kernels import woq
 
 
 @dataclass(frozen=True)
@@ -29,8 +29,8 @@ TORCH = KernelPath("torch", "torch")
 def choose(isa: str, device: torch.device, fits_woq: bool, fits_wo: bool) -> KernelPath:
     if device.type != "cpu" or isa == "torch":
         return TORCH
-    if isa == "avx512bf16":
-        if fits_woq and woq.available():
+    if isa in isas.BF16_PATHS:
+        if fits_woq and woq.available(isa=isa):
             return KernelPath("woq", isa)
         isa = "avx512"
     if fits_wo and wo.available(isa):

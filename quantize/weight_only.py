@@ -2,7 +2,7 @@
 
 On CPU the decode path (a few rows at a time) is bandwidth-bound, so reading int8 instead of fp32
 weights is what makes it faster. quantgate's kernels serve every batch size on CPU, reading the int8
-weight once per call (quantize/kernel_path.py picks one: quantize/kernels for bf16 activations on
+weight once per call (quantize/kernel_path.py picks one: quantgate/kernels/woq for bf16 activations on
 AVX-512-BF16 CPUs, quantgate/kernels/wo_linear for fp32 activations on every x86 CPU). Where neither runs,
 torch's: `torch._weight_int8pack_mm` for a few rows (fast with bf16 activations only), and wider inputs
 dequantized into a matmul, in bf16 only where the CPU multiplies bf16 natively.
@@ -18,7 +18,7 @@ from torch import nn
 
 from quantgate.kernels import isa as isas
 from quantgate.kernels import wo_linear as wo
-from quantize import kernels as woq
+from quantgate.kernels import woq
 from quantize.kernel_path import TORCH, KernelPath, choose, wide_compute_dtype
 
 # Up to this many rows the int8 kernel (a GEMV per row) beats dequantize-then-matmul on CPU (measured,
@@ -34,7 +34,7 @@ class Int8WeightOnlyLinear(nn.Module):
         self.register_buffer("weight_int8", torch.zeros(out_features, in_features, dtype=torch.int8))
         self.register_buffer("scales", torch.ones(out_features, dtype=torch.float32))
         self.register_buffer("_unit_scales", torch.ones(out_features, dtype=torch.bfloat16), persistent=False)
-        self.register_buffer("_woq_weight", None, persistent=False)  # quantize/kernels' layout
+        self.register_buffer("_woq_weight", None, persistent=False)  # quantgate/kernels/woq's layout
         self.register_buffer("_wo_weight", None, persistent=False)  # quantgate/kernels/wo_linear's layout
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype), requires_grad=False) if bias else None
         self.isa = isas.resolve()  # the kernel path in force when the layer was built
@@ -63,7 +63,7 @@ class Int8WeightOnlyLinear(nn.Module):
             k, n = self.in_features, self.out_features
             path = choose(self.isa, self.weight_int8.device, woq.fits(k, n), wo.fits(k, n))
             if path.kind == "woq":
-                self._woq_weight = woq.pack_int8(self.weight_int8)
+                self._woq_weight = woq.pack_int8(self.weight_int8, isa=path.isa)
             elif path.kind == "wo":
                 self._wo_weight = wo.tile(self.weight_int8)
             self._path = path
@@ -83,14 +83,14 @@ class Int8WeightOnlyLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._woq_weight is not None and x.dim() == 2 and x.dtype == torch.bfloat16 and self.bias is None:
-            return woq.int8_linear(x.contiguous(), self._woq_weight, self.scales, torch.bfloat16)  # decoder rows
+            return woq.int8_linear(x.contiguous(), self._woq_weight, self.scales, torch.bfloat16, self._path.isa)
         if self._wo_weight is not None and x.dim() == 2 and x.dtype == torch.float32 and self.bias is None:
             return wo.linear_int8(self._path.isa, x, self._wo_weight, self.scales)
         rows = x.numel() // self.in_features
         path = self.kernel_path() if x.device.type == "cpu" else TORCH
         if path.kind == "woq":
             flat = x.reshape(rows, self.in_features).to(torch.bfloat16).contiguous()
-            y = woq.int8_linear(flat, self._woq_weight, self.scales, woq.out_dtype(x.dtype))
+            y = woq.int8_linear(flat, self._woq_weight, self.scales, woq.out_dtype(x.dtype), path.isa)
             y = y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
         elif path.kind == "wo":
             y = wo.linear_int8(path.isa, x.reshape(rows, self.in_features), self._wo_weight, self.scales)

@@ -81,7 +81,7 @@ class DecodeGroup:
 
 @dataclass
 class DecodeBatch:
-    """Every decode row at once for the compiled kernel (serving/kernels): it reads blocks in place."""
+    """Every decode row at once for the compiled kernel (quantgate/kernels): it reads blocks in place."""
 
     block_tables: torch.Tensor  # [n, max_blocks] int64, padded with block 0
     context_lens: torch.Tensor  # [n] int64: tokens each sequence attends to (its new one included)

@@ -149,7 +149,7 @@ class LLMEngine:
     ) -> LLMEngine:
         """Load any model reference (`smollm2-135m`, a HF dir, a `.gguf`, a quantized variant dir).
         With tensor_parallel_size or pipeline_parallel_size > 1 the ranks run as processes (serving/parallel).
-        `isa` forces a kernel path (avx512bf16, avx512, avx2, scalar, torch; default: `QUANTGATE_ISA`, else
+        `isa` forces a kernel path (amx, avx512bf16, avx512, avx2, scalar, torch; default: `QUANTGATE_ISA`, else
         the best this CPU runs)."""
         if tensor_parallel_size > 1 or pipeline_parallel_size > 1:
             from serving.parallel import from_pretrained_parallel

@@ -16,7 +16,7 @@ from collections.abc import Callable
 import torch
 
 from quantgate.kernels import wo_linear as wo
-from quantize import kernels as woq
+from quantgate.kernels import woq
 from quantize.int4 import Int4WeightOnlyLinear
 from quantize.weight_only import Int8WeightOnlyLinear
 from serving.packed_linear import PairPackedLinear, WoLinear
@@ -31,24 +31,30 @@ def fuse(modules: list) -> Projection | None:
         return None
     kind = kinds.pop()
     if kind is PairPackedLinear:
-        packed = _share(modules, "packed_weight")
-        return lambda x: woq.bf16_linear(_bf16(x), packed, woq.out_dtype(x.dtype))
+        if len({m.isa for m in modules}) != 1:
+            return None
+        packed, isa = _share(modules, "packed_weight"), modules[0].isa
+        return lambda x: woq.bf16_linear(_bf16(x), packed, woq.out_dtype(x.dtype), isa)
     if kind is WoLinear and len({(m.isa, m.packed_weight.dtype) for m in modules}) == 1:
         return _fused_wo(modules)
-    if kind in (Int8WeightOnlyLinear, Int4WeightOnlyLinear):
-        paths = {m.kernel_path() for m in modules}
-        if len(paths) == 1 and next(iter(paths)).kind == "wo":
-            return _fused_wo(modules)
-    if kind is Int8WeightOnlyLinear and all(m._own_kernel() for m in modules):
+    if kind not in (Int8WeightOnlyLinear, Int4WeightOnlyLinear):
+        return None
+    paths = {m.kernel_path() for m in modules}
+    path = paths.pop() if len(paths) == 1 else None
+    if path is not None and path.kind == "wo":
+        return _fused_wo(modules)
+    if path is None or path.kind != "woq":
+        return None
+    isa = path.isa
+    if kind is Int8WeightOnlyLinear:
         packed, scales = _share(modules, "_woq_weight"), _share(modules, "scales")
-        return lambda x: woq.int8_linear(_bf16(x), packed, scales, woq.out_dtype(x.dtype))
-    if kind is Int4WeightOnlyLinear and len({m.group_size for m in modules}) == 1 and all(
-            m._own_kernel() for m in modules):
+        return lambda x: woq.int8_linear(_bf16(x), packed, scales, woq.out_dtype(x.dtype), isa)
+    if kind is Int4WeightOnlyLinear and len({m.group_size for m in modules}) == 1:
         codes = _share(modules, "_woq_codes")
         # [K/g, N, 2], joined along N: the modules keep strided views, which their own forward would copy
         scales = _share(modules, "scales_and_zeros", [m._scales_for_kernel() for m in modules], dim=1)
         group, n = modules[0].group_size, sum(m.out_features for m in modules)
-        return lambda x: woq.int4_linear(_bf16(x), codes, scales, group, n, woq.out_dtype(x.dtype))
+        return lambda x: woq.int4_linear(_bf16(x), codes, scales, group, n, woq.out_dtype(x.dtype), isa)
     return None
 
 

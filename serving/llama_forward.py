@@ -2,7 +2,7 @@
 
 transformers' forward costs ~80 torch ops and a dozen Python module calls per layer (a 135M model's batch-1
 decode step made 5 700 ops and ~9 ms of Python around 12 ms of matmuls). Here a layer is ~12 ops: the
-fused RMSNorm, residual-add + RMSNorm and in-place rotary of serving/kernels (which also writes K and V to
+fused RMSNorm, residual-add + RMSNorm and in-place rotary of quantgate/kernels (which also writes K and V to
 their cache slots when the cache holds the model's dtype), the model's own projection modules (so quantized
 layers — ours, bitsandbytes, torchao — run unchanged), and paged attention called directly. The math is the model's, rounded where it rounds (fused_ops.cpp; only RMSNorm's variance is
 summed in another order), so greedy outputs stay token-identical to HF in fp32. Anything else (another architecture, a pipeline stage's stub layers,
@@ -18,10 +18,10 @@ import torch
 import torch.nn.functional as F
 
 from quantgate import settings
+from quantgate.kernels.decoder_ops import fused_ops
 from serving import attention
 from serving.attention import AttentionContext
 from serving.fused_linear import Projection, fuse
-from serving.kernels import fused_ops
 
 FAST_FORWARD_ENV = settings.FAST_FORWARD.name
 # decoder layer class -> what its forward is: pre-norm attention + SwiGLU MLP, RMSNorm, rotary on q and k

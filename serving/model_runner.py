@@ -8,10 +8,10 @@ from pathlib import Path
 import torch
 
 from quantgate.kernels import isa as isas
+from quantgate.kernels.decoder_ops import paged_decode
 from quantgate.model_shape import kv_shape
 from serving import attention
 from serving.attention import AttentionContext, DecodeBatch, DecodeGroup, PrefillChunk
-from serving.kernels import paged_decode
 from serving.llama_forward import LlamaForward, supports
 from serving.packed_linear import pack_linears, packing_wanted
 from serving.sampler import sample, token_logprobs

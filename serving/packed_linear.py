@@ -7,7 +7,7 @@ SmolLM2-135M's 210 projections, one thread: 1.5x at 1 row, 1.7-2.2x at 4-16 rows
 results bit-identical to `F.linear`). This is what IPEX and inductor's CPU freezing do; we do it on the
 unmodified model by swapping `nn.Linear` modules, so quantized layers (ours, bitsandbytes) are untouched.
 
-Where quantgate's own kernel runs (quantize/kernels, AVX-512-BF16) it replaces oneDNN for every bf16
+Where quantgate's own kernel runs (quantgate/kernels/woq, AVX-512-BF16) it replaces oneDNN for every bf16
 projection: the weight is re-laid out once as bf16 pairs that `woq_linear_bf16` reads in place. Measured on
 SmolLM2-135M's 30 layers of projections as a decode step streams them (2 threads, `quantgate bench woq`):
 1.8-2.0x oneDNN's packed kernel at 1-2 rows, 1.6x at 4, 1.45x at 16, ~1.05x at 128; 1.15x at a
@@ -29,7 +29,7 @@ import torch.nn as nn
 from quantgate import settings
 from quantgate.kernels import isa as isas
 from quantgate.kernels import wo_linear as wo
-from quantize import kernels as woq
+from quantgate.kernels import woq
 
 ONEDNN_BF16_FLAGS = (frozenset({"avx512bw", "avx512vl", "avx512dq"}), frozenset({"avx_ne_convert"}))
 
@@ -69,21 +69,22 @@ class PairPackedLinear(nn.Module):
     """A bf16 `nn.Linear` over the pair layout quantgate's kernel reads in place (a tied lm_head shares
     it with `PairPackedEmbedding`)."""
 
-    def __init__(self, packed: torch.Tensor, bias: torch.Tensor | None = None):
+    def __init__(self, packed: torch.Tensor, isa: str, bias: torch.Tensor | None = None):
         super().__init__()
         self.out_features, self.in_features = packed.shape[0] * woq.TILE, packed.shape[1] * 2
+        self.isa = isa  # amx or avx512bf16: which build of the kernel runs it
         self.register_buffer("packed_weight", packed, persistent=False)
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
 
     @classmethod
-    def of(cls, linear: nn.Linear) -> PairPackedLinear:
-        return cls(woq.pack_bf16(linear.weight.detach()), linear.bias)
+    def of(cls, linear: nn.Linear, isa: str) -> PairPackedLinear:
+        return cls(woq.pack_bf16(linear.weight.detach()), isa, linear.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 2 and x.dtype == torch.bfloat16 and self.bias is None:  # the decoder's rows: no reshapes
-            return woq.bf16_linear(x.contiguous(), self.packed_weight, torch.bfloat16)
+            return woq.bf16_linear(x.contiguous(), self.packed_weight, torch.bfloat16, self.isa)
         flat = x.reshape(-1, self.in_features).to(torch.bfloat16).contiguous()
-        y = woq.bf16_linear(flat, self.packed_weight, woq.out_dtype(x.dtype))
+        y = woq.bf16_linear(flat, self.packed_weight, woq.out_dtype(x.dtype), self.isa)
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
@@ -172,24 +173,24 @@ class PairPackedEmbedding(nn.Module):
         return woq.packed_rows(self.packed_weight, ids)
 
 
-def pack_tied_head(model: nn.Module) -> bool:
+def pack_tied_head(model: nn.Module, isa: str) -> bool:
     """Swap a tied bf16 lm_head and its embedding for one pair-packed weight; False where it cannot."""
     embed, head = model.get_input_embeddings(), model.get_output_embeddings()
     if type(embed) is not nn.Embedding or type(head) is not nn.Linear or head.weight is not embed.weight:
         return False
     weight = head.weight
     if (weight.dtype != torch.bfloat16 or weight.device.type != "cpu" or head.bias is not None
-            or not woq.fits(weight.shape[1], weight.shape[0]) or not woq.available()):
+            or not woq.fits(weight.shape[1], weight.shape[0]) or not woq.available(isa=isa)):
         return False
-    new_head = PairPackedLinear.of(head)
+    new_head = PairPackedLinear.of(head, isa)
     model.set_output_embeddings(new_head)
     model.set_input_embeddings(PairPackedEmbedding(new_head))
     return True
 
 
-def _packed(linear: nn.Linear, own_kernel: bool) -> nn.Module:
+def _packed(linear: nn.Linear, own_kernel: bool, isa: str) -> nn.Module:
     if own_kernel and woq.fits(linear.in_features, linear.out_features):
-        return PairPackedLinear.of(linear)
+        return PairPackedLinear.of(linear, isa)
     return PackedLinear(linear)
 
 
@@ -208,14 +209,14 @@ def pack_linears(model: nn.Module, isa: str | None = None) -> int:
     counts: dict[int, int] = {}
     for _, tensor in model.named_parameters(remove_duplicate=False):
         counts[id(tensor)] = counts.get(id(tensor), 0) + 1
-    own_kernel = path == "avx512bf16" and woq.available()
-    swapped = int(own_kernel and pack_tied_head(model))
+    own_kernel = path in isas.BF16_PATHS and woq.available(isa=path)
+    swapped = int(own_kernel and pack_tied_head(model, path))
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is not nn.Linear or child.weight.dtype != torch.bfloat16:
                 continue
             if counts.get(id(child.weight), 0) > 1:
                 continue
-            setattr(parent, name, _packed(child, own_kernel))
+            setattr(parent, name, _packed(child, own_kernel, path))
             swapped += 1
     return swapped

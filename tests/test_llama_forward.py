@@ -10,17 +10,17 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_
 
 from quantgate.kernels import isa as isas
 from quantgate.kernels import wo_linear as wo
-from quantize import kernels as woq
+from quantgate.kernels import woq
+from quantgate.kernels.decoder_ops import fused_ops
 from quantize.int4 import Int4WeightOnlyLinear
 from quantize.weight_only import Int8WeightOnlyLinear
 from serving import LLMEngine, SamplingParams
 from serving.fused_linear import fuse
-from serving.kernels import fused_ops
 from serving.llama_forward import FAST_FORWARD_ENV, LlamaForward, supports
 from serving.packed_linear import PairPackedLinear, WoLinear
 
 OPS = fused_ops()
-OWN_PATHS = [i for i in ("avx512bf16", *wo.PATHS) if i in isas.supported()]
+OWN_PATHS = [i for i in (*isas.BF16_PATHS, *wo.PATHS) if i in isas.supported()]
 pytestmark = pytest.mark.skipif(OPS is None, reason="no C++ compiler for quantgate's kernels")
 ROWS = [1, 5, 16, 17, 300]  # one row, a few, the parallel grain and one past it, a prefill chunk
 
@@ -180,9 +180,9 @@ def _linears(kind: str, sizes: list[int], isa: str = OWN_PATHS[0], k: int = 64) 
     torch.manual_seed(len(sizes))
     plain = [torch.nn.Linear(k, n, bias=False).to(torch.bfloat16) for n in sizes]
     if kind == "bf16":
-        if isa == "avx512bf16":
-            assert woq.available()  # builds and loads quantgate's bf16 kernel (pack_linears does in the engine)
-            return [PairPackedLinear.of(m) for m in plain]
+        if isa in isas.BF16_PATHS:
+            assert woq.available(isa=isa)  # builds and loads quantgate's bf16 kernel (pack_linears does in the engine)
+            return [PairPackedLinear.of(m, isa) for m in plain]
         return [WoLinear.of(m, isa) for m in plain]
     with isas.using(isa):
         if kind == "int8":
@@ -197,7 +197,7 @@ def test_a_fused_projection_is_its_modules_side_by_side_bit_for_bit(kind, rows, 
     from quantgate.loading import resident_bytes
 
     modules = _linears(kind, [96, 32, 32], isa)
-    x = torch.randn(rows, 64).to(torch.bfloat16 if isa == "avx512bf16" else torch.float32)
+    x = torch.randn(rows, 64).to(torch.bfloat16 if isa in isas.BF16_PATHS else torch.float32)
     separate = [m(x) for m in modules]
     before = sum(resident_bytes(m) for m in modules)
     fused = fuse(modules)
@@ -211,7 +211,7 @@ def test_a_fused_projection_is_its_modules_side_by_side_bit_for_bit(kind, rows, 
 def test_mixed_or_biased_projections_are_not_fused():
     assert fuse([*_linears("bf16", [32]), *_linears("int8", [32])]) is None
     assert fuse([torch.nn.Linear(64, 32), torch.nn.Linear(64, 32)]) is None
-    biased = PairPackedLinear.of(torch.nn.Linear(64, 32, bias=True).to(torch.bfloat16))
+    biased = PairPackedLinear.of(torch.nn.Linear(64, 32, bias=True).to(torch.bfloat16), isas.best())
     assert fuse([biased, *_linears("bf16", [32])]) is None
 
 

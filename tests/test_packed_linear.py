@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from quantgate import settings
 from quantgate.kernels import isa as isas
 from quantgate.kernels import wo_linear as wo
-from quantize import kernels as woq
+from quantgate.kernels import woq
 from serving import LLMEngine, SamplingParams
 from serving.packed_linear import (
     PackedLinear,
@@ -61,12 +61,12 @@ def test_pair_packed_linear_is_f_linear_to_bf16_rounding(rows, bias):
     torch.manual_seed(rows)
     linear = torch.nn.Linear(96, 80, bias=bias).to(torch.bfloat16)
     x = torch.randn(2, rows, 96, dtype=torch.bfloat16)
-    ours = PairPackedLinear.of(linear)(x)
+    ours = PairPackedLinear.of(linear, isas.best())(x)
     reference = F.linear(x.float(), linear.weight.float(), None if linear.bias is None else linear.bias.float())
     assert ours.dtype == torch.bfloat16 and ours.shape == (2, rows, 80)
     assert ((ours.float() - reference).abs() <= 0.01 * reference.abs() + 0.02).all()
     x32 = x.float()
-    assert PairPackedLinear.of(linear)(x32).dtype == torch.float32
+    assert PairPackedLinear.of(linear, isas.best())(x32).dtype == torch.float32
 
 
 @pytest.mark.skipif(not woq.cpu_has_avx512_bf16(), reason="quantgate's kernel needs AVX-512-BF16")

@@ -10,7 +10,8 @@ import torch
 from engine_helpers import hf_greedy
 from test_engine import assert_no_leak, engine_for, random_prompts
 
-from serving import SamplingParams, attention, kernels
+from quantgate.kernels import decoder_ops as kernels
+from serving import SamplingParams, attention
 
 WINDOW = 8
 SLIDING, FULL = "sliding_attention", "full_attention"

@@ -1,4 +1,5 @@
-"""quantgate's weight-only int8/int4 CPU kernel (quantize/kernels) against plain torch references: every
+"""quantgate's weight-only int8/int4 CPU kernel (quantgate/kernels/woq) against plain torch references, on
+each of its builds this CPU runs (`amx`, `avx512bf16`): every
 row-block and channel-block tail, both output dtypes, both paths of each format (x rounded to int16 and
 exact integer sums for few rows, a bf16 panel for many), the layouts' round trips, clear errors, the off
 switch, and a batched engine run of an int8wo variant token-identical to HF generate one prompt at a time."""
@@ -8,19 +9,23 @@ from __future__ import annotations
 import pytest
 import torch
 
-from quantize import kernels as woq
+from quantgate import settings
+from quantgate.kernels import isa as isas
+from quantgate.kernels import woq
 from quantize.int4 import Int4WeightOnlyLinear, dequantize_rows, quantize_groups, unpack_nibbles
 from quantize.weight_only import Int8WeightOnlyLinear, quantize_per_channel
 
-pytestmark = pytest.mark.skipif(not woq.cpu_has_avx512_bf16(), reason="the kernel needs AVX-512-BF16")
+PATHS = [p for p in isas.BF16_PATHS if p in isas.supported()]
+pytestmark = pytest.mark.skipif(not PATHS, reason="the kernel needs AVX-512-BF16")
 
 SHAPES = [(48, 64), (160, 64), (16, 32), (192, 576), (576, 1536)]  # N: 1, 3 + 1/3, 1/3 panels; real shapes
 ROWS = [1, 2, 3, 5, 7, 8, 9, 17, 23, 24, 33, 70]  # every register-block tail, both sides of each switch
 
 
-def panel_rows(int4: bool) -> int:
-    """From here the bf16 panel paths (without AMX): 24 rows for int8 and 8 for int4, or never on Intel."""
-    return woq.int16_rows_below(int4) if woq.available() else 0
+def panel_rows(int4: bool, k: int = 576) -> int:
+    """From here the bf16 panel paths: 24 rows for int8 and 8 for int4 where AMX takes the call or on AMD,
+    never on Intel without AMX."""
+    return woq.panel_rows_from(int4, k) if woq.available() else 0
 
 
 def int16_rows(x: torch.Tensor) -> torch.Tensor:
@@ -39,10 +44,13 @@ def test_the_kernel_builds_here():
     assert woq.available()
 
 
-@pytest.fixture(autouse=True)
-def _kernel_loaded(request):
-    if "monkeypatch" not in request.fixturenames:  # the off-switch test loads it under its own env
-        assert woq.available()
+@pytest.fixture(autouse=True, params=PATHS or ["none"])
+def path(request):
+    """Every test runs on each build of the kernel this CPU runs (calls without an explicit isa take it)."""
+    with isas.using(request.param):
+        if "monkeypatch" not in request.fixturenames:  # the off-switch test loads it under its own env
+            assert woq.available()
+        yield request.param
 
 
 @pytest.mark.parametrize(("n", "k"), SHAPES)
@@ -52,13 +60,13 @@ def test_int8_matches_the_scaled_integer_matmul(n, k):
     packed = woq.pack_int8(q)
     assert torch.equal(woq.unpack_int8(packed), q)
     quads = packed.shape[3] == 4  # AMX-INT8 (and VPDPBUSD for 1-2 rows): int16 rows at every row count
-    assert quads == (woq.cpu_has_amx() and k % 64 == 0)
+    assert quads == (isas.resolve() == "amx" and k % 64 == 0)
     for rows in ROWS:
         x = torch.randn(rows, k).bfloat16()
         reference = (x.float() @ q.float().t()) * scales
         out = woq.int8_linear(x, packed, scales, torch.float32)
         assert out.shape == (rows, n) and out.dtype == torch.float32
-        if rows < panel_rows(int4=False) or quads:  # exact sums of x rounded to int16; that rounding costs < 1e-4
+        if rows < panel_rows(False, k) or quads:  # exact sums of x rounded to int16; that rounding costs < 1e-4
             assert_close(out, (int16_rows(x) @ q.float().t()) * scales, 3e-5, f"{rows} rows")
             assert_close(out, reference, 1e-4, f"{rows} rows")
         else:
@@ -79,7 +87,7 @@ def test_int4_gives_exact_group_sums_for_few_rows_and_a_bf16_panel_for_many(n, k
     for rows in ROWS:
         x = torch.randn(rows, k).bfloat16()
         out = woq.int4_linear(x, packed, sz, 32, n, torch.float32)
-        if rows < panel_rows(int4=True):  # exact group sums of x rounded to int16, the weight never rounded
+        if rows < panel_rows(True, k):  # exact group sums of x rounded to int16, the weight never rounded
             assert_close(out, int16_rows(x) @ exact.t(), 3e-5, f"{rows} rows")
             assert_close(out, x.float() @ exact.t(), 1e-4, f"{rows} rows")
         else:
@@ -109,13 +117,14 @@ def test_each_row_is_computed_alone(rows):
         assert torch.equal(woq.int4_linear(many, int4, sz, 32, 192, torch.float32)[rows - 1], together4[row])
 
 
-@pytest.mark.skipif(not woq.cpu_has_amx(), reason="this CPU has no AMX tiles")
 @pytest.mark.parametrize("rows", [1, 5, 16, 17, 40])
-def test_amx_tiles_give_the_dpbf16_paths_results_to_rounding(rows):
+def test_amx_tiles_give_the_dpbf16_paths_results_to_rounding(rows, path):
     """Where the CPU has AMX the panel paths (every bf16 call, int4 from 8 rows) multiply on its tiles, the
     last rows zero-padded to 16: the dpbf16 paths' sums in another order, each row's its own (a bf16 row
     comes out the same at every batch size); int8, packed in quads, sums int16 rows exactly on AMX-INT8
     (VPDPBUSD for 1-2 rows), the same to the bit at every batch size."""
+    if path != "amx":
+        pytest.skip("the amx build against the avx512bf16 build")
     torch.manual_seed(rows)
     n, k = 192, 576
     weight = torch.randn(n, k)
@@ -126,18 +135,20 @@ def test_amx_tiles_give_the_dpbf16_paths_results_to_rounding(rows):
     codes, sz = quantize_groups(weight, 32)
     int4 = woq.pack_int4(unpack_nibbles(codes))
     calls = {
-        "bf16": (lambda x: woq.bf16_linear(x, pairs, torch.float32), None),
+        "bf16": (lambda x: woq.bf16_linear(x, pairs, torch.float32),
+                 lambda x: woq.bf16_linear(x, pairs, torch.float32, "avx512bf16")),
         "int8": (lambda x: woq.int8_linear(x, int8, scales, torch.float32),
-                 lambda x: woq.int8_linear(x, int8_pairs, scales, torch.float32)),
-        "int4": (lambda x: woq.int4_linear(x, int4, sz, 32, n, torch.float32), None),
+                 lambda x: woq.int8_linear(x, int8_pairs, scales, torch.float32, "avx512bf16")),
+        "int4": (lambda x: woq.int4_linear(x, int4, sz, 32, n, torch.float32),
+                 lambda x: woq.int4_linear(x, int4, sz, 32, n, torch.float32, "avx512bf16")),
     }
     x = torch.randn(rows, k).bfloat16()
     for name, (call, pairs_call) in calls.items():
-        tiles = call(x)
-        with woq.without_amx():
-            dpbf16 = (pairs_call or call)(x)
-        # without AMX int8 and int4 take int16 rows (every call on Intel): x's int16 rounding, < 1e-4
-        assert_close(tiles, dpbf16, 1e-5 if name == "bf16" else 1e-4, name)
+        tiles, dpbf16 = call(x), pairs_call(x)
+        # without AMX int8 and int4 take int16 rows (every call on Intel): x's int16 rounding, < 1e-4; int4's
+        # AMX panel (from 8 rows) holds the weight rounded to bf16 where the int16 rows keep it exact
+        tolerance = 1e-5 if name == "bf16" else 4e-3 if name == "int4" and rows >= panel_rows(True, k) else 1e-4
+        assert_close(tiles, dpbf16, tolerance, name)
         many = x[-1:].expand(rows, -1).contiguous()  # the last (zero-padded) row beside copies of itself
         assert torch.equal(call(many)[0], tiles[-1]), name
     for name in ("bf16", "int8"):
@@ -179,7 +190,7 @@ def test_layers_use_it_drop_their_plain_weights_and_the_switch_turns_it_off(monk
     assert torch.equal(int8(x), y8) and torch.equal(int4(x), y4)
     assert torch.equal(int8.dequantized_weight(), weight8) and torch.equal(int4.dequantized_weight(), weight4)
 
-    monkeypatch.setenv(woq.ENV, "0")
+    monkeypatch.setenv(settings.WOQ_KERNEL.name, "0")
     assert not woq.available()
     fresh8, fresh4 = Int8WeightOnlyLinear.from_linear(linear), Int4WeightOnlyLinear.from_linear(linear, 32)
     torch_y8, torch_y4 = fresh8(x), fresh4(x)
@@ -228,7 +239,7 @@ def test_the_benchmark_measures_every_path(monkeypatch, tmp_path):
 
 
 @pytest.mark.parametrize("method", ["int8wo", "int4wo"])
-def test_a_loaded_variant_holds_one_copy_of_its_tied_table(tiny_model_dir, monkeypatch, method):
+def test_a_loaded_variant_holds_one_copy_of_its_tied_table(tiny_model_dir, method):
     """The tied embedding looks rows up in the lm_head's kernel layout; the plain table is freed, and
     lookups and logits equal those of the same variant served by torch's kernels."""
     import quantize
@@ -241,8 +252,8 @@ def test_a_loaded_variant_holds_one_copy_of_its_tied_table(tiny_model_dir, monke
     assert layout is not None and (embed._packed if method == "int8wo" else embed._words) is layout
     plain = head.weight_int8 if method == "int8wo" else head.codes
     assert plain.numel() == 0
-    monkeypatch.setenv(woq.ENV, "0")
-    theirs = quantize.load_model(variant, "cpu", None)
+    with isas.using("torch"):
+        theirs = quantize.load_model(variant, "cpu", None)
     ids = torch.tensor([[1, 17, 5, 200, 3]])
     assert torch.equal(embed(ids), theirs.get_input_embeddings()(ids))
     with torch.inference_mode():

@@ -47,7 +47,7 @@ def sources_hash() -> str:
     speed is only as current as these)."""
     root = Path(__file__).resolve().parents[2]
     key = hashlib.sha256()
-    paths = [p for pattern in ("quantgate/kernels/**/*", "quantize/kernels/*", "serving/kernels/*")
+    paths = [p for pattern in ("quantgate/kernels/**/*",)
              for p in sorted(root.glob(pattern)) if p.suffix in (".cpp", ".h", ".hpp", ".py")]
     for path in [*paths, *(root / f for f in DISPATCH_FILES)]:
         if path.is_file():

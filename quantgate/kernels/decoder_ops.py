@@ -1,8 +1,8 @@
-"""quantgate's CPU kernels for serving, built by `quantgate.kernels`: the paged-attention decode kernel
-(paged_attention.cpp) and the decoder's fused small ops (fused_ops.cpp).
+"""The decoder's own CPU kernels: the paged-attention decode kernel (paged_attention.cpp) and the fused
+small ops (fused_ops.cpp), built by `quantgate.kernels.build`.
 
 Both are plain C++ that compilers vectorise (paged attention adds AVX-512-BF16 code where the build has
-it). On the `avx512bf16` path they are built with `-march=native` under their historical op namespaces;
+it). On the `amx` and `avx512bf16` paths they are built with `-march=native` under their historical op namespaces;
 on `avx512`, `avx2` and `scalar` with that instruction set's flags only, under namespaces of their own
 (`torch.ops.quantgate_avx2`), so a forced lower path runs what a real lower CPU would. `paged_decode()`
 returns the decode op, `fused_ops()` the namespace holding rms_norm, add_rms_norm and rotary, or None where

@@ -188,7 +188,7 @@ void rotary_store(at::Tensor q, at::Tensor k, const at::Tensor& v, const at::Ten
 }  // namespace
 
 #ifndef QG_NAMESPACE
-#define QG_NAMESPACE quantgate_ops  // a per-ISA build names its own (serving/kernels/__init__.py)
+#define QG_NAMESPACE quantgate_ops  // a per-ISA build names its own (decoder_ops.py)
 #endif
 #define QG_LIBRARY(ns, m) TORCH_LIBRARY(ns, m)  // expands QG_NAMESPACE before TORCH_LIBRARY pastes it
 #define QG_LIBRARY_IMPL(ns, key, m) TORCH_LIBRARY_IMPL(ns, key, m)

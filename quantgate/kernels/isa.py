@@ -1,7 +1,7 @@
 """Which kernel path (instruction set) runs here: decided once per process from the CPU flags.
 
-Paths, fastest first. `avx512bf16`: quantgate's bf16 kernels (quantize/kernels; AMX tiles inside where the
-CPU has them). `avx512`, `avx2`, `scalar`: the weight-only kernels over fp32 activations of
+Paths, fastest first. `amx` and `avx512bf16`: quantgate's bf16 kernels (`woq_linear.cpp`), the first
+built with AMX tiles for the CPUs that have them, the second without (AVX-512-BF16 dot products only). `avx512`, `avx2`, `scalar`: the weight-only kernels over fp32 activations of
 `quantgate/kernels/wo_linear.cpp`, one source compiled per instruction set with that set's flags only
 (`-mavx2 -mfma -mf16c` for avx2, never `-march=native`, so a forced lower path holds no instruction the
 real lower CPU lacks). `torch`: torch's own ops, none of ours. `QUANTGATE_ISA` sets the process default;
@@ -20,9 +20,12 @@ from pathlib import Path
 
 from quantgate import settings
 
-ISAS = ("avx512bf16", "avx512", "avx2", "scalar", "torch")
+ISAS = ("amx", "avx512bf16", "avx512", "avx2", "scalar", "torch")
+BF16_PATHS = ("amx", "avx512bf16")  # bf16 activations through woq_linear.cpp
 # what each path needs of /proc/cpuinfo's flags
 REQUIRED_FLAGS: dict[str, frozenset[str]] = {
+    "amx": frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "amx_tile", "amx_bf16",
+                      "amx_int8"}),
     "avx512bf16": frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"}),
     "avx512": frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "fma", "f16c"}),
     "avx2": frozenset({"avx2", "fma", "f16c"}),
@@ -67,7 +70,7 @@ def x86() -> bool:
 def supported(flags: frozenset[str] | None = None) -> list[str]:
     """The paths this CPU runs, fastest first (`scalar` and `torch` everywhere; SIMD paths on x86 only)."""
     flags = cpu_flags() if flags is None else flags
-    simd = [i for i in ISAS[:3] if REQUIRED_FLAGS[i] <= flags] if x86() or flags else []
+    simd = [i for i in ISAS[:4] if REQUIRED_FLAGS[i] <= flags] if x86() or flags else []
     return [*simd, "scalar", "torch"]
 
 

@@ -314,7 +314,7 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
 }  // namespace
 
 #ifndef QG_NAMESPACE
-#define QG_NAMESPACE quantgate  // a per-ISA build names its own (serving/kernels/__init__.py)
+#define QG_NAMESPACE quantgate  // a per-ISA build names its own (decoder_ops.py)
 #endif
 #define QG_LIBRARY(ns, m) TORCH_LIBRARY(ns, m)  // expands QG_NAMESPACE before TORCH_LIBRARY pastes it
 #define QG_LIBRARY_IMPL(ns, key, m) TORCH_LIBRARY_IMPL(ns, key, m)

@@ -1,5 +1,5 @@
 // F16 on AVX-512 (F, BW, VL, DQ): one zmm register. For CPUs with AVX-512 but no native bf16
-// (Skylake-SP to Ice Lake, some cloud Xeons); where avx512_bf16 is present quantize/kernels runs instead
+// (Skylake-SP to Ice Lake, some cloud Xeons); where avx512_bf16 is present woq_linear.cpp runs instead
 // for bf16 activations, and this build serves fp32 ones.
 #pragma once
 #include <immintrin.h>

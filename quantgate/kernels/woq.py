@@ -1,56 +1,90 @@
-"""quantgate's weight-only int8/int4 linear for CPUs with AVX-512-BF16 (woq_linear.cpp).
+"""quantgate's weight-only int8/int4 linear for CPUs with AVX-512-BF16 (woq_linear.cpp), bf16 activations.
 
 The kernel reads each weight once per call whatever the batch (torch's CPU int8/int4 kernels redo the
 dequantization per row): int8 through a bf16 panel per 48 output channels held in L2, int4 through a
-register lookup table (a panel too from 8 rows), a packed bf16 weight in place. Where the CPU has AMX,
-the panel paths multiply on AMX-BF16 tiles over the same layouts (woq_amx.h), and int8 weights, packed in
-quads there, run on AMX-INT8 at every row count (woq_amx_int8.h). `available()` says whether it runs here: a CPU with
-avx512_bf16, a compiler, and `QUANTGATE_WOQ_KERNEL` not "0". The pack functions build its layouts.
+register lookup table (a panel too from 8 rows), a packed bf16 weight in place. It is built twice: for the
+`amx` path with AMX tiles (the panel paths multiply on AMX-BF16 over the same layouts, woq_amx.h, and int8
+weights packed in quads run on AMX-INT8 at every row count, woq_amx_int8.h), and for `avx512bf16` without
+them (dpbf16 only), each under its own op namespace, so both run side by side on an AMX CPU.
+`available(isa)` says whether a path's build runs here: a CPU with its flags, a compiler, and
+`QUANTGATE_WOQ_KERNEL` not "0". The pack functions build its layouts.
 """
 
 from __future__ import annotations
 
-import os
-from collections.abc import Iterator
-from contextlib import contextmanager
+from dataclasses import dataclass
+from functools import cache
 from pathlib import Path
 
 import torch
 
-from quantgate import kernels
+from quantgate import settings
+from quantgate.kernels import build
+from quantgate.kernels import isa as isas
 
 SOURCE = Path(__file__).with_name("woq_linear.cpp")
-ENV = "QUANTGATE_WOQ_KERNEL"  # "0" keeps torch's kernels (to measure what this one buys)
-AMX_ENV = "QUANTGATE_AMX"  # "0" keeps the dpbf16 paths where AMX would run (read by the kernel per call)
 TILE = 16
+NO_AMX_CFLAGS = ["-mno-amx-tile", "-mno-amx-bf16", "-mno-amx-int8"]
 
 
 def cpu_has_avx512_bf16() -> bool:
-    return "avx512_bf16" in kernels.cpu_signature().split()
+    return "avx512bf16" in isas.supported()
 
 
 def cpu_has_amx() -> bool:
-    return "amx_bf16" in kernels.cpu_signature().split()
+    return "amx" in isas.supported()
 
 
-@contextmanager
-def without_amx() -> Iterator[None]:
-    """The kernel's dpbf16 paths only, for the calls made inside (to measure what AMX buys)."""
-    before = os.environ.get(AMX_ENV)
-    os.environ[AMX_ENV] = "0"
-    try:
-        yield
-    finally:
-        if before is None:
-            os.environ.pop(AMX_ENV, None)
-        else:
-            os.environ[AMX_ENV] = before
+def _path(isa: str | None) -> str:
+    """`isa` resolved; a CPU path below the bf16 ones (or torch) has no build of this kernel."""
+    path = isas.resolve(isa)
+    return path if path in isas.BF16_PATHS else ""
 
 
-def available(device: torch.device | str = "cpu") -> bool:
-    if torch.device(device).type != "cpu" or os.environ.get(ENV, "1").strip() == "0" or not cpu_has_avx512_bf16():
-        return False
-    return kernels.load(SOURCE) and hasattr(torch.ops.quantgate_woq, "woq_linear_int8")
+@cache
+def _ops(path: str):
+    namespace = f"quantgate_woq_{path}"
+    cflags = build.CFLAGS + (NO_AMX_CFLAGS if path == "avx512bf16" else []) + [f"-DQG_NAMESPACE={namespace}"]
+    if not build.load(SOURCE, cflags, name=f"woq_linear_{path}"):
+        return None
+    ops = getattr(torch.ops, namespace)
+    return ops if hasattr(ops, "woq_linear_int8") else None
+
+
+def ops(isa: str | None = None):
+    """The op namespace of path `isa`'s build (None: the path in force), or None where it cannot run."""
+    path = _path(isa)
+    if not path or not settings.enabled(settings.WOQ_KERNEL):
+        return None
+    return _ops(path)
+
+
+def available(device: torch.device | str = "cpu", isa: str | None = None) -> bool:
+    return torch.device(device).type == "cpu" and ops(isa) is not None
+
+
+@dataclass(frozen=True)
+class _Linears:
+    """One build's linear ops as overloads: a decode step makes hundreds of calls, each resolved once here."""
+    int8: object
+    int4: object
+    bf16: object
+
+
+_linears: dict[str | None, _Linears] = {}
+
+
+def _kernel(isa: str | None) -> _Linears:
+    found = _linears.get(isa) if isa is not None else None
+    if found is None:
+        kernel = ops(isa)
+        if kernel is None:
+            raise RuntimeError(f"quantgate's bf16 kernel does not run on path {isas.resolve(isa)} here")
+        found = _Linears(kernel.woq_linear_int8.default, kernel.woq_linear_int4.default,
+                         kernel.woq_linear_bf16.default)
+        if isa is not None:
+            _linears[isa] = found
+    return found
 
 
 def fits(in_features: int, out_features: int, group_size: int | None = None) -> bool:
@@ -60,23 +94,24 @@ def fits(in_features: int, out_features: int, group_size: int | None = None) -> 
     return in_features % 2 == 0 and out_features % TILE == 0
 
 
-def int16_rows_below(int4: bool) -> int:
-    """Calls with fewer rows take the exact int16 paths where AMX does not take them (every call on Intel
-    CPUs without AMX; 8 rows for int4 and 24 for int8 elsewhere); from there the bf16 panel."""
-    return int(torch.ops.quantgate_woq.int16_rows_below(int4))
+def panel_rows_from(int4: bool, in_features: int, isa: str | None = None) -> int:
+    """Calls with fewer rows take the exact int16 paths (every call on Intel CPUs without AMX; where AMX
+    takes the call 8 rows for int4 and 24 for int8, as on AMD), from there the bf16 panel."""
+    return int(ops(isa).panel_rows_from(int4, in_features))
 
 
-def int8_width(in_features: int) -> int:
-    """Inputs per channel an int8 weight is packed with here: 4 (quads) where the AMX-INT8 path runs it,
-    else 2 (pairs)."""
-    return 4 if available() and torch.ops.quantgate_woq.amx_int8_ready(in_features) else 2
+def int8_width(in_features: int, isa: str | None = None) -> int:
+    """Inputs per channel an int8 weight is packed with for path `isa`: 4 (quads) where the AMX-INT8 path
+    runs it, else 2 (pairs)."""
+    kernel = ops(isa)
+    return 4 if kernel is not None and kernel.amx_int8_ready(in_features) else 2
 
 
-def pack_int8(weight: torch.Tensor, width: int | None = None) -> torch.Tensor:
+def pack_int8(weight: torch.Tensor, width: int | None = None, isa: str | None = None) -> torch.Tensor:
     """[N, K] int8 -> [N/16, K/width, 16, width]: 16 channels at `width` consecutive inputs per row, pairs
-    for the dpbf16 and int16 paths, quads for AMX-INT8 (default: `int8_width(K)`)."""
+    for the dpbf16 and int16 paths, quads for AMX-INT8 (default: `int8_width(K, isa)`)."""
     n, k = weight.shape
-    width = width or int8_width(k)
+    width = width or int8_width(k, isa)
     return weight.view(n // TILE, TILE, k // width, width).permute(0, 2, 1, 3).contiguous()
 
 
@@ -133,15 +168,16 @@ def out_dtype(dtype: torch.dtype) -> torch.dtype:
     return dtype if dtype in (torch.float32, torch.bfloat16) else torch.float32
 
 
-def int8_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+def int8_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, out_dtype: torch.dtype,
+                isa: str | None = None) -> torch.Tensor:
     """x [M, K] bf16 (contiguous) -> [M, N] in out_dtype: x @ (q * scales)^T."""
-    return torch.ops.quantgate_woq.woq_linear_int8(x, packed, scales, out_dtype)
+    return _kernel(isa).int8(x, packed, scales, out_dtype)
 
 
-def bf16_linear(x: torch.Tensor, packed: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    return torch.ops.quantgate_woq.woq_linear_bf16(x, packed, out_dtype)
+def bf16_linear(x: torch.Tensor, packed: torch.Tensor, out_dtype: torch.dtype, isa: str | None = None) -> torch.Tensor:
+    return _kernel(isa).bf16(x, packed, out_dtype)
 
 
 def int4_linear(x: torch.Tensor, packed: torch.Tensor, scales_zeros: torch.Tensor, group_size: int, n: int,
-                out_dtype: torch.dtype) -> torch.Tensor:
-    return torch.ops.quantgate_woq.woq_linear_int4(x, packed, scales_zeros, group_size, n, out_dtype)
+                out_dtype: torch.dtype, isa: str | None = None) -> torch.Tensor:
+    return _kernel(isa).int4(x, packed, scales_zeros, group_size, n, out_dtype)

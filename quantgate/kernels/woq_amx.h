@@ -28,14 +28,14 @@ namespace {
 constexpr int kAmxRows = 16, kAmxPairs = 16;  // a tile: 16 rows x 64 bytes (16 k-pairs of bf16)
 
 // Linux hands a process the AMX tile state only when asked (the kernel's XFEATURE_XTILEDATA permission).
-// QUANTGATE_AMX=0 keeps the dpbf16 paths (read per call, so a benchmark can set it between calls).
+// The dpbf16-only path is another build of this source (`avx512bf16`, compiled without AMX), never a switch
+// read per call.
 bool amx_allowed() {
   static const bool granted = [] {
     constexpr int kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
     return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
   }();
-  const char* env = std::getenv("QUANTGATE_AMX");
-  return granted && !(env && env[0] == '0');
+  return granted;
 }
 
 struct alignas(64) TileConfig {

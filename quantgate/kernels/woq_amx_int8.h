@@ -1,4 +1,4 @@
-// int8 weights in quads ([N/16, K/4, 16, 4]), where the CPU has AMX-INT8 (quantize/kernels/__init__.py
+// int8 weights in quads ([N/16, K/4, 16, 4]), where the CPU has AMX-INT8 (woq.py
 // packs them so there: `int8_width`): the int16 few-row path's exact integer sums without its per-weight
 // widening. Each row of x is rounded to int16 as there (round_rows) and split into bytes, x16 = 256 * hi
 // + lo (lo unsigned). More than 2 rows: AMX tiles, TDPBUSD summing lo * w and TDPBSSD hi * w over 64

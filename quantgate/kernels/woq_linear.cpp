@@ -14,7 +14,7 @@
 // On CPUs with AMX the panel paths run on AMX-BF16 tiles (woq_amx.h) and int8 packed in quads on
 // AMX-INT8 / VNNI at every row count (woq_amx_int8.h).
 //
-// Packed layouts (quantize/kernels/__init__.py builds them; K even, N a multiple of 16):
+// Packed layouts (quantgate/kernels/woq.py builds them; K even, N a multiple of 16):
 //   int8: [N/16, K/2, 16, 2] int8: one 32-byte load holds channels n..n+15 at inputs k, k+1; where
 //         AMX-INT8 runs, [N/16, K/4, 16, 4] (quads). Per-channel fp32 scales are applied to the fp32
 //         accumulators.
@@ -147,6 +147,14 @@ struct Tiles {
 
 constexpr int64_t kInt8AmxPanelRows = 24, kInt4AmxPanelRows = 8;  // where AMX takes the call: its panel from here
 
+// Calls with K inputs take the bf16 panel from this many rows (the int16 rows below it).
+int64_t panel_rows_from(bool int4, int64_t k) {
+  Problem p{};
+  p.k = k;
+  if (AmxCall::takes(p)) return int4 ? kInt4AmxPanelRows : kInt8AmxPanelRows;
+  return int16_rows_below(int4);
+}
+
 // int4 for many rows where the panel wins: the panel path of int8, the panel holding bf16((q - 8) * scale + zero)
 // (the weight rounded once to bf16, as a dequantize-then-GEMM would): its 8 x 48 register block reuses
 // each weight load for 8 rows, where the per-group sums above need twice the accumulators.
@@ -265,8 +273,8 @@ at::Tensor woq_linear_int8(const at::Tensor& x, const at::Tensor& packed, const 
   TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous(), "woq_linear_int8: fp32 scales");
   p.weight = packed.data_ptr(), p.scales = scales.data_ptr<float>(), p.group_size = 0;
   const bool quads = packed.dim() == 4 && packed.size(3) == 4;
-  TORCH_CHECK(!quads || amx_int8_ready(p.k), "woq_linear_int8: a weight packed in quads needs AMX-INT8 (and "
-              "QUANTGATE_AMX not 0) and K a multiple of 64 up to 65536; got K=", p.k);
+  TORCH_CHECK(!quads || amx_int8_ready(p.k), "woq_linear_int8: a weight packed in quads needs AMX-INT8 (the "
+              "amx build) and K a multiple of 64 up to 65536; got K=", p.k);
   if (!p.m) return out;
 #ifdef QUANTGATE_AMX_INT8
   if (quads) return run_int8_amx(p), out;
@@ -306,16 +314,22 @@ at::Tensor woq_linear_bf16(const at::Tensor& x, const at::Tensor& packed, at::Sc
 
 }  // namespace
 
-TORCH_LIBRARY(quantgate_woq, m) {
+#ifndef QG_NAMESPACE
+#define QG_NAMESPACE quantgate_woq_amx
+#endif
+#define QG_LIBRARY(ns, m) TORCH_LIBRARY(ns, m)  // expands QG_NAMESPACE before TORCH_LIBRARY pastes it
+#define QG_LIBRARY_IMPL(ns, key, m) TORCH_LIBRARY_IMPL(ns, key, m)
+
+QG_LIBRARY(QG_NAMESPACE, m) {
   m.def("woq_linear_bf16(Tensor x, Tensor packed, ScalarType out_dtype) -> Tensor");
   m.def("amx_int8_ready(int k) -> bool", &amx_int8_ready);
-  m.def("int16_rows_below(bool int4) -> int", &int16_rows_below);
+  m.def("panel_rows_from(bool int4, int k) -> int", &panel_rows_from);
   m.def("woq_linear_int8(Tensor x, Tensor packed, Tensor scales, ScalarType out_dtype) -> Tensor");
   m.def("woq_linear_int4(Tensor x, Tensor packed, Tensor scales_zeros, int group_size, int n, "
         "ScalarType out_dtype) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(quantgate_woq, CPU, m) {
+QG_LIBRARY_IMPL(QG_NAMESPACE, CPU, m) {
   m.impl("woq_linear_int8", &woq_linear_int8);
   m.impl("woq_linear_bf16", &woq_linear_bf16);
   m.impl("woq_linear_int4", &woq_linear_int4);
