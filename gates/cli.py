@@ -68,6 +68,7 @@ def _show(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     from gates.evaluate import NOT_MEASURED, UNINFORMATIVE, read_evaluation
+    from gates.power import family_line, power_cell
     from gates.registry import _version, read_approval, resolve_registered_model
     from gates.tracking import get_client
 
@@ -100,7 +101,7 @@ def _show(args: argparse.Namespace) -> int:
         raise ValueError(f"{name} v{mv.version}: no {args.stage} gates recorded (run `quantgate gates evaluate`)")
     verdict = evaluation.extra.get("verdict", "?")
     table = Table(title=f"{name} v{mv.version} ({mv.tags.get('variant', '')}) {args.stage} gates: {verdict.upper()}")
-    for col in ("gate", "rule", "threshold", "observed", "verdict", "reason"):
+    for col in ("gate", "rule", "threshold", "observed", "verdict", "reason", "power"):
         table.add_column(col, overflow="fold")
     for r in evaluation.results:
         observed = NOT_MEASURED if r.observed is None else f"{r.observed:.4g}"
@@ -108,8 +109,9 @@ def _show(args: argparse.Namespace) -> int:
             mark = "[bold yellow]UNINFORMATIVE (blocks)[/]" if not r.passed else "[yellow]uninformative[/]"
         else:
             mark = "[green]pass[/]" if r.passed else "[bold red]FAIL[/]"
-        table.add_row(r.name, r.rule, f"{r.threshold:.4g}", observed, mark, r.reason)
+        table.add_row(r.name, r.rule, f"{r.threshold:.4g}", observed, mark, r.reason, power_cell(r).replace("**", ""))
     console.print(table)
+    console.print(family_line(evaluation.results).replace("`", ""), highlight=False)
     if evaluation.uninformative:
         console.print("uninformative (could not have failed at this baseline and sample size): "
                       + ", ".join(r.name for r in evaluation.uninformative))

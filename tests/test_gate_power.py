@@ -130,14 +130,14 @@ def test_underpowered_is_reported_beside_the_verdict_never_instead() -> None:
         parse_policy({"tasks": {"max_drop": 0.05}, "power": {"family_harmless_pass": 1.5}})
 
 
-def test_power_is_recorded_in_mlflow_and_shown(store, tmp_path) -> None:
+def test_power_is_recorded_in_mlflow_and_shown(store, tmp_path, capsys) -> None:
     from gates.evaluate import evaluate_run, read_evaluation, render_markdown
     from gates.tracking import get_client
 
     variant = {**M.task_metrics("arc_easy", 0.60, delta=0.0, ci_low=-0.05, ci_high=0.05, n=100),
                **M.task_metrics("piqa", 0.64, delta=0.0, ci_low=-0.02, ci_high=0.02, n=1000)}
     base = {**M.task_metrics("arc_easy", 0.60, n=100), **M.task_metrics("piqa", 0.64, n=1000)}
-    run_id, _ = make_release("m-power", {"int4wo": variant}, baseline=base)["int4wo"]
+    run_id, version = make_release("m-power", {"int4wo": variant}, baseline=base)["int4wo"]
     flip = {"item_id": "x", "doc_id": 0, "target": "", "baseline_response": "", "variant_response": ""}
     compare = {"rows": [{"task": "piqa", "binary": True, "n": 1000, "lost": [flip] * 30, "gained": [flip] * 20}]}
     get_client().log_dict(run_id, compare, "evidence/compare.json")  # as the release records its comparison
@@ -159,7 +159,11 @@ def test_power_is_recorded_in_mlflow_and_shown(store, tmp_path) -> None:
     assert f"probability {arc.harmless_pass * piqa.harmless_pass:.3f}" in report
     from gates.plan import plan_report
     from gates.policy import load_policy
+    from quantgate.cli import main
 
+    assert main(["gates", "show", "--model", "m-power", "--version", version]) == 0
+    shown = " ".join(capsys.readouterr().out.split())
+    assert "underpowered" in shown and "passes all 2 task gates" in shown
     plan = plan_report(load_policy(policy), ["arc_easy", "piqa"], models=2, from_run=run_id)
     assert "| piqa | 0.05 | 0.05 |" in plan and "| arc_easy | 0.05 | 0.1 |" in plan
     assert f"flip rates from run {run_id}" in plan
