@@ -35,6 +35,7 @@ DEFAULT_SECONDS_PER_ITEM = 0.15  # eval time per item and model when none is giv
 REFUSAL_POWER = 0.80
 CI_ALPHA = 0.05  # evals.compare's default: the gates judge 95 % CIs
 _NORMAL = NormalDist()
+_Z95 = _NORMAL.inv_cdf(1 - CI_ALPHA / 2)
 
 
 @dataclass(frozen=True)
@@ -55,7 +56,7 @@ class GatePower:
 
 
 def z_two_sided(alpha: float = CI_ALPHA) -> float:
-    return _NORMAL.inv_cdf(1 - alpha / 2)
+    return _Z95 if alpha == CI_ALPHA else _NORMAL.inv_cdf(1 - alpha / 2)
 
 
 def item_sd(flip_rate: float, drop: float = 0.0) -> float:
@@ -109,7 +110,7 @@ def refusal_drop(n: int, max_drop: float, flip_rate: float | None = None, sd: fl
     if pass_probability(n, max_drop, 0.0, flip_rate, alpha=alpha) <= 1 - power:
         return 0.0
     low, high = 0.0, 1.0
-    for _ in range(60):
+    for _ in range(32):  # to 1e-9 of a score
         mid = (low + high) / 2
         if pass_probability(n, max_drop, mid, flip_rate, alpha=alpha) > 1 - power:
             low = mid
