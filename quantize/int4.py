@@ -44,6 +44,26 @@ def quantize_groups(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor
     return pack_nibbles(q), scales_and_zeros
 
 
+def check_group_size(model: nn.Module, group_size: int, quantize_lm_head: bool = True,
+                     quantize_embeddings: bool = True) -> None:
+    """Refuse a group size that does not divide the input width of every layer int4 would quantize: those
+    layers would otherwise be left unquantized without a word."""
+    head = model.get_output_embeddings()
+    widths = {name: m.in_features for name, m in model.named_modules()
+              if isinstance(m, nn.Linear) and (quantize_lm_head or m is not head)}
+    embed = model.get_input_embeddings()
+    if quantize_embeddings and isinstance(embed, nn.Embedding):
+        widths["input embeddings"] = embed.embedding_dim
+    bad = {name: width for name, width in widths.items() if width % group_size}
+    if bad:
+        dividing = [g for g in (32, 64, 128, 256) if all(w % g == 0 for w in widths.values())]
+        raise ValueError(
+            f"int4 group size {group_size} does not divide the input width of {len(bad)} of the {len(widths)} "
+            f"layers to quantize (widths {sorted(set(bad.values()))}, e.g. {next(iter(bad))}); they would stay "
+            f"unquantized. Group sizes that divide every layer: {dividing or 'none of 32, 64, 128, 256'}"
+        )
+
+
 def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
     return (q[:, ::2] | (q[:, 1::2] << 4)).contiguous()
 

@@ -120,6 +120,10 @@ def _weight_only(method: str):
         from quantize.weight_only import quantize_model
 
         model = load_causal_lm(source, dtype=_torch_dtype(opts["dtype"])).eval()
+        if opts.get("group_size"):
+            from quantize.int4 import check_group_size
+
+            check_group_size(model, opts["group_size"], opts["quantize_lm_head"], opts["quantize_embeddings"])
         with torch.no_grad():
             swapped = quantize_model(model, opts["quantize_lm_head"], opts["quantize_embeddings"],
                                      opts.get("group_size"))
@@ -154,6 +158,21 @@ def _ours(name: str, bits: int, description: str, group_size: int | None, defaul
                   weight_files=(f"{name}.safetensors",))
 
 
+def _calibrated(algorithm: str, description: str, defaults: dict[str, Any]) -> Method:
+    """int4 codes chosen on calibration text (quantize/calibrated_build.py), saved and served as int4wo."""
+
+    def build(source: Path, opts: dict[str, Any]) -> PreTrainedModel:
+        from quantize.calibrated_build import build_calibrated
+
+        return build_calibrated(source, opts, algorithm)
+
+    _, save, load = _weight_only("int4wo")
+    return Method(f"int4-{algorithm}", 4, "quantgate", description, 32, build, save, load,
+                  defaults={"group_size": 32, "bits": 4, "calibration_tokens": 2048, "seq_len": 256,
+                            "quantize_lm_head": True, "quantize_embeddings": True, "dtype": "float32", **defaults},
+                  weight_files=("int4wo.safetensors",))
+
+
 _BNB_4BIT_DEFAULTS = {"double_quant": True, "compute_dtype": "float32"}
 
 METHODS: dict[str, Method] = {
@@ -168,6 +187,10 @@ METHODS: dict[str, Method] = {
               None, {}),
         _ours("int4wo", 4, "weight-only int4, groups of 32 with a bf16 scale and zero each (gpt-fast style); "
                            "fast CPU decode", 32, {"group_size": 32}),
+        _calibrated("gptq", "int4wo's layout with GPTQ's codes: column-wise error feedback through the inverse "
+                            "Hessian of calibration activations", {"damp": 0.01}),
+        _calibrated("awq", "int4wo's layout with AWQ's activation-aware channel scales folded into the norms "
+                           "and linears before each layer", {"grid": 20}),
     )
 }
 

@@ -143,10 +143,13 @@ def _identity(manifest: dict[str, Any]) -> dict[str, Any]:
 
 
 def _build(spec: Method, source: Path, ref: str, source_hash: str, opts: dict[str, Any], out: Path) -> None:
+    from quantize.tensor_table import tensor_table
+
     start = time.perf_counter()
     model = spec.build(source, opts)
     probe = check_built(model, source, source_hash, spec.name)  # before anything is written
     spec.save(model, out)
+    tensors, record = tensor_table(model), dict(getattr(model, "quantgate_record", {}))
     del model
     for file in sorted(source.iterdir()):
         if file.is_file() and file.name not in _NOT_COPIED and not file.name.endswith(_WEIGHT_SUFFIXES):
@@ -174,6 +177,8 @@ def _build(spec: Method, source: Path, ref: str, source_hash: str, opts: dict[st
         "probe": {"logit_cosine": probe.cosine, "top1_agreement": probe.top1_agreement},
         "created": datetime.now(UTC).isoformat(timespec="seconds"),
         "versions": library_versions(spec.backend),
+        **record,
+        "tensors": tensors,
         "files": file_table(out),
     }
     (out / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
