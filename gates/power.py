@@ -7,7 +7,9 @@ low end at or above -max_drop (evals.compare.paired_delta_ci, gates.evaluate). W
 difference D in {-1, 0, +1}, its mean is close to normal with variance var(D) / n, and the CI's low end
 is about mean - z * sd(D) / sqrt(n), so a variant whose true score is `drop` worse passes with
 
-    P(pass) = Phi((max_drop - drop) * sqrt(n) / sd(D) - z),    z = Phi^-1(1 - alpha / 2).
+    P(pass) = Phi((max_drop - drop) * sqrt(n) / sd(D) - z),    z = Phi^-1(1 - alpha / 2),
+
+with max_drop moved to the half step of the 1/n lattice a binary task's deltas live on (lattice_margin).
 
 The flip model behind sd(D): a harmless variant changes the answer on a fraction `flip_rate` of the
 items, half right->wrong and half wrong->right; a variant `drop` worse loses `drop` more items right->wrong,
