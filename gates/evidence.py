@@ -135,12 +135,16 @@ def data_files(task: str) -> list[Path] | None:
 
 
 def data_hashes(tasks: set[str]) -> dict[str, dict[str, str] | None]:
+    """task -> {data file: sha256}; None where the task is not quantgate's or its files cannot be read here."""
     from quantgate.models import file_sha256
 
     out: dict[str, dict[str, str] | None] = {}
     for task in sorted(tasks):
-        files = data_files(task)
-        out[task] = None if files is None else {str(p): file_sha256(p) for p in files}
+        try:
+            files = data_files(task)
+            out[task] = None if files is None else {str(p): file_sha256(p) for p in files}
+        except OSError:
+            out[task] = None
     return out
 
 

@@ -158,7 +158,8 @@ def _check_data(report: Report, manifest: dict[str, Any]) -> None:
 
     for task, files in manifest["eval_data"].items():
         if files is None:
-            report.notes.append(f"eval data of {task}: not a quantgate task, its data was not hashed")
+            report.notes.append(f"eval data of {task}: not hashed at release (not a quantgate task, or its files "
+                                "were not readable there)")
             continue
         for name, sha in files.items():
             path = Path(name)
