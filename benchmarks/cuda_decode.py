@@ -107,23 +107,25 @@ def decode_run(engine, batch: int, prompt: int, warmup: int, steps: int, vocab: 
             produced[out.request_id] = len(out.token_ids)
     _sync(engine.device)
     start = time.perf_counter()
-    done = 0
+    done = tokens = 0
     while engine.has_unfinished():
         done += 1
-        engine.step()
+        tokens += sum(len(out.new_token_ids) for out in engine.step())
     _sync(engine.device)
     seconds = time.perf_counter() - start
-    return {"steps": done, "seconds": seconds, "step_s": seconds / done, "tok_s": batch * done / seconds,
-            "mean_context": prompt + warmup + 1 + (done - 1) / 2}
+    return {"steps": done, "tokens": tokens, "seconds": seconds, "step_s": seconds / done,
+            "tok_s": tokens / seconds, "mean_context": prompt + warmup + 1 + (done - 1) / 2}
 
 
-def bench_shape(shape: str, args, bandwidth: float | None) -> list[dict]:
+def bench_shape(shape: str, args, bandwidth: float | None, result: dict) -> None:
+    """Appends a row per (graphs, batch) to result['rows'], saving the JSON after each (a timeout keeps them)."""
     from serving import LLMEngine
 
     model = build_model(shape, args.device, torch.bfloat16, args.max_len)
-    rows = []
     for graphs in (True, False):
+        # every prompt in one prefill step, so all sequences decode in lockstep
         engine = LLMEngine(model, TokenIdsOnly(), device=args.device, max_num_seqs=max(args.batches),
+                           max_num_batched_tokens=max(args.batches) * (args.prompt + 1),
                            max_model_len=args.max_len, attention="triton", cuda_graphs=graphs,
                            kv_cache_memory_gb=args.kv_gb)
         for batch in args.batches:
@@ -132,14 +134,20 @@ def bench_shape(shape: str, args, bandwidth: float | None) -> list[dict]:
                 model, torch.bfloat16)
             row = {"shape": shape, "graphs": graphs, "batch": batch, **run, "hbm_bytes": hbm,
                    "hbm_fraction": hbm / run["step_s"] / bandwidth if bandwidth else None}
-            rows.append(row)
+            result["rows"].append(row)
+            _save(result, args.out)
             print(f"{shape:13s} graphs={'on ' if graphs else 'off'} batch {batch:4d}: {row['tok_s']:10.0f} tok/s  "
                   f"step {row['step_s'] * 1e3:7.3f} ms  HBM {hbm / 1e6:8.1f} MB  "
                   f"{100 * (row['hbm_fraction'] or 0):5.1f} % of copy bandwidth", flush=True)
         del engine
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-    return rows
+
+
+def _save(result: dict, out: Path | None) -> None:
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "cuda_decode.json").write_text(json.dumps(result, indent=1))
 
 
 def dry_run(args) -> dict:
@@ -182,10 +190,7 @@ def main(argv: list[str] | None = None) -> dict:
     result = {"device": name, "torch": torch.__version__, "copy_bytes_per_s": bandwidth,
               "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}, "rows": []}
     for shape in args.shapes:
-        result["rows"] += bench_shape(shape, args, bandwidth)
-        if args.out:
-            args.out.mkdir(parents=True, exist_ok=True)
-            (args.out / "cuda_decode.json").write_text(json.dumps(result, indent=1))
+        bench_shape(shape, args, bandwidth, result)
     for shape in args.shapes:
         on = {r["batch"]: r["tok_s"] for r in result["rows"] if r["shape"] == shape and r["graphs"]}
         off = {r["batch"]: r["tok_s"] for r in result["rows"] if r["shape"] == shape and not r["graphs"]}
