@@ -16,6 +16,7 @@ from quantgate.kernels import isa as isas
 from serving.block_manager import BlockManager
 from serving.cuda import resolve_backend
 from serving.device import default_device, resolve_dtype
+from serving.llama_forward import supports
 from serving.model_runner import KVCacheShape, ModelRunner, load_model
 from serving.sampler import NO_TOKEN
 from serving.sampling_params import SamplingParams
@@ -99,9 +100,9 @@ class LLMEngine:
         self.device = torch.device(device)
         self.attention = resolve_backend(attention, self.device, kv_cache_dtype)
         if cuda_graphs is None:
-            cuda_graphs = self.attention == "triton" and self.device.type == "cuda"
-        if cuda_graphs and self.attention != "triton":
-            raise ValueError("cuda_graphs needs attention='triton'")
+            cuda_graphs = self.attention == "triton" and self.device.type == "cuda" and supports(model)
+        if cuda_graphs and (self.attention != "triton" or not supports(model)):
+            raise ValueError("cuda_graphs needs attention='triton' and a model serving/llama_forward.py runs")
         self.model = model
         self.tokenizer = tokenizer
         self.model_name = model_name

@@ -234,5 +234,16 @@ def test_attention_choice_is_checked_before_anything_is_built():
 def test_graphs_need_the_triton_path(llama_dir):
     from serving import LLMEngine
 
-    with pytest.raises(ValueError, match="cuda_graphs needs attention='triton'"):
+    with pytest.raises(ValueError, match="cuda_graphs needs attention='triton' and a model"):
         LLMEngine.from_pretrained(str(llama_dir), device=DEVICE, attention="torch", cuda_graphs=True)
+
+
+def test_models_own_forward_through_triton_attention(llama_dir, monkeypatch):
+    """Without llama_forward (QUANTGATE_FAST_FORWARD=0, as for other architectures) the model's own forward
+    calls the registered attention, which hands the step to the Triton kernels."""
+    monkeypatch.setenv("QUANTGATE_FAST_FORWARD", "0")
+    prompts, max_tokens = _prompts(VOCAB)[:2], [5, 5]
+    _, ref, _ = _greedy(llama_dir, prompts, max_tokens, dtype="float32", attention="torch", block_size=4)
+    engine, out, _ = _greedy(llama_dir, prompts, max_tokens, dtype="float32", attention="triton", block_size=4)
+    assert engine.runner.fast_forward is None and engine.runner.graphs is None
+    assert out == ref
