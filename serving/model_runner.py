@@ -11,7 +11,7 @@ from quantgate.kernels import isa as isas
 from quantgate.kernels.decoder_ops import paged_decode
 from quantgate.model_shape import kv_shape
 from serving import attention
-from serving.attention import AttentionContext, DecodeBatch, DecodeGroup, PrefillChunk
+from serving.attention import SCALE_DTYPE, AttentionContext, DecodeBatch, DecodeGroup, PrefillChunk
 from serving.llama_forward import LlamaForward, supports
 from serving.packed_linear import pack_linears, packing_wanted
 from serving.sampler import sample, token_logprobs
@@ -110,7 +110,7 @@ class ModelRunner:
         self.v_cache = [torch.zeros_like(k) for k in self.k_cache]
         self.k_scale = self.v_scale = None
         if kv_cache_dtype == "int8":
-            self.k_scale = [torch.zeros(shape.kv_heads, slots, dtype=attention.SCALE_DTYPE, device=device)
+            self.k_scale = [torch.zeros(shape.kv_heads, slots, dtype=SCALE_DTYPE, device=device)
                             for _ in range(shape.num_layers)]
             self.v_scale = [torch.zeros_like(s) for s in self.k_scale]
         self.generators: dict[str, torch.Generator] = {}
@@ -119,9 +119,12 @@ class ModelRunner:
         self.attention, self.graphs = attention, None
         if attention == "triton":
             from serving.cuda.fused_ops import TritonOps
+            from serving.cuda.projections import fuse_projections
 
             self.decode_kernel = None
             self.fast_forward = LlamaForward(model, TritonOps()) if supports(model) else None
+            if self.fast_forward is not None:
+                fuse_projections(self.fast_forward)
         if graph_shape is not None:
             if self.attention != "triton" or self.fast_forward is None:
                 raise ValueError("decode graphs need attention='triton' and a Llama-family model (llama_forward)")
