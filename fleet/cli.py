@@ -64,9 +64,9 @@ def _name(args: argparse.Namespace) -> str:
 
 def _auth(args: argparse.Namespace) -> dict:
     """The admin key from --config (admin_key or admin_key_env), else $QUANTGATE_FLEET_ADMIN_KEY."""
-    import os
+    from quantgate import settings
 
-    key = os.environ.get("QUANTGATE_FLEET_ADMIN_KEY")
+    key = settings.FLEET_ADMIN_KEY.raw() or None
     if args.config:
         from fleet.config import load_fleet_config
 

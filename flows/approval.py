@@ -10,7 +10,6 @@ decision in MLflow (`gates.registry.record_approval`) once it resumes, whichever
 
 from __future__ import annotations
 
-import getpass
 import os
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -19,6 +18,7 @@ from typing import Any
 from uuid import UUID
 
 from flows.runtime import prepare
+from quantgate import settings
 
 prepare()
 
@@ -107,7 +107,7 @@ def offer_section(offered: Sequence[Offer]) -> str:
 
 
 def current_user() -> str:
-    return os.environ.get("QUANTGATE_USER") or getpass.getuser()
+    return settings.user()
 
 
 def auto_decision(candidates: list[str]) -> Decision:

@@ -9,14 +9,13 @@ the history can be read back and `rollback` can walk the champion lineage.
 from __future__ import annotations
 
 import datetime as dt
-import getpass
 import json
-import os
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
 from gates.evaluate import read_evaluation
 from gates.tracking import get_client, registered_model_name
+from quantgate import settings
 
 if TYPE_CHECKING:
     from mlflow import MlflowClient
@@ -60,7 +59,7 @@ def _now() -> str:
 
 
 def _user(by: str | None) -> str:
-    return by or os.environ.get("QUANTGATE_USER") or getpass.getuser()
+    return by or settings.user()
 
 
 def resolve_registered_model(model: str, client: MlflowClient | None = None) -> str:

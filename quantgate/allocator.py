@@ -15,7 +15,8 @@ import glob
 import os
 import sys
 
-ENV = "QUANTGATE_TCMALLOC"
+from quantgate import settings
+
 PATTERNS = ("/usr/lib/*-linux-gnu/libtcmalloc_minimal.so.4", "/usr/lib*/libtcmalloc_minimal.so.4",
             "/usr/local/lib/libtcmalloc_minimal.so*")
 
@@ -35,7 +36,7 @@ def preloaded() -> bool:
 def reexec_with_tcmalloc(command: list[str]) -> bool:
     """Replace this process by `command` with tcmalloc preloaded; False (and nothing done) where it is
     off, missing, already loaded, or not Linux. Call before anything else has run."""
-    if os.environ.get(ENV, "1").strip() == "0" or preloaded() or not sys.platform.startswith("linux"):
+    if not settings.enabled(settings.TCMALLOC) or preloaded() or not sys.platform.startswith("linux"):
         return False
     path = tcmalloc_path()
     if path is None:

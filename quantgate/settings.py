@@ -42,6 +42,9 @@ PACK_WEIGHTS = _switch("QUANTGATE_PACK_WEIGHTS", "1", "0 keeps plain nn.Linear f
 FAST_FORWARD = _switch("QUANTGATE_FAST_FORWARD", "1", "0 runs the model's own forward instead of llama_forward")
 TRITON_INTERPRET = _switch("TRITON_INTERPRET", "0", "Triton's own (read when kernels are defined): 1 runs "
                             "serving/cuda's kernels on CPU tensors in its interpreter (tests)")
+TCMALLOC = _switch("QUANTGATE_TCMALLOC", "1", "0: the CLI does not re-execute itself with tcmalloc preloaded")
+USER = _switch("QUANTGATE_USER", "", "who approves and registers (recorded with each decision); the login name")
+FLEET_ADMIN_KEY = _switch("QUANTGATE_FLEET_ADMIN_KEY", "", "bearer key `quantgate fleet` admin calls send")
 SIGNING_KEY = _switch("QUANTGATE_SIGNING_KEY", "",
                       "ed25519 private key (PEM) that signs each release's evidence manifest; unset: unsigned")
 VERIFY_KEY = _switch("QUANTGATE_VERIFY_KEY", "",
@@ -62,6 +65,12 @@ def kernel_dir() -> Path:
 
 def isa() -> str:
     return ISA.raw().lower() or "auto"
+
+
+def user() -> str:
+    import getpass
+
+    return USER.raw() or getpass.getuser()
 
 
 def key_path(switch: Switch) -> Path | None:

@@ -7,7 +7,8 @@ import os
 import subprocess
 import sys
 
-from quantgate.allocator import ENV, tcmalloc_path
+from quantgate.allocator import tcmalloc_path
+from quantgate.settings import TCMALLOC
 
 # Runs reexec_with_tcmalloc on a command that reports whether tcmalloc is mapped into its process.
 PROBE = (
@@ -19,7 +20,7 @@ PROBE = (
 
 
 def _probe(**env: str) -> str:
-    base = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", ENV)}
+    base = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", TCMALLOC.name)}
     out = subprocess.run([sys.executable, "-c", PROBE], env={**base, **env}, capture_output=True, text=True,
                          timeout=120, check=True)
     return out.stdout.strip()
@@ -34,5 +35,5 @@ def test_the_process_is_re_executed_under_tcmalloc_where_the_machine_has_it():
 
 
 def test_the_switch_and_an_existing_preload_keep_the_process_as_it_is():
-    assert _probe(**{ENV: "0"}) == "not re-executed"
+    assert _probe(**{TCMALLOC.name: "0"}) == "not re-executed"
     assert _probe(LD_PRELOAD="libtcmalloc_minimal.so.4") == "not re-executed"
