@@ -142,6 +142,9 @@ def test_engine_through_triton_is_token_identical_to_the_torch_path_fp32(llama_d
         assert stats.num_preemptions > 0
     if config.get("cuda_graphs"):
         assert set(engine.runner.graphs.graphs) <= {1, 2, 4} and engine.runner.graphs.graphs
+    attn = engine.model.model.layers[0].self_attn  # q/k/v fused into one weight, the modules hold views of it
+    q_bytes = attn.q_proj.weight.numel() * attn.q_proj.weight.element_size()
+    assert attn.k_proj.weight.data_ptr() == attn.q_proj.weight.data_ptr() + q_bytes
 
 
 def test_bf16_engine_through_triton_agrees_with_the_torch_path(llama_dir):
