@@ -1,44 +1,73 @@
-"""q/k/v and gate/up of plain `nn.Linear` layers as one GEMM each on the Triton path: at decode sizes a
-GPU step is launch-bound, and the k/v projections are too small to fill the device on their own. The
-weights (and biases, where every module has one) are concatenated once and each module's weight becomes a
-view of its rows, so nothing is held twice and the modules still work alone. Quantized layers keep their
-own calls."""
+"""The Triton path's projections: plain `nn.Linear` q/k/v and gate/up as one GEMM each (at decode sizes a
+GPU step is launch-bound, and the k/v projections are too small to fill the device alone), and weight-only
+int8 layers (quantize/weight_only.py) through woq.py's dequantize-in-the-GEMM kernel, fused the same way.
+Weights, scales and biases are concatenated once and each module's tensors become views of their rows, so
+nothing is held twice and the modules still work alone. Other layers (int4, bitsandbytes, torchao) keep
+their own calls."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
-from serving.llama_forward import LlamaForward, Outputs
+from quantize.weight_only import Int8WeightOnlyLinear
+from serving.cuda.woq import int8_linear
+from serving.llama_forward import LlamaForward
+
+Projection = Callable[[torch.Tensor], torch.Tensor]
 
 
-def _fused(modules: list) -> Outputs | None:
-    if any(type(m) is not torch.nn.Linear for m in modules):
+def _share(modules: list, name: str) -> torch.Tensor | None:
+    """Every module's `name` tensor concatenated by rows, each module handed back a view of its rows."""
+    parts = [getattr(m, name) for m in modules]
+    if parts[0] is None:
         return None
-    biases = [m.bias for m in modules]
-    if len({(m.weight.dtype, m.weight.device) for m in modules}) != 1 or len({b is None for b in biases}) != 1:
+    fused = torch.cat([p.detach() for p in parts]).contiguous()
+    start = 0
+    for m, part in zip(modules, parts, strict=True):
+        view = fused[start : start + part.shape[0]]
+        setattr(m, name, torch.nn.Parameter(view, requires_grad=False) if isinstance(part, torch.nn.Parameter)
+                else view)
+        start += part.shape[0]
+    return fused
+
+
+def _projection(modules: list) -> Projection | None:
+    """One call computing the modules' outputs side by side, or None (another kind, mixed dtypes)."""
+    kinds = {type(m) for m in modules}
+    if len(kinds) != 1 or len({m.bias is None for m in modules}) != 1:
+        return None
+    kind = kinds.pop()
+    if kind is torch.nn.Linear and len({(m.weight.dtype, m.weight.device) for m in modules}) == 1:
+        weight, bias = _share(modules, "weight"), _share(modules, "bias")
+        return lambda x: F.linear(x, weight, bias)
+    if kind is Int8WeightOnlyLinear and all(m.weight_int8.numel() for m in modules):
+        codes, scales, bias = _share(modules, "weight_int8"), _share(modules, "scales"), _share(modules, "bias")
+        return lambda x: int8_linear(x, codes, scales, bias)
+    return None
+
+
+def _split(call: Projection | None, modules: list):
+    if call is None:
         return None
     sizes = [m.out_features for m in modules]
-    weight = torch.cat([m.weight.detach() for m in modules]).contiguous()
-    bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])
-    start = 0
-    for m, n in zip(modules, sizes, strict=True):
-        m.weight = torch.nn.Parameter(weight[start : start + n], requires_grad=False)
-        if bias is not None:
-            m.bias = torch.nn.Parameter(bias[start : start + n], requires_grad=False)
-        start += n
-    return lambda x: F.linear(x, weight, bias).split(sizes, dim=-1)
+    return lambda x: call(x).split(sizes, dim=-1)
 
 
 def fuse_projections(forward: LlamaForward) -> int:
-    """Fuse every layer's plain q/k/v and gate/up; returns how many groups were fused."""
-    fused = 0
+    """Swap in fused q/k/v and gate/up calls (and int8 o_proj/down_proj); returns how many calls changed."""
+    changed = 0
     for plan, layer in zip(forward.plans, forward.model.model.layers, strict=True):
         attn, mlp = layer.self_attn, layer.mlp
-        qkv = _fused([attn.q_proj, attn.k_proj, attn.v_proj])
-        gate_up = _fused([mlp.gate_proj, mlp.up_proj])
-        if qkv is not None:
-            plan.qkv, fused = qkv, fused + 1
-        if gate_up is not None:
-            plan.gate_up, fused = gate_up, fused + 1
-    return fused
+        calls = {"qkv": _split(_projection(qkv := [attn.q_proj, attn.k_proj, attn.v_proj]), qkv),
+                 "gate_up": _split(_projection(gate_up := [mlp.gate_proj, mlp.up_proj]), gate_up)}
+        for name, module in (("o_proj", attn.o_proj), ("down_proj", mlp.down_proj)):
+            if isinstance(module, Int8WeightOnlyLinear):
+                calls[name] = _projection([module])
+        for name, call in calls.items():
+            if call is not None:
+                setattr(plan, name, call)
+                changed += 1
+    return changed
