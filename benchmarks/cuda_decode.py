@@ -62,7 +62,14 @@ def build_model(shape: str, device: str, dtype: torch.dtype, max_len: int):
 
 
 def weight_bytes(model, batch: int) -> int:
-    params = sum(p.numel() * p.element_size() for p in model.parameters())  # a tied matrix counted once
+    """Every parameter and persistent buffer (int8 codes and scales) once, by storage."""
+    seen, params = set(), 0
+    tensors = [*model.parameters(), *(b for name, b in model.named_buffers() if not name.endswith("_unit_scales"))]
+    for t in tensors:  # a tied matrix, and views into fused weights, counted once
+        key = id(t) if t.device.type == "meta" else (t.untyped_storage().data_ptr(), t.storage_offset(), t.numel())
+        if key not in seen:
+            seen.add(key)
+            params += t.numel() * t.element_size()
     if not model.config.tie_word_embeddings:
         table = model.get_input_embeddings().weight
         params -= table.numel() * table.element_size() - batch * table.shape[1] * table.element_size()
@@ -117,12 +124,18 @@ def decode_run(engine, batch: int, prompt: int, warmup: int, steps: int, vocab: 
             "tok_s": tokens / seconds, "mean_context": prompt + warmup + 1 + (done - 1) / 2}
 
 
-def bench_shape(shape: str, args, bandwidth: float | None, result: dict) -> None:
-    """Appends a row per (graphs, batch) to result['rows'], saving the JSON after each (a timeout keeps them)."""
+def bench_shape(shape: str, variant: str, args, bandwidth: float | None, result: dict) -> None:
+    """Appends a row per (graphs, batch) to result['rows'], saving the JSON after each (a timeout keeps them).
+    int8wo: every decoder Linear int8 weight-only (quantize/weight_only.py; serving/cuda/woq.py's kernel),
+    graphs on only."""
     from serving import LLMEngine
 
     model = build_model(shape, args.device, torch.bfloat16, args.max_len)
-    for graphs in (True, False):
+    if variant == "int8wo":
+        from quantize.weight_only import replace_linears
+
+        replace_linears(model.model, from_weights=True)
+    for graphs in (True, False) if variant == "bf16" else (True,):
         # every prompt in one prefill step, so all sequences decode in lockstep
         engine = LLMEngine(model, TokenIdsOnly(), device=args.device, max_num_seqs=max(args.batches),
                            max_num_batched_tokens=max(args.batches) * (args.prompt + 1),
@@ -132,11 +145,11 @@ def bench_shape(shape: str, args, bandwidth: float | None, result: dict) -> None
             run = decode_run(engine, batch, args.prompt, args.warmup, args.steps, model.config.vocab_size)
             hbm = weight_bytes(model, batch) + batch * (run["mean_context"] + 1) * kv_bytes_per_token(
                 model, torch.bfloat16)
-            row = {"shape": shape, "graphs": graphs, "batch": batch, **run, "hbm_bytes": hbm,
+            row = {"shape": shape, "variant": variant, "graphs": graphs, "batch": batch, **run, "hbm_bytes": hbm,
                    "hbm_fraction": hbm / run["step_s"] / bandwidth if bandwidth else None}
             result["rows"].append(row)
             _save(result, args.out)
-            print(f"{shape:13s} graphs={'on ' if graphs else 'off'} batch {batch:4d}: {row['tok_s']:10.0f} tok/s  "
+            print(f"{shape:13s} {variant:6s} graphs={'on ' if graphs else 'off'} batch {batch:4d}: {row['tok_s']:10.0f} tok/s  "
                   f"step {row['step_s'] * 1e3:7.3f} ms  HBM {hbm / 1e6:8.1f} MB  "
                   f"{100 * (row['hbm_fraction'] or 0):5.1f} % of copy bandwidth", flush=True)
         del engine
@@ -167,6 +180,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--shapes", default="smollm2-135m,llama-1b", help=f"comma list of {', '.join(SHAPES)}")
     parser.add_argument("--batches", default=",".join(map(str, BATCHES)))
+    parser.add_argument("--variants", default="bf16,int8wo", help="comma list of bf16, int8wo")
     parser.add_argument("--prompt", type=int, default=128, help="prompt tokens per request")
     parser.add_argument("--warmup", type=int, default=4)
     parser.add_argument("--steps", type=int, default=32)
@@ -177,6 +191,9 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     args.shapes = [s for s in args.shapes.split(",") if s]
     args.batches = [int(b) for b in args.batches.split(",") if b]
+    args.variants = [v for v in args.variants.split(",") if v]
+    if set(args.variants) - {"bf16", "int8wo"}:
+        raise SystemExit(f"unknown variants {args.variants}")
     unknown = [s for s in args.shapes if s not in SHAPES]
     if unknown or not args.batches or min(args.batches) < 1:
         raise SystemExit(f"unknown shapes {unknown} or bad batches {args.batches}")
@@ -190,11 +207,15 @@ def main(argv: list[str] | None = None) -> dict:
     result = {"device": name, "torch": torch.__version__, "copy_bytes_per_s": bandwidth,
               "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}, "rows": []}
     for shape in args.shapes:
-        bench_shape(shape, args, bandwidth, result)
+        for variant in args.variants:
+            bench_shape(shape, variant, args, bandwidth, result)
     for shape in args.shapes:
-        on = {r["batch"]: r["tok_s"] for r in result["rows"] if r["shape"] == shape and r["graphs"]}
-        off = {r["batch"]: r["tok_s"] for r in result["rows"] if r["shape"] == shape and not r["graphs"]}
-        print(shape, "graphs on/off:", {b: round(on[b] / off[b], 2) for b in on if b in off})
+        def tok_s(variant, graphs, shape=shape):
+            return {r["batch"]: r["tok_s"] for r in result["rows"]
+                    if r["shape"] == shape and r["variant"] == variant and r["graphs"] == graphs}
+        on, off, int8 = tok_s("bf16", True), tok_s("bf16", False), tok_s("int8wo", True)
+        print(shape, "bf16 graphs on/off:", {b: round(on[b] / off[b], 2) for b in on if b in off})
+        print(shape, "int8wo/bf16 (graphs on):", {b: round(int8[b] / on[b], 2) for b in int8 if b in on})
     return result
 
 

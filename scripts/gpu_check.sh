@@ -66,6 +66,6 @@ fi
 
 # 3. The device, the CUDA test subset (fp32 and bf16 on the device), the benchmark.
 nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1
-QUANTGATE_TEST_DEVICE=cuda step tests-cuda 180 "$PY" -m pytest -q -p no:cacheprovider tests/test_triton_kernels.py
-step bench-cuda 240 "$PY" -m benchmarks.cuda_decode --out "$OUT"
+QUANTGATE_TEST_DEVICE=cuda step tests-cuda 170 "$PY" -m pytest -q -p no:cacheprovider tests/test_triton_kernels.py
+step bench-cuda 270 "$PY" -m benchmarks.cuda_decode --out "$OUT"
 cat "$STATUS"
