@@ -267,31 +267,47 @@ def test_int8_weight_only_gemm_matches_the_dequantized_matmul(dtype):
     torch.testing.assert_close(out.double().cpu(), ref, atol=tol, rtol=tol)
 
 
-def test_int8_model_through_fused_triton_projections_matches_its_own_forward(llama_dir):
-    """Every Linear of the decoder int8 weight-only: q/k/v and gate/up fused into one int8 GEMM each,
-    o_proj and down_proj alone, against the model with those int8 weights dequantized (fp32, one prefill).
-    (Not the int8 layers' own CPU forward: its kernel paths round activations their own way.)"""
+@pytest.mark.parametrize("group_size", [None, 32], ids=["int8", "int4"])
+def test_weight_only_model_through_fused_triton_projections(llama_dir, group_size):
+    """Every Linear of the decoder int8 (or int4, groups of 32) weight-only: q/k/v and gate/up fused into one
+    GEMM each, o_proj and down_proj alone, against the model with those weights dequantized (fp32, one
+    prefill). (Not the layers' own CPU forward: its kernel paths round activations their own way.)"""
     from transformers import AutoModelForCausalLM
 
-    from quantize.weight_only import quantize_per_channel, replace_linears
+    from quantize.weight_only import replace_linears
     from serving import LLMEngine, SamplingParams
     from serving.cuda.projections import fuse_projections
 
     engine = LLMEngine.from_pretrained(str(llama_dir), device=DEVICE, dtype="float32", attention="triton",
                                        cuda_graphs=False, block_size=4, isa="torch")
-    replace_linears(engine.model.model, from_weights=True)
+    replace_linears(engine.model.model, from_weights=True, group_size=group_size)
     assert fuse_projections(engine.runner.fast_forward) == 4 * len(engine.model.model.layers)
     prompt = _prompts(VOCAB)[1]
     out = engine.generate([prompt], SamplingParams(max_tokens=1, temperature=0, logprobs=5))[0]
     plain = AutoModelForCausalLM.from_pretrained(llama_dir, dtype=torch.float32).to(DEVICE).eval()
     with torch.inference_mode():
-        for module in plain.model.modules():  # the int8 model's weights, dequantized exactly in fp32
-            if isinstance(module, torch.nn.Linear):
-                codes, scales = quantize_per_channel(module.weight)
-                module.weight.copy_(codes.float() * scales[:, None])
+        for name, module in plain.model.named_modules():  # the quantized layers' weights, dequantized in fp32
+            quantized = engine.model.model.get_submodule(name) if name else None
+            if isinstance(module, torch.nn.Linear) and hasattr(quantized, "dequantized_weight"):
+                module.weight.copy_(quantized.dequantized_weight(torch.float32))
         logits = plain(input_ids=torch.tensor([prompt], device=DEVICE)).logits[0, -1].float()
     top = torch.log_softmax(logits, -1).topk(5)
     assert out.token_ids[0] == int(top.indices[0])
     got = dict(out.logprobs[0].top)
     for token, value in zip(top.indices.tolist(), top.values.tolist(), strict=True):
         assert abs(got[token] - value) < 1e-3
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int4_weight_only_gemm_matches_the_dequantized_matmul(dtype):
+    from quantize.int4 import dequantize_rows, quantize_groups
+    from serving.cuda.woq import int4_linear
+
+    gen = torch.Generator().manual_seed(3)
+    codes, sz = quantize_groups(torch.randn(40, 192, generator=gen), 32)  # K spans tiles unevenly, N odd tiles
+    x, bias = torch.randn(3, 192, generator=gen).to(dtype), torch.randn(40, generator=gen).to(dtype)
+    ref = x.double() @ dequantize_rows(codes, sz, 32, dtype).double().T + bias.double()
+    out = int4_linear(x.to(DEVICE), codes.to(DEVICE), sz.to(DEVICE), 32, bias.to(DEVICE))
+    assert out.dtype == dtype and out.shape == (3, 40)
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.double().cpu(), ref, atol=tol, rtol=tol)
