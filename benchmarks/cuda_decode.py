@@ -126,22 +126,25 @@ def decode_run(engine, batch: int, prompt: int, warmup: int, steps: int, vocab: 
 
 def bench_shape(shape: str, variant: str, args, bandwidth: float | None, result: dict) -> None:
     """Appends a row per (graphs, batch) to result['rows'], saving the JSON after each (a timeout keeps them).
-    int8wo: every decoder Linear int8 weight-only (quantize/weight_only.py; serving/cuda/woq.py's kernel),
-    graphs on only."""
+    int8wo / int4wo: the decoder's Linears weight-only (quantize/; serving/cuda/woq.py's kernels; int4 in
+    groups of 32 where they fit, as the release's int4wo), graphs on, at --wo-batches only."""
     from serving import LLMEngine
 
     model = build_model(shape, args.device, torch.bfloat16, args.max_len)
-    if variant == "int8wo":
+    batches = args.batches
+    if variant != "bf16":
+        from quantize.int4 import DEFAULT_GROUP_SIZE
         from quantize.weight_only import replace_linears
 
-        replace_linears(model.model, from_weights=True)
+        replace_linears(model.model, from_weights=True, group_size=DEFAULT_GROUP_SIZE if variant == "int4wo" else None)
+        batches = args.wo_batches
     for graphs in (True, False) if variant == "bf16" else (True,):
         # every prompt in one prefill step, so all sequences decode in lockstep
         engine = LLMEngine(model, TokenIdsOnly(), device=args.device, max_num_seqs=max(args.batches),
                            max_num_batched_tokens=max(args.batches) * (args.prompt + 1),
                            max_model_len=args.max_len, attention="triton", cuda_graphs=graphs,
                            kv_cache_memory_gb=args.kv_gb)
-        for batch in args.batches:
+        for batch in batches:
             run = decode_run(engine, batch, args.prompt, args.warmup, args.steps, model.config.vocab_size)
             hbm = weight_bytes(model, batch) + batch * (run["mean_context"] + 1) * kv_bytes_per_token(
                 model, torch.bfloat16)
@@ -180,7 +183,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--shapes", default="smollm2-135m,llama-1b", help=f"comma list of {', '.join(SHAPES)}")
     parser.add_argument("--batches", default=",".join(map(str, BATCHES)))
-    parser.add_argument("--variants", default="bf16,int8wo", help="comma list of bf16, int8wo")
+    parser.add_argument("--variants", default="bf16,int8wo,int4wo", help="comma list of bf16, int8wo, int4wo")
+    parser.add_argument("--wo-batches", default="1,16,64", help="batch sizes for int8wo and int4wo")
     parser.add_argument("--prompt", type=int, default=128, help="prompt tokens per request")
     parser.add_argument("--warmup", type=int, default=4)
     parser.add_argument("--steps", type=int, default=32)
@@ -192,7 +196,8 @@ def main(argv: list[str] | None = None) -> dict:
     args.shapes = [s for s in args.shapes.split(",") if s]
     args.batches = [int(b) for b in args.batches.split(",") if b]
     args.variants = [v for v in args.variants.split(",") if v]
-    if set(args.variants) - {"bf16", "int8wo"}:
+    args.wo_batches = [int(b) for b in args.wo_batches.split(",") if b]
+    if set(args.variants) - {"bf16", "int8wo", "int4wo"}:
         raise SystemExit(f"unknown variants {args.variants}")
     unknown = [s for s in args.shapes if s not in SHAPES]
     if unknown or not args.batches or min(args.batches) < 1:
@@ -213,9 +218,11 @@ def main(argv: list[str] | None = None) -> dict:
         def tok_s(variant, graphs, shape=shape):
             return {r["batch"]: r["tok_s"] for r in result["rows"]
                     if r["shape"] == shape and r["variant"] == variant and r["graphs"] == graphs}
-        on, off, int8 = tok_s("bf16", True), tok_s("bf16", False), tok_s("int8wo", True)
+        on, off = tok_s("bf16", True), tok_s("bf16", False)
         print(shape, "bf16 graphs on/off:", {b: round(on[b] / off[b], 2) for b in on if b in off})
-        print(shape, "int8wo/bf16 (graphs on):", {b: round(int8[b] / on[b], 2) for b in int8 if b in on})
+        for variant in ("int8wo", "int4wo"):
+            wo = tok_s(variant, True)
+            print(shape, f"{variant}/bf16 (graphs on):", {b: round(wo[b] / on[b], 2) for b in wo if b in on})
     return result
 
 
