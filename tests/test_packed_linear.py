@@ -24,6 +24,7 @@ from serving.packed_linear import (
 
 PACK_ENV = settings.PACK_WEIGHTS.name
 WO_PATHS = [i for i in wo.PATHS if i in isas.supported()]
+BF16 = next((i for i in isas.BF16_PATHS if i in isas.supported()), None)  # our bf16 kernel's best build here
 needs_onednn = pytest.mark.skipif(not onednn_bf16(), reason="oneDNN packs bf16 only with AVX-512 (BW/VL/DQ) or AVX-NE-CONVERT")
 
 
@@ -53,41 +54,41 @@ def test_pack_linears_swaps_plain_bf16_layers_and_keeps_tied_weights(tiny_model_
     assert resident_bytes(model) == before  # the packed buffers are counted, nothing is held twice
 
 
-@pytest.mark.skipif(not woq.cpu_has_avx512_bf16(), reason="quantgate's kernel needs AVX-512-BF16")
+@pytest.mark.skipif(BF16 is None, reason="quantgate's kernel needs AVX-512-BF16")
 @pytest.mark.parametrize("rows", [1, 7, 300])
 @pytest.mark.parametrize("bias", [False, True])
 def test_pair_packed_linear_is_f_linear_to_bf16_rounding(rows, bias):
-    assert woq.available()
+    assert woq.available(isa=BF16)
     torch.manual_seed(rows)
     linear = torch.nn.Linear(96, 80, bias=bias).to(torch.bfloat16)
     x = torch.randn(2, rows, 96, dtype=torch.bfloat16)
-    ours = PairPackedLinear.of(linear, isas.best())(x)
+    ours = PairPackedLinear.of(linear, BF16)(x)
     reference = F.linear(x.float(), linear.weight.float(), None if linear.bias is None else linear.bias.float())
     assert ours.dtype == torch.bfloat16 and ours.shape == (2, rows, 80)
     assert ((ours.float() - reference).abs() <= 0.01 * reference.abs() + 0.02).all()
     x32 = x.float()
-    assert PairPackedLinear.of(linear, isas.best())(x32).dtype == torch.float32
+    assert PairPackedLinear.of(linear, BF16)(x32).dtype == torch.float32
 
 
-@pytest.mark.skipif(not woq.cpu_has_avx512_bf16(), reason="quantgate's kernel needs AVX-512-BF16")
+@pytest.mark.skipif(BF16 is None, reason="quantgate's kernel needs AVX-512-BF16")
 def test_pack_linears_takes_our_kernel_for_every_projection_where_it_runs(tiny_model_dir):
     from quantgate.loading import load_causal_lm, resident_bytes
 
     model = load_causal_lm(tiny_model_dir, dtype=torch.bfloat16)
     before = resident_bytes(model)
-    pack_linears(model)
+    pack_linears(model, isa=BF16)
     kinds = {type(m) for m in model.model.layers.modules() if isinstance(m, PackedLinear | PairPackedLinear)}
     assert kinds == {PairPackedLinear} and resident_bytes(model) == before
 
 
-@pytest.mark.skipif(not woq.cpu_has_avx512_bf16(), reason="quantgate's kernel needs AVX-512-BF16")
+@pytest.mark.skipif(BF16 is None, reason="quantgate's kernel needs AVX-512-BF16")
 def test_a_tied_head_and_its_embedding_share_one_pair_packed_weight(tiny_model_dir):
     from quantgate.loading import load_causal_lm, resident_bytes
 
     model = load_causal_lm(tiny_model_dir, dtype=torch.bfloat16)
     weight = model.lm_head.weight.detach().clone()
     before = resident_bytes(model)
-    assert pack_linears(model) == 7 * model.config.num_hidden_layers + 1
+    assert pack_linears(model, isa=BF16) == 7 * model.config.num_hidden_layers + 1
     head, embed = model.lm_head, model.model.embed_tokens
     assert isinstance(head, PairPackedLinear) and isinstance(embed, PairPackedEmbedding)
     assert embed.packed_weight is head.packed_weight and resident_bytes(model) == before
@@ -100,7 +101,7 @@ def test_a_tied_head_and_its_embedding_share_one_pair_packed_weight(tiny_model_d
     assert head(x).dtype == torch.bfloat16 and head(x).shape == (2, 5, weight.shape[0])
 
     fp32 = load_causal_lm(tiny_model_dir, dtype=torch.float32)
-    assert pack_linears(fp32) == 0
+    assert pack_linears(fp32, isa=BF16) == 0
 
 
 def test_packing_is_wanted_for_cpu_bf16_only(monkeypatch):
@@ -173,7 +174,7 @@ def _prompt_logprobs(model_dir, prompts, dtype: str, isa: str) -> tuple[int, lis
     return ours, [lp.logprob for o in outs for lp in o.prompt_logprobs[1:]]
 
 
-@pytest.mark.skipif(not woq.cpu_has_avx512_bf16(), reason="quantgate's kernel needs AVX-512-BF16")
+@pytest.mark.skipif(BF16 is None, reason="quantgate's kernel needs AVX-512-BF16")
 def test_engine_with_our_bf16_kernel_is_as_accurate_as_with_onednn(default_model_dir):
     """Every projection and the tied head through our kernel sum in another order than oneDNN, so bf16
     texts can part; teacher-forced on the same tokens (chunked prefill), both engines' logprobs are as far

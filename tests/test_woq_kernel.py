@@ -199,7 +199,7 @@ def test_layers_use_it_drop_their_plain_weights_and_the_switch_turns_it_off(monk
     assert (torch_y8 - y8).abs().max() < 0.02 * scale and (torch_y4 - y4).abs().max() < 0.02 * scale
 
 
-def test_batched_engine_on_int8wo_matches_hf_generate_one_prompt_at_a_time(tiny_model_dir):
+def test_batched_engine_on_int8wo_matches_hf_generate_one_prompt_at_a_time(tiny_model_dir, path):
     from test_engine import random_prompts
 
     import quantize
@@ -207,7 +207,7 @@ def test_batched_engine_on_int8wo_matches_hf_generate_one_prompt_at_a_time(tiny_
 
     variant = quantize.quantize(tiny_model_dir, "int8wo")
     engine = LLMEngine.from_pretrained(str(variant), device="cpu", dtype=torch.float32, num_kv_blocks=64,
-                                       block_size=4, max_num_batched_tokens=48)
+                                       block_size=4, max_num_batched_tokens=48, isa=path)
     layer = engine.model.model.layers[0].mlp.up_proj
     assert isinstance(layer, Int8WeightOnlyLinear) and layer._woq_weight is not None
     prompts = random_prompts(8, vocab=engine.model.config.vocab_size, seed=3, hi=40)
