@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import secrets
 import statistics
 from collections.abc import Callable
@@ -145,17 +144,19 @@ class Canary:
 
 
 
-def canary_class() -> type:
-    """`Canary`, or with QUANTGATE_CANARY_BACKEND=ray (`quantgate release --canary-backend ray`) the same two
-    versions on a local Ray Serve fleet (fleet.canary.FleetCanary), replayed and judged the same way."""
-    backend = os.environ.get("QUANTGATE_CANARY_BACKEND", "local")
+def canary_class(backend: str = "local") -> type:
+    """`Canary`, or for backend "ray" (`quantgate release --canary-backend ray`) the same two versions on a
+    local Ray Serve fleet (fleet.canary.FleetCanary), replayed and judged the same way."""
     if backend == "local":
         return Canary
     if backend != "ray":
-        raise ValueError(f"QUANTGATE_CANARY_BACKEND must be local or ray, got {backend!r}")
+        raise ValueError(f"the canary backend must be local or ray, got {backend!r}")
     from fleet.canary import FleetCanary
 
-    return type("RayCanary", (FleetCanary,), {"replay": Canary.replay})
+    class RayCanary(FleetCanary):
+        replay = Canary.replay
+
+    return RayCanary
 
 async def _replay(url: str, sample: list[dict], advance: Callable[[int], None]) -> list[dict]:
     from benchmarks.sse_client import session
@@ -191,13 +192,13 @@ async def _stream_one(client, url: str, i: int, item: dict) -> dict:
 
 def run_canary(champion_dir: Path, challenger_dir: Path, n: int, share: float, out: Path,
                advance: Callable[[int], None], judge: Callable[[dict], tuple[bool, str]],
-               kv_cache_dtypes: dict[str, str] | None = None) -> dict:
+               kv_cache_dtypes: dict[str, str] | None = None, backend: str = "local") -> dict:
     """Serve both, replay `n` requests through the router, judge, tell the router; returns the numbers."""
     if n < 2:
         raise ValueError(f"a canary needs at least 2 requests, got {n}")
     out.mkdir(parents=True, exist_ok=True)
     decisions = out / "router_decisions.jsonl"
-    with canary_class()(champion_dir, challenger_dir, share, decisions, kv_cache_dtypes) as canary:
+    with canary_class(backend)(champion_dir, challenger_dir, share, decisions, kv_cache_dtypes) as canary:
         records = canary.replay(traffic(n), advance)
         unrouted = [r for r in records if r["version"] not in (CHAMPION, CHALLENGER)]
         result: dict = {v: version_stats([r for r in records if r["version"] == v]) for v in (CHAMPION, CHALLENGER)}

@@ -119,11 +119,7 @@ def run_release(args: argparse.Namespace, model: str, methods: list[str]) -> int
 
     prepare()
     import json
-    import os
     import time
-
-    if getattr(args, "canary_backend", None):  # read by flows.canary.canary_class in this process
-        os.environ["QUANTGATE_CANARY_BACKEND"] = args.canary_backend
 
     from flows.progress import terminal_progress
     from flows.release import check_options, release_flow
@@ -150,6 +146,7 @@ def run_release(args: argparse.Namespace, model: str, methods: list[str]) -> int
             approval_timeout_s=getattr(args, "approval_timeout", 24 * 3600),
             canary_requests=getattr(args, "canary_requests", 24),
             canary_share=getattr(args, "canary_share", 0.5),
+            canary_backend=getattr(args, "canary_backend", None) or "local",
             fresh=getattr(args, "fresh", False),
         )
     print_summary(summary)

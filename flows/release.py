@@ -203,7 +203,8 @@ def evaluate_gates(run_id: str, policy: str | None, stage_name: str = "release")
 
 @task(name="canary", cache_policy=NO_CACHE)
 def canary(champion_dir: str, challenger_dir: str, requests: int, share: float, out: str, release_run_id: str,
-           challenger_run_id: str, policy: str | None, kv_cache_dtypes: dict[str, str] | None = None) -> dict:
+           challenger_run_id: str, policy: str | None, kv_cache_dtypes: dict[str, str] | None = None,
+           backend: str = "local") -> dict:
     """Replay traffic through the router; the challenger's numbers go to MLflow and are judged there
     (canary gates) before the router is told to promote or roll back."""
     from gates.evaluate import evaluate_run
@@ -218,7 +219,7 @@ def canary(champion_dir: str, challenger_dir: str, requests: int, share: float, 
 
     with stage(f"canary: {requests} replayed requests, {share:.0%} to the challenger", total=requests) as advance:
         result = canary_stage.run_canary(Path(champion_dir), Path(challenger_dir), requests, share, Path(out),
-                                         advance, judge, kv_cache_dtypes)
+                                         advance, judge, kv_cache_dtypes, backend)
     records.log_canary_artifacts(challenger_run_id, result)
     return result
 
@@ -237,6 +238,7 @@ def release_flow(
     approval_timeout_s: int = 24 * 3600,
     canary_requests: int = 24,
     canary_share: float = 0.5,
+    canary_backend: str = "local",
     fresh: bool = False,
 ) -> dict:
     """Quantize `model`, measure every variant against the baseline, gate, approve, canary, promote."""
@@ -293,7 +295,7 @@ def release_flow(
             moved_challenger = chosen.version
             records.set_challenger(source.name, chosen.version,
                                    f"release {release_id}: smallest approved variant ({chosen.name})")
-            _canary_stage(summary, source, chosen, champion, policy, canary_requests, canary_share)
+            _canary_stage(summary, source, chosen, champion, policy, (canary_requests, canary_share, canary_backend))
             moved_challenger = None
         summary.aliases = records.aliases(source.name)
         records.log_summary(release_id, summary)
@@ -377,16 +379,17 @@ def _choose(summary: ReleaseSummary, decision: Decision) -> VariantResult | None
 
 
 def _canary_stage(summary: ReleaseSummary, source: Source, chosen: VariantResult, champion: tuple[str, Path],
-                  policy: str | None, requests: int, share: float) -> None:
+                  policy: str | None, plan: tuple[int, float, str]) -> None:
     from flows.runtime import work_dir
 
+    requests, share, backend = plan
     champion_version, champion_dir = champion
     challenger_dir = records.version_source(source.name, chosen.version)
     kv = {canary_stage.CHAMPION: records.version_kv_cache_dtype(source.name, champion_version),
           canary_stage.CHALLENGER: records.version_kv_cache_dtype(source.name, chosen.version)}
     out = work_dir("canary", summary.release_run_id)
     result = canary(str(champion_dir), str(challenger_dir), requests, share, str(out), summary.release_run_id,
-                    chosen.run_id, policy, kv)
+                    chosen.run_id, policy, kv, backend)
     passed, failed = result["gates"]["passed"], result["gates"]["failed"]
     summary.canary = {"champion_version": champion_version, **result["summary"], "passed": passed, "failed": failed}
     if passed:

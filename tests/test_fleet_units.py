@@ -118,14 +118,12 @@ def test_simulated_burst_predictive_matches_the_warm_pool_at_a_fraction_of_its_c
     assert rows["predictive"]["replica_seconds"] < 0.6 * rows["pool"]["replica_seconds"]
 
 
-def test_release_canary_backend_ray_puts_the_canary_on_the_fleet(monkeypatch):
+def test_release_canary_backend_ray_puts_the_canary_on_the_fleet():
     from fleet.canary import FleetCanary
     from flows import canary
 
     assert canary.canary_class() is canary.Canary
-    monkeypatch.setenv("QUANTGATE_CANARY_BACKEND", "ray")
-    ray_canary = canary.canary_class()
+    ray_canary = canary.canary_class("ray")
     assert issubclass(ray_canary, FleetCanary) and ray_canary.replay is canary.Canary.replay
-    monkeypatch.setenv("QUANTGATE_CANARY_BACKEND", "k8s")
     with pytest.raises(ValueError, match="local or ray"):
-        canary.canary_class()
+        canary.canary_class("k8s")
