@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from quantize.group_grid import fake_quantize
+from quantize.group_grid import fake_quantize, one_thread
 
 DEFAULT_GRID = 20
 SEARCH_ROWS = 2048  # calibration rows the search measures the output error on
@@ -45,15 +45,16 @@ def search_scales(x: torch.Tensor, weights: list[torch.Tensor], group_size: int,
         return (x @ quantized.T - reference).pow(2).mean().item()
 
     ones = torch.ones(k)
-    best = ScaleChoice(ones, None, error(ones), 0.0)
-    for step in range(grid):
-        alpha = step / grid
-        scales = (x_mean.pow(alpha) / w_mean.pow(1 - alpha).clamp(min=1e-4)).clamp(min=1e-4)
-        scales = scales / (scales.max() * scales.min()).sqrt()
-        candidate = error(scales)
-        if candidate < best.error:
-            best = ScaleChoice(scales, alpha, candidate, 0.0)
-    return ScaleChoice(best.scales, best.alpha, best.error, error(ones))
+    with one_thread():
+        best = ScaleChoice(ones, None, error(ones), 0.0)
+        for step in range(grid):
+            alpha = step / grid
+            scales = (x_mean.pow(alpha) / w_mean.pow(1 - alpha).clamp(min=1e-4)).clamp(min=1e-4)
+            scales = scales / (scales.max() * scales.min()).sqrt()
+            candidate = error(scales)
+            if candidate < best.error:
+                best = ScaleChoice(scales, alpha, candidate, 0.0)
+        return ScaleChoice(best.scales, best.alpha, best.error, error(ones))
 
 
 def fold_into_norm(norm: nn.Module, linears: list[nn.Linear], scales: torch.Tensor) -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from quantize.group_grid import GroupCodes, dequantize_with, group_params, quantize_with
+from quantize.group_grid import GroupCodes, dequantize_with, group_params, one_thread, quantize_with
 
 DEFAULT_DAMP = 0.01
 BLOCK = 128  # columns updated together before the rest of the matrix is corrected
@@ -63,9 +63,10 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, group_size: int, 
     scale = torch.zeros(n, k // group_size)
     zero = torch.zeros(n, k // group_size)
     block = max(group_size, BLOCK // group_size * group_size)  # a whole number of groups
-    for start in range(0, k, block):
-        end = min(start + block, k)
-        _sweep_block(w, hinv, q, scale, zero, start, end, group_size, bits)
+    with one_thread():
+        for start in range(0, k, block):
+            end = min(start + block, k)
+            _sweep_block(w, hinv, q, scale, zero, start, end, group_size, bits)
     return GroupCodes(q, scale, zero)
 
 

@@ -8,6 +8,8 @@ is exactly what the kernels compute.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -77,3 +79,15 @@ def fake_quantize(weight: torch.Tensor, group_size: int, bits: int) -> torch.Ten
 
 def _bf16(x: torch.Tensor) -> torch.Tensor:
     return x.to(torch.bfloat16).float()
+
+
+@contextmanager
+def one_thread() -> Iterator[None]:
+    """Thousands of small ops: a thread pool's fork and join per op costs more than the op, and much more
+    when the cores are shared."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
