@@ -19,8 +19,10 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: import the repo's packages
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import fmt, machine, output_dir, pyplot, save_figure, summarize, write_json  # noqa: E402
+from benchmarks.common import fmt, output_dir, pyplot, save_figure  # noqa: E402
 from benchmarks.fleet_sim import Policy, ReplicaModel, Trace, simulate, summarize_result  # noqa: E402
+from quantgate.loadgen.report import machine, write_json  # noqa: E402
+from quantgate.loadgen.stats import summarize  # noqa: E402
 from quantgate.ports import free_port  # noqa: E402
 
 

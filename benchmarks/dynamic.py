@@ -16,7 +16,7 @@ import gc
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import fmt, machine, output_dir, pyplot, save_figure, write_json
+from benchmarks.common import fmt, output_dir, pyplot, save_figure
 from benchmarks.hol_lab import (
     full_batch_step_time,
     kv_blocks_for,
@@ -24,6 +24,7 @@ from benchmarks.hol_lab import (
     run_workload,
     summarize_run,
 )
+from quantgate.loadgen.report import machine, write_json
 
 
 def run_dynamic_sweep(

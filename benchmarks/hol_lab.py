@@ -22,16 +22,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import (
-    ProgressBar,
-    load_prompts,
-    machine,
-    output_dir,
-    ratio,
-    summarize,
-    write_json,
-)
+from benchmarks.common import output_dir
 from benchmarks.hol_report import SCHEDULERS, plot_gantt, plot_short_cdf
+from quantgate.loadgen.prompts import load_prompts
+from quantgate.loadgen.report import ProgressBar, machine, write_json
+from quantgate.loadgen.stats import ratio, summarize
 
 
 @dataclass

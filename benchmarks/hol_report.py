@@ -5,7 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import fmt, pyplot, ratio, save_figure, summarize
+from benchmarks.common import fmt, pyplot, save_figure
+from quantgate.loadgen.stats import ratio, summarize
 
 SCHEDULERS = ("static", "continuous", "dynamic")
 COLORS = {"short": "#1f77b4", "long": "#ff7f0e", "static": "#d62728", "continuous": "#2ca02c",

@@ -17,7 +17,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import machine, output_dir, pyplot, ratio, save_figure, summarize, write_json
+from benchmarks.common import output_dir, pyplot, save_figure
+from quantgate.loadgen.report import machine, write_json
+from quantgate.loadgen.stats import ratio, summarize
 
 
 @dataclass

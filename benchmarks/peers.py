@@ -4,7 +4,7 @@ The workload (issue 19): 64 requests sent all at once, token-id prompts of 16–
 8–256 tokens forced (ignore_eos, and min_tokens where the server takes it), streaming, drawn from a fixed
 seed so that every server gets the identical requests. Every request must produce exactly its forced
 token count (and report its prompt length) or its row is marked inexact and the run exits 1. Every
-server gets one short warm-up request first. Same client for all: benchmarks/serving.py.
+server gets one short warm-up request first. Same client for all: quantgate/loadgen.
 
     quantgate bench peers --serve quantgate --serve "quantgate:--dtype bfloat16" --serve vllm \\
         [--serve "vllm:--dtype float32"] [--serve llama] [--serve url=http://127.0.0.1:8000] [--reference 3]
@@ -36,10 +36,12 @@ from typing import Any
 if __package__ in (None, ""):  # run as a script: import the repo's packages
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
-from benchmarks.common import fmt, machine, output_dir, pyplot, ratio, save_figure, token_range, write_json  # noqa: E402
+from benchmarks.common import fmt, output_dir, pyplot, save_figure, token_range  # noqa: E402
 from benchmarks.peer_runs import Workload, run_one, run_rounds  # noqa: E402
 from benchmarks.peer_servers import PeerPaths, ServerSpec, parse_serve  # noqa: E402
 from quantgate.env import apply_defaults, home  # noqa: E402
+from quantgate.loadgen.report import machine, write_json  # noqa: E402
+from quantgate.loadgen.stats import ratio  # noqa: E402
 
 CPU_FLAGS = ("avx2", "avx_vnni", "avx512f", "avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16",
              "amx_int8")

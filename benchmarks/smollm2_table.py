@@ -26,8 +26,9 @@ from typing import Any
 if __package__ in (None, ""):  # run as a script: import the repo's packages
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
-from benchmarks.common import machine, output_dir, write_json  # noqa: E402
+from benchmarks.common import output_dir  # noqa: E402
 from quantgate.env import apply_defaults  # noqa: E402
+from quantgate.loadgen.report import machine, write_json  # noqa: E402
 
 MMLU = ("mmlu_marketing", "mmlu_high_school_geography", "mmlu_high_school_psychology")
 DEFAULT_TASKS = ("hellaswag", "arc_easy", "arc_challenge", "piqa", "winogrande", *MMLU)

@@ -20,7 +20,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import fmt, machine, output_dir, pyplot, ratio, save_figure, summarize, write_json
+from benchmarks.common import fmt, output_dir, pyplot, save_figure
+from quantgate.loadgen.report import machine, write_json
+from quantgate.loadgen.stats import ratio, summarize
 
 RUNS = ("alone", "fair", "fifo")
 COLORS = {"alone": "#2ca02c", "fair": "#1f77b4", "fifo": "#d62728"}

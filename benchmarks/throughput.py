@@ -17,7 +17,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-if __package__ in (None, ""):  # run as a script: import the repo's packages, not benchmarks/serving.py
+if __package__ in (None, ""):  # run as a script: import the repo's packages, not a module of this folder
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 import torch  # noqa: E402

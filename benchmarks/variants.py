@@ -30,8 +30,9 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: import the repo's packages
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
-from benchmarks.common import fmt, machine, output_dir, pyplot, save_figure, write_json  # noqa: E402
+from benchmarks.common import fmt, output_dir, pyplot, save_figure  # noqa: E402
 from quantgate.env import apply_defaults  # noqa: E402
+from quantgate.loadgen.report import machine, write_json  # noqa: E402
 
 BLOCK_SIZE = 16
 FIXED_TEXT = (

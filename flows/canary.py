@@ -33,14 +33,14 @@ SPEED_WINDOWS = 6
 
 def traffic(n: int, seed: int = 0) -> list[dict]:
     """The replayed sample: prompts from the shipped prompt set, one user id per request."""
-    from benchmarks.common import load_prompts
+    from quantgate.loadgen.prompts import load_prompts
 
     prompts = load_prompts()
     return [{"user": f"user-{seed}-{i}", "prompt": prompts[i % len(prompts)]} for i in range(n)]
 
 
 def version_stats(records: list[dict]) -> dict:
-    from benchmarks.common import percentile
+    from quantgate.loadgen.stats import percentile
 
     tpot = [r["tpot_s"] for r in records if r.get("tpot_s") is not None]
     ttft = [r["ttft_s"] for r in records if r.get("ttft_s") is not None]
@@ -159,7 +159,7 @@ def canary_class(backend: str = "local") -> type:
     return RayCanary
 
 async def _replay(url: str, sample: list[dict], advance: Callable[[int], None]) -> list[dict]:
-    from benchmarks.sse_client import session
+    from quantgate.loadgen.client import session
 
     gate = asyncio.Semaphore(REPLAY_CONCURRENCY)
     async with session(REPLAY_CONCURRENCY, timeout_s=300.0) as client:
@@ -174,7 +174,7 @@ async def _replay(url: str, sample: list[dict], advance: Callable[[int], None]) 
 
 
 async def _stream_one(client, url: str, i: int, item: dict) -> dict:
-    from benchmarks.sse_client import stream_completion
+    from quantgate.loadgen.client import stream_completion
 
     body = {"prompt": item["prompt"], "max_tokens": MAX_TOKENS, "temperature": 0.0, "stream": True,
             "stream_options": {"include_usage": True}, "user": item["user"], "ignore_eos": True}

@@ -1,5 +1,5 @@
 """What the flow measures for each model, through the layers below: quantize, serving benchmark, evals,
-comparison. Thin calls into `quantize`, `benchmarks.serving`, `evals`; the flow's tasks wrap these.
+comparison. Thin calls into `quantize`, `quantgate.loadgen`, `evals`; the flow's tasks wrap these.
 
 Metric keys are `gates.metrics`' (the gate evaluator reads them back from MLflow).
 """

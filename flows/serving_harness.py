@@ -2,7 +2,7 @@
 
 The model's engine is served by our OpenAI-compatible server (`serving.server`) on a free loopback port
 in this process, stepped on the calling thread (where torch's ops run fastest: `run_beside_engine`), and
-`benchmarks.serving` drives it from another thread: the shipped prompt set, a fixed concurrency
+`quantgate.loadgen.run` drives it from another thread: the shipped prompt set, a fixed concurrency
 (`bench_concurrency` streaming clients in a closed loop), greedy, `ignore_eos` so every request decodes
 exactly `bench_max_tokens` tokens. TTFT and TPOT are measured on the client side, as a user sees them.
 """
@@ -18,7 +18,7 @@ _STAT_FOR_QUANTILE = {50: "median", 95: "p95", 99: "p99"}
 
 
 def benchmark(engine, config: MeasureConfig, name: str, out_json: Path) -> dict:
-    from benchmarks.serving import run_serving_benchmark
+    from quantgate.loadgen.run import run_serving_benchmark
     from serving import SamplingParams
     from serving.server import build_app
     from serving.server_thread import ServerThread, run_beside_engine
@@ -34,9 +34,9 @@ def benchmark(engine, config: MeasureConfig, name: str, out_json: Path) -> dict:
 
 
 def to_metrics(report: dict) -> dict[str, float]:
-    """The report (flattened by `benchmarks.serving.flat_metrics`) in `gates.metrics` names: latency
+    """The report (flattened by `quantgate.loadgen.run.flat_metrics`) in `gates.metrics` names: latency
     quantiles in seconds, tokens/s."""
-    from benchmarks.serving import flat_metrics
+    from quantgate.loadgen.run import flat_metrics
 
     flat = flat_metrics(report, prefix="")
     metrics: dict[str, float] = {}

@@ -13,7 +13,7 @@ from benchmarks.llama_peer import gguf_as, source_gguf
 from benchmarks.peer_runs import check_exact, median_of_rounds
 from benchmarks.peer_servers import LLAMA_DEFAULT_ARGS, PeerPaths, ServerSpec, command, parse_serve
 from benchmarks.peers import Workload, cpu_info, pick_reference, run_peers
-from benchmarks.serving import run_serving_benchmark
+from quantgate.loadgen.run import run_serving_benchmark
 
 
 def test_specs_workload_and_cpu_flags(tmp_path):

@@ -1,4 +1,4 @@
-"""The load generator (benchmarks/serving.py) against a stub server that answers at once."""
+"""The load generator (quantgate/loadgen/run.py) against a stub server that answers at once."""
 
 from __future__ import annotations
 
@@ -7,14 +7,14 @@ import json
 import pytest
 from benchmarks_fixtures import stub_server
 
-from benchmarks.common import percentile, summarize
-from benchmarks.serving import (
+from quantgate.loadgen.run import (
     arrival_gaps,
     build_requests,
     completions_url,
     flat_metrics,
     run_serving_benchmark,
 )
+from quantgate.loadgen.stats import percentile, summarize
 from quantgate.ports import free_port
 
 

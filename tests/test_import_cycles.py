@@ -107,3 +107,11 @@ def test_no_cycle_inside_a_folder():
     graph = import_graph()
     inside = {m: {t for t in ts if t.split(".")[0] == m.split(".")[0]} for m, ts in graph.items()}
     assert cycles(inside) == []
+
+
+def test_the_release_never_imports_the_lab():
+    """flows/ and gates/ drive servers through quantgate/loadgen; benchmarks/ may build on them, not the reverse."""
+    graph = import_graph()
+    reaching = {m: sorted(t for t in ts if t.startswith("benchmarks")) for m, ts in graph.items()
+                if m.split(".")[0] in ("flows", "gates", "evals", "serving", "quantize", "quantgate")}
+    assert {m: ts for m, ts in reaching.items() if ts} == {}

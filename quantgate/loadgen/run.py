@@ -6,7 +6,7 @@ Measured on the client side: TTFT (request sent → first text), ITL (between te
 ((E2E − TTFT) / (output tokens − 1)), E2E; request and output-token throughput; goodput, the
 requests/s that met an SLO (TTFT ≤ a and TPOT ≤ b).
 
-The transport is the shared streaming client (benchmarks/sse_client.py, aiohttp), as for the soak and
+The transport is the shared streaming client (quantgate/loadgen/client.py, aiohttp), as for the soak and
 the canary: it drives well over 500 requests/s against a stub that answers at once (see
 tests/test_benchmarks_serving.py), so the generator is not what the benchmark measures.
 
@@ -14,7 +14,7 @@ tests/test_benchmarks_serving.py), so the generator is not what the benchmark me
 
 From Python (the release flow calls this for each variant):
 
-    from benchmarks.serving import run_serving_benchmark, flat_metrics
+    from quantgate.loadgen.run import run_serving_benchmark, flat_metrics
     result = run_serving_benchmark("http://127.0.0.1:8000", "smollm2-135m", num_requests=64, request_rate=2)
     mlflow.log_metrics(flat_metrics(result))
 """
@@ -31,8 +31,10 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from benchmarks.common import ProgressBar, load_prompts, machine, ratio, summarize, write_json
-from benchmarks.sse_client import session, stream_completion
+from quantgate.loadgen.client import session, stream_completion
+from quantgate.loadgen.prompts import load_prompts
+from quantgate.loadgen.report import ProgressBar, machine, write_json
+from quantgate.loadgen.stats import ratio, summarize
 
 DEFAULT_SLO_TTFT_MS = 2000.0
 DEFAULT_SLO_TPOT_MS = 200.0
