@@ -17,7 +17,7 @@ import hashlib
 import json
 import random
 import re
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -55,8 +55,6 @@ class ProbePlan:
 
     def capped(self, max_model_len: int) -> ProbePlan:
         """The lengths a model of `max_model_len` tokens of context can take."""
-        from dataclasses import replace
-
         fits = tuple(n for n in self.lengths if n <= max_model_len)
         if not fits:
             raise ValueError(f"no probe length of {self.lengths} fits a context of {max_model_len} tokens")
