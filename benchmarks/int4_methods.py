@@ -35,6 +35,7 @@ class Recipe:
     group_size: int = 32
     bits: int = 4
     quantize_lm_head: bool = True
+    gptq_lm_head: bool = True
 
 
 @dataclass
@@ -49,21 +50,22 @@ class Row:
 
 
 def parse_recipe(name: str) -> Recipe:
-    """`int8wo`, or `<rtn|gptq|awq>-g<group>[-b<bits>][-headfp]` (headfp: lm_head/embedding kept float)."""
+    """`int8wo`, or `<rtn|gptq|awq>-g<group>[-b<bits>][-headfp|-headrtn]` (lm_head/embedding kept float,
+    or round-to-nearest under GPTQ)."""
     parts = name.split("-")
     if parts == ["int8wo"]:
         return Recipe(name, "int8wo")
     if parts[0] not in ("rtn", "gptq", "awq") or len(parts) < 2 or not parts[1].startswith("g"):
         raise ValueError(f"recipe {name!r}: want int8wo or <rtn|gptq|awq>-g<group>[-b<bits>][-headfp]")
-    bits, head = 4, True
+    bits, head, gptq_head = 4, True, True
     for part in parts[2:]:
         if part.startswith("b"):
             bits = int(part[1:])
-        elif part == "headfp":
-            head = False
+        elif part in ("headfp", "headrtn"):
+            head, gptq_head = part == "headrtn", False
         else:
             raise ValueError(f"recipe {name!r}: unknown part {part!r}")
-    return Recipe(name, parts[0], int(parts[1][1:]), bits, head)
+    return Recipe(name, parts[0], int(parts[1][1:]), bits, head, gptq_head)
 
 
 def held_text(tokenizer, tokens: int) -> list[list[int]]:
@@ -113,7 +115,7 @@ def quantize_copy(source: nn.Module, recipe: Recipe,
     else:
         ids = calibration_ids if recipe.algorithm != "rtn" else None
         calibrate(model, ids, Calibrated(recipe.algorithm, recipe.group_size, recipe.bits,
-                                         quantize_lm_head=recipe.quantize_lm_head))
+                                         quantize_lm_head=recipe.quantize_lm_head, gptq_lm_head=recipe.gptq_lm_head))
     return model, time.perf_counter() - start, time.process_time() - cpu
 
 

@@ -38,6 +38,7 @@ class Recipe:
     damp: float = DEFAULT_DAMP
     grid: int = awq.DEFAULT_GRID
     quantize_lm_head: bool = True
+    gptq_lm_head: bool = True  # False: the lm_head (and a tied embedding) round-to-nearest under GPTQ too
 
     def __post_init__(self) -> None:
         if self.algorithm not in ALGORITHMS:
@@ -144,7 +145,7 @@ def calibrate(model: nn.Module, ids: torch.Tensor, recipe: Recipe, show_progress
         log.info("int4-%s: layer %d/%d quantized", recipe.algorithm, index + 1, len(layers))
     head_name, head = _head(model, recipe)
     if head is not None:
-        if recipe.algorithm == "gptq":
+        if recipe.algorithm == "gptq" and recipe.gptq_lm_head:
             hessian = Hessian(head.in_features)
             hessian.add(model.model.norm(x))
             codes[head_name] = gptq_quantize(head.weight, hessian.matrix(), recipe.group_size, recipe.bits, recipe.damp)
