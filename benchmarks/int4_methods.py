@@ -16,13 +16,14 @@ import argparse
 import copy
 import json
 import math
-import platform
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 from torch import nn
+
+from quantgate.kernels import isa as isas
 
 DEFAULT_RECIPES = ("rtn-g32", "gptq-g32", "awq-g32", "rtn-g64", "gptq-g64", "awq-g64",
                    "rtn-g64-b3", "gptq-g64-b3", "awq-g64-b3", "rtn-g32-headfp", "gptq-g32-headfp", "int8wo")
@@ -155,22 +156,12 @@ def main(argv: list[str] | None = None) -> list[Row]:
         del model
         if args.json:  # after every row: a long run that is stopped keeps what it measured
             args.json.write_text(json.dumps({
-                "model": args.model, "machine": _machine(), "threads": torch.get_num_threads(),
+                "model": args.model, "machine": isas.cpu_model(), "threads": torch.get_num_threads(),
                 "eval": {"text": "LAMBADA (OpenAI) test passages, in order", "sequences": len(sequences),
                          "predicted_tokens": sum(len(s) - 1 for s in sequences), "bytes": text_bytes},
                 "baseline_bits_per_byte": round(base_bpb, 4), "calibration": calibration.record,
                 "rows": [asdict(r) for r in rows]}, indent=2) + "\n")
     return rows
-
-
-def _machine() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 if __name__ == "__main__":
