@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import os
 
-DEVICE = os.environ.get("QUANTGATE_TEST_DEVICE", "cpu")
-if DEVICE == "cpu":
-    os.environ["TRITON_INTERPRET"] = "1"  # test-only: triton reads it when the kernels are defined, so first
+DEVICE = os.environ.get("QUANTGATE_TEST_DEVICE", "cpu")  # on CPU, tests/conftest.py sets TRITON_INTERPRET
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
