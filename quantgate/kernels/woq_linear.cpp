@@ -185,7 +185,7 @@ void dequant_int4(const Problem& p, int64_t tile0, int tiles, __m512i table, __m
 }
 
 void run_int4(const Problem& p) {
-  if (p.m < (AmxCall::takes(p) ? kInt4AmxPanelRows : int16_rows_below(true))) return run_small<true>(p);
+  if (p.m < panel_rows_from(true, p.k)) return run_small<true>(p);
   const int64_t tiles = p.n / kTile, blocks = (tiles + kTilesPerBlock - 1) / kTilesPerBlock;
   alignas(64) uint16_t values[32];
   for (int i = 0; i < 32; ++i) {
@@ -209,7 +209,7 @@ void run_int4(const Problem& p) {
 }
 
 void run_int8(const Problem& p) {
-  if (p.m < (AmxCall::takes(p) ? kInt8AmxPanelRows : int16_rows_below(false))) return run_small<false>(p);
+  if (p.m < panel_rows_from(false, p.k)) return run_small<false>(p);
   const int64_t tiles = p.n / kTile, blocks = (tiles + kTilesPerBlock - 1) / kTilesPerBlock;
   const AmxCall amx(p);
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
