@@ -27,7 +27,7 @@ from fastapi.responses import Response, StreamingResponse
 
 from serving.http_body import parse_json_object, read_body
 from serving.http_errors import install_error_handlers
-from serving.metrics import CONTENT_TYPE
+from serving.metric_buckets import CONTENT_TYPE
 from serving.protocol import APIError, error_body
 from serving.router_config import RouterConfig, load_router_config, parse_router_config
 from serving.router_state import Backend, RouterMetrics, RouterState, backend_load

@@ -3,20 +3,19 @@ and the router's own Prometheus metrics."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
-import random
-import threading
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import UTC, datetime
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from serving.metrics import LATENCY_BUCKETS
+from serving.metric_buckets import LATENCY_BUCKETS
 from serving.protocol import APIError
 from serving.router_config import RouterConfig
+from serving.traffic_split import Change, NoVersion, RollbackRule, TrafficError, TrafficSplit
 
 log = logging.getLogger("quantgate.router")
 
@@ -44,30 +43,31 @@ class Backend:
                 "last_error": self.last_error}
 
 
-@dataclass
 class RouterState:
-    config: RouterConfig
-    weights: dict[str, float] = field(default_factory=dict)
-    backends: list[Backend] = field(default_factory=list)
-    history: list[dict] = field(default_factory=list)
-    lock: threading.Lock = field(default_factory=threading.Lock)
+    """The router's versions and backends. Its traffic split (serving/traffic_split.py) lays versions out in
+    the config's order, canary last, and rolls back by taking the canary out (CANARY_OFF)."""
 
-    def __post_init__(self) -> None:
-        self.weights = dict(self.config.weights)
-        self.backends = [Backend(url, v.name) for v in self.config.versions for url in v.backends]
+    def __init__(self, config: RouterConfig):
+        self.config = config
+        names = [v.name for v in config.versions]
+        champion = next((n for n in names if n != config.canary), config.canary)
+        self.split = TrafficSplit(config.weights, champion=champion, rollback=RollbackRule.CANARY_OFF,
+                                  order=names, canary=config.canary)
+        self.backends = [Backend(url, v.name) for v in config.versions for url in v.backends]
+
+    @property
+    def weights(self) -> dict[str, float]:
+        return self.split.weights
+
+    @property
+    def history(self) -> list[dict]:
+        return [self._record(c) for c in self.split.history]
 
     def pick_version(self, key: str | None) -> str:
-        weights = self.weights  # one atomic read: a promote between requests takes effect on the next one
-        total = sum(weights.values())
-        if total <= 0:
-            raise APIError(503, "every version has weight 0", "no_version")
-        u = _unit_hash(key) if key else random.random()
-        acc = 0.0
-        for version in self.config.versions:  # canary last
-            acc += weights.get(version.name, 0.0) / total
-            if u < acc and weights.get(version.name, 0.0) > 0:
-                return version.name
-        return next(v.name for v in reversed(self.config.versions) if weights.get(v.name, 0.0) > 0)
+        try:
+            return self.split.pick(key)
+        except NoVersion as exc:
+            raise APIError(503, str(exc), "no_version") from None
 
     def pick_backend(self, version: str, exclude: set[str] = frozenset()) -> Backend:
         candidates = [b for b in self.backends if b.version == version and b.healthy and b.url not in exclude]
@@ -77,39 +77,31 @@ class RouterState:
         return min(candidates, key=lambda b: (b.load, b.inflight))
 
     def set_weights(self, weights: dict[str, float], action: str, reason: str) -> dict:
-        with self.lock:
-            before = dict(self.weights)
-            self.weights = dict(weights)  # replaced, never mutated: readers see old or new, never half
-            record = {"time": datetime.now(UTC).isoformat(timespec="milliseconds"), "action": action,
-                      "reason": reason, "canary": self.config.canary, "weights_before": before,
-                      "weights_after": dict(weights)}
-            self.history.append(record)
+        return self._logged(lambda: self.split.set_weights(weights, reason, action))
+
+    def promote(self, reason: str) -> dict:
+        return self._logged(lambda: self.split.promote(self.config.canary, reason, weight=100.0))
+
+    def rollback(self, reason: str) -> dict:
+        return self._logged(lambda: self.split.rollback(reason))
+
+    def _logged(self, change: Callable[[], Change]) -> dict:
+        try:
+            record = self._record(change())
+        except TrafficError as exc:
+            raise APIError(400, str(exc)) from None
         if self.config.decisions_log is not None:
             self.config.decisions_log.parent.mkdir(parents=True, exist_ok=True)
             with self.config.decisions_log.open("a") as f:
                 f.write(json.dumps(record) + "\n")
-        log.warning("router %s: %s (weights %s -> %s)", action, reason, before, weights)
+        log.warning("router %s: %s (weights %s -> %s)", record["action"], record["reason"],
+                    record["weights_before"], record["weights_after"])
         return record
 
-    def promote(self, reason: str) -> dict:
-        canary = self.config.canary
-        return self.set_weights({v.name: 100.0 if v.name == canary else 0.0 for v in self.config.versions},
-                                "promote", reason)
-
-    def rollback(self, reason: str) -> dict:
-        canary = self.config.canary
-        others = {v.name: self.weights.get(v.name, 0.0) for v in self.config.versions if v.name != canary}
-        if not others:
-            raise APIError(400, "rollback needs a version other than the canary")
-        if sum(others.values()) <= 0:  # after a promote: back to the configured weights
-            others = {v.name: v.weight for v in self.config.versions if v.name != canary}
-        if sum(others.values()) <= 0:
-            others = dict.fromkeys(others, 1.0)
-        return self.set_weights({**others, canary: 0.0}, "rollback", reason)
-
-
-def _unit_hash(key: str) -> float:
-    return int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "big") / 2**64
+    def _record(self, change: Change) -> dict:
+        return {"time": datetime.fromtimestamp(change.time, UTC).isoformat(timespec="milliseconds"),
+                "action": change.action, "reason": change.reason, "canary": self.config.canary,
+                "weights_before": change.weights_before, "weights_after": change.weights}
 
 
 def backend_load(text: str) -> tuple[float, float, float]:
