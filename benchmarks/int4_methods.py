@@ -8,6 +8,10 @@ byte, on held text (LAMBADA passages: an eval set, so disjoint from the calibrat
 quantization took.
 
     nice -n 10 .venv/bin/python -m benchmarks.int4_methods --model smollm2-135m --json int4_methods.json
+
+`--model` takes what `quantgate` takes (a .gguf, a HF dir, `smollm2-135m`) or `tiny-llama` / `tiny-qwen2`:
+the tests' randomly initialised 2-layer models (tests/conftest.py, tests/test_parallel.py), rebuilt here
+with the same configs and seeds.
 """
 
 from __future__ import annotations
@@ -69,14 +73,37 @@ def parse_recipe(name: str) -> Recipe:
     return Recipe(name, parts[0], int(parts[1][1:]), bits, head, gptq_head)
 
 
+TINY_MODELS = ("tiny-llama", "tiny-qwen2")
+
+
+def tiny_model(name: str, directory: Path) -> Path:
+    """The tests' tiny random model `name` (same config and seed as its fixture), saved into `directory`
+    with the default model's tokenizer."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    from quantgate.models import resolve_model
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model("smollm2-135m"))
+    shape = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024, initializer_range=0.2,
+                 tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    config_class, model_class, seed = {"tiny-llama": (LlamaConfig, LlamaForCausalLM, 0),
+                                       "tiny-qwen2": (Qwen2Config, Qwen2ForCausalLM, 1)}[name]
+    torch.manual_seed(seed)
+    model_class(config_class(**shape)).to(torch.float32).eval().save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
 def held_text(tokenizer, tokens: int) -> list[list[int]]:
-    """LAMBADA passages, whole, in file order, until `tokens` tokens are predicted."""
+    """LAMBADA passages, whole, in file order, until `tokens` tokens are predicted; tokenized as the
+    tokenizer does by default (Gemma's <bos> first: without it Gemma's predictions are not its own)."""
     from evals.tasks.packages import lambada_test
 
     sequences, predicted = [], 0
     with open(lambada_test(), encoding="utf-8") as handle:
         for line in handle:
-            ids = tokenizer(json.loads(line)["text"], add_special_tokens=False)["input_ids"]
+            ids = tokenizer(json.loads(line)["text"])["input_ids"]
             sequences.append(ids)
             predicted += len(ids) - 1
             if predicted >= tokens:
@@ -137,7 +164,12 @@ def main(argv: list[str] | None = None) -> list[Row]:
     from quantgate.models import resolve_model
     from quantize.calibration import calibration_set
 
-    path = resolve_model(args.model)
+    if args.model in TINY_MODELS:
+        import tempfile
+
+        path = tiny_model(args.model, Path(tempfile.mkdtemp(prefix=f"{args.model}-")))
+    else:
+        path = resolve_model(args.model)
     tokenizer = AutoTokenizer.from_pretrained(path)
     source = load_causal_lm(path, dtype=torch.float32).eval()
     sequences = held_text(tokenizer, args.eval_tokens)
@@ -156,7 +188,9 @@ def main(argv: list[str] | None = None) -> list[Row]:
         del model
         if args.json:  # after every row: a long run that is stopped keeps what it measured
             args.json.write_text(json.dumps({
-                "model": args.model, "machine": isas.cpu_model(), "threads": torch.get_num_threads(),
+                "model": args.model, "model_type": source.config.model_type,
+                "parameters": sum(p.numel() for p in source.parameters()),
+                "machine": isas.cpu_model(), "threads": torch.get_num_threads(),
                 "eval": {"text": "LAMBADA (OpenAI) test passages, in order", "sequences": len(sequences),
                          "predicted_tokens": sum(len(s) - 1 for s in sequences), "bytes": text_bytes},
                 "baseline_bits_per_byte": round(base_bpb, 4), "calibration": calibration.record,

@@ -57,9 +57,20 @@ def search_scales(x: torch.Tensor, weights: list[torch.Tensor], group_size: int,
         return ScaleChoice(best.scales, best.alpha, best.error, error(ones))
 
 
+# RMSNorms whose forward multiplies by (1 + weight), not by weight
+OFFSET_NORMS = ("GemmaRMSNorm", "Gemma2RMSNorm", "Gemma3RMSNorm")
+
+
+def norm_offset(norm: nn.Module) -> float:
+    """1 for a norm computing x * (1 + w) (Gemma's), 0 for one computing x * w (Llama's)."""
+    return 1.0 if type(norm).__name__ in OFFSET_NORMS else 0.0
+
+
 def fold_into_norm(norm: nn.Module, linears: list[nn.Linear], scales: torch.Tensor) -> None:
-    """norm(x) / s feeds linears whose columns are multiplied by s: the same outputs."""
-    _set(norm.weight, norm.weight.float() / scales)
+    """norm(x) / s feeds linears whose columns are multiplied by s: the same outputs. A Gemma norm's
+    factor is (1 + w): its new weight is (1 + w) / s - 1."""
+    offset = norm_offset(norm)
+    _set(norm.weight, (norm.weight.float() + offset) / scales - offset)
     for linear in linears:
         _set(linear.weight, linear.weight.float() * scales)
 

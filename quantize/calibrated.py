@@ -26,8 +26,8 @@ from quantize.weight_only import int4_fits
 log = logging.getLogger(__name__)
 
 ALGORITHMS = ("rtn", "gptq", "awq")
-# AWQ folds scales into the weight of an RMSNorm computing x * w (Gemma's computes x * (1 + w)).
-AWQ_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+# AWQ folds scales into the weight of an RMSNorm computing x * w, or Gemma 3's x * (1 + w) (awq.norm_offset).
+AWQ_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
 
 
 @dataclass(frozen=True)
@@ -231,13 +231,15 @@ def _awq_layer(layer: nn.Module, x: torch.Tensor, kwargs: dict, fitting: dict[st
 
 
 def _previous_op(layer: nn.Module, stage: list[str]) -> nn.Module | None:
-    """What produces a stage's input and can absorb 1/s: the norm before q/k/v or gate/up, v before o
-    (only without grouped-query attention: otherwise v's rows feed several heads), up before down."""
+    """What produces a stage's input and can absorb 1/s: the norm before q/k/v or gate/up (Gemma 3's
+    `pre_feedforward_layernorm`: its `post_attention_layernorm` norms o_proj's output), v before o (only
+    without grouped-query attention: otherwise v's rows feed several heads), up before down."""
     names = set(stage)
     if "self_attn.q_proj" in names:
         return getattr(layer, "input_layernorm", None)
     if "mlp.gate_proj" in names or "mlp.up_proj" in names:
-        return getattr(layer, "post_attention_layernorm", None)
+        norm = getattr(layer, "pre_feedforward_layernorm", None)
+        return norm if norm is not None else getattr(layer, "post_attention_layernorm", None)
     if names == {"self_attn.o_proj"}:
         v, o = layer.self_attn.v_proj, layer.self_attn.o_proj
         return v if v.out_features == o.in_features else None

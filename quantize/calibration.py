@@ -8,7 +8,9 @@ cannot leak an eval item into the weights. The package is never imported (its fo
 `find_spec`), like the benchmark data packages.
 
 Chapters are taken in a fixed order that strides through the whole book (so the text is not all Genesis),
-each tokenized alone and joined; the ids are cut into sequences of `seq_len`. The "held_out" split walks
+each tokenized alone and joined; the ids are cut into sequences of `seq_len` (each starting with the
+tokenizer's <bos> when it adds one by default, as Gemma's does: without it Gemma's activations are not the
+ones it serves with). The "held_out" split walks
 the same order from the other end, so it never shares a chapter with "calibration" of any sensible size.
 """
 
@@ -86,19 +88,30 @@ def calibration_set(tokenizer, tokens: int = DEFAULT_TOKENS, seq_len: int = DEFA
         raise ValueError(f"split must be 'calibration' or 'held_out', got {split!r}")
     path = text_file()
     chapters, file_sha = _chapters(str(path), path.stat().st_size)
+    bos = leading_token(tokenizer)
+    rows, width = tokens // seq_len, seq_len - (bos is not None)
     ids: list[int] = []
     used = 0
     for index in chapter_order(len(chapters), split):
-        if len(ids) >= tokens:
+        if len(ids) >= rows * width:
             break
         ids += tokenizer(chapters[index] + "\n\n", add_special_tokens=False)["input_ids"]
         used += 1
-    if len(ids) < tokens:
+    if len(ids) < rows * width:
         raise ValueError(f"the calibration text holds only {len(ids)} tokens; asked for {tokens}")
-    batch = torch.tensor(ids[:tokens], dtype=torch.int64).view(tokens // seq_len, seq_len)
+    batch = torch.tensor(ids[:rows * width], dtype=torch.int64).view(rows, width)
+    if bos is not None:  # each sequence starts as the model always sees text start (Gemma: <bos>)
+        batch = torch.cat([torch.full((rows, 1), bos, dtype=torch.int64), batch], dim=1)
     record = {
         "text": TEXT, "package": PIP_NAME, "license": LICENSE, "file_sha256": file_sha, "split": split,
-        "chapters": used, "tokens": tokens, "seq_len": seq_len,
+        "chapters": used, "tokens": tokens, "seq_len": seq_len, "bos": bos,
         "ids_sha256": hashlib.sha256(batch.to(torch.int32).numpy().tobytes()).hexdigest(),
     }
     return CalibrationSet(batch, record)
+
+
+def leading_token(tokenizer) -> int | None:
+    """The token the tokenizer puts before every text by default (Gemma's, Llama 3's <bos>), or None."""
+    plain = tokenizer("a", add_special_tokens=False)["input_ids"]
+    default = tokenizer("a")["input_ids"]
+    return int(default[0]) if len(default) == len(plain) + 1 and default[1:] == plain else None
