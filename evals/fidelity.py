@@ -42,6 +42,7 @@ class FidelityPlan:
     chunk_tokens: int = 128
     top_k: int = MAX_TOP_K
     seed: int = 0  # of the bootstrap
+    first_chunk: int = 0  # windows first_chunk .. first_chunk + chunks - 1 of the text (a held-out split)
 
     def __post_init__(self) -> None:
         for name in ("chunks", "chunk_tokens"):
@@ -78,12 +79,14 @@ def text_sha256() -> str:
 def held_chunks(tokenizer: Any, plan: FidelityPlan) -> list[list[int]]:
     """`plan.chunks` consecutive, non-overlapping windows of the held text, each after a BOS-or-EOS token."""
     ids = tokenizer(held_text(), add_special_tokens=False, return_attention_mask=False).input_ids
-    need = plan.chunks * (plan.chunk_tokens - 1)
+    need = (plan.first_chunk + plan.chunks) * (plan.chunk_tokens - 1)
     if len(ids) < need:
-        raise ValueError(f"the held text has {len(ids)} tokens; {plan.chunks} chunks of {plan.chunk_tokens} need {need}")
+        raise ValueError(f"the held text has {len(ids)} tokens; {plan.chunks} chunks of {plan.chunk_tokens} "
+                         f"from chunk {plan.first_chunk} need {need}")
     prefix = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
     step = plan.chunk_tokens - 1
-    return [[prefix, *ids[i * step:(i + 1) * step]] for i in range(plan.chunks)]
+    first = plan.first_chunk
+    return [[prefix, *ids[i * step:(i + 1) * step]] for i in range(first, first + plan.chunks)]
 
 
 def teacher_force(engine: Any, plan: FidelityPlan) -> dict:

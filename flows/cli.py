@@ -1,4 +1,4 @@
-"""Flow verbs: `quantgate release | approve | deploy | watch | notify | demo`."""
+"""Flow verbs: `quantgate release | tune | approve | deploy | watch | notify | demo` (tune: flows/tune_cli.py)."""
 
 from __future__ import annotations
 
@@ -17,6 +17,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     _release_args(p)
     _plan_args(p)
     p.set_defaults(func=_release)
+
+    from flows.tune_cli import register as register_tune
+
+    register_tune(subparsers)
 
     p = subparsers.add_parser("demo", help="the whole release on the embedded default model, auto-approved")
     p.add_argument("--limit", type=int, default=DEMO_LIMIT, help=f"items per eval task (default {DEMO_LIMIT})")
@@ -66,6 +70,8 @@ def _release_args(p: argparse.ArgumentParser) -> None:
                    help="canary servers: local (loopback servers + our router, the default) or ray (a local Ray Serve fleet)")
     p.add_argument("--approval-timeout", type=int, default=24 * 3600, help="seconds to wait for a manual decision")
     p.add_argument("--fresh", action="store_true", help="ignore cached quantizations and measurements")
+    p.add_argument("--recipe-from-tune", default=None, metavar="FILE",
+                   help="release the recipe `quantgate tune` chose (its result file) instead of --methods")
     p.add_argument("--json", default=None, help="also write the summary as JSON to this file")
     p.add_argument("--verbose", action="store_true", help="show Prefect's run logs in the terminal too")
 
@@ -165,6 +171,10 @@ def _release(args: argparse.Namespace) -> int:
                           level=args.plan_level, flip_rate=args.flip_rate, seconds=args.seconds_per_item,
                           from_run=args.from_run), end="")
         return 0
+    if args.recipe_from_tune:
+        from flows.tune_cli import from_tune
+
+        return run_release(args, *from_tune(args.recipe_from_tune, args.model))
     return run_release(args, args.model, _methods(args.methods))
 
 

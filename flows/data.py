@@ -48,9 +48,23 @@ class MeasureConfig:
     probe_models: tuple[str, ...] = ()  # the models (baseline, variant names) that run the probe
     system_prompt: str | None = None  # the deployment's: the safety suites run with it
     chat_template: bool | None = None  # None: each task's own
+    # Which disjoint split of the items (`quantgate tune`): 0 the first `limit` items of every task and the
+    # first `fidelity_chunks` windows of the held text; 1 the next ones (held out), and so on.
+    split: int = 0
 
     def key(self) -> str:
-        return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:16]
+        fields = asdict(self)
+        if not self.split:
+            del fields["split"]  # split 0 keeps the key it had before splits existed
+        return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
+
+    def eval_docs(self) -> range | None:
+        """The items of every task this split takes (None: split 0, the first `limit`, as lm-eval's limit)."""
+        if not self.split:
+            return None
+        if self.limit is None:
+            raise ValueError("a held-out split needs a limit (items per task in each split)")
+        return range(self.split * self.limit, (self.split + 1) * self.limit)
 
 
 @dataclass(frozen=True)

@@ -51,10 +51,12 @@ def measure(engine: Any, variant: Variant, config: MeasureConfig, out: Path) -> 
 
     paths = []
     if config.fidelity_chunks:
-        plan = F.FidelityPlan(chunks=config.fidelity_chunks, chunk_tokens=config.fidelity_chunk_tokens)
+        plan = F.FidelityPlan(chunks=config.fidelity_chunks, chunk_tokens=config.fidelity_chunk_tokens,
+                              first_chunk=config.split * config.fidelity_chunks)
         paths.append(str(F.save(F.teacher_force(engine, plan), out / FIDELITY_FILE)))
     if variant.name in config.probe_models:
-        plan = L.ProbePlan(lengths=tuple(config.probe_lengths), probes_per_length=config.probes_per_length)
+        plan = L.ProbePlan(lengths=tuple(config.probe_lengths), probes_per_length=config.probes_per_length,
+                           seed=config.split)  # a held-out split draws other keys and fillers
         plan = plan.capped(int(engine.max_model_len))
         paths.append(str(L.save(L.run_probes(engine, plan), plan, out / PROBES_FILE)))
     return paths

@@ -43,6 +43,7 @@ def variant_label(name: str) -> str:
 
 def check_methods(methods: list[str]) -> None:
     """Unknown methods and KV suffixes are named before anything runs (the method table is quantize's)."""
+    from flows.recipes import parse
     from quantize.methods import get_method
 
     for m in methods:
@@ -50,14 +51,17 @@ def check_methods(methods: list[str]) -> None:
         if weights == "baseline" and kv == "auto":
             raise ValueError("'baseline' is always measured; as a method it needs a KV suffix (baseline+kv8)")
         if weights != "baseline":
-            get_method(weights)
+            get_method(parse(weights).method)
 
 
 def quantize(source_dir: Path, method: str) -> Path:
-    """The variant directory (quantize's content-addressed cache makes a repeat instant)."""
+    """The variant directory (quantize's content-addressed cache makes a repeat instant). `method` is a
+    method or a recipe name (`int4_awq_g64`: flows.recipes), built with the recipe's options."""
+    from flows.recipes import parse
     from quantize.variant import quantize as run
 
-    return Path(run(str(source_dir), method))
+    recipe = parse(method)
+    return Path(run(str(source_dir), recipe.method, **recipe.options))
 
 
 def read_manifest(variant_dir: Path) -> dict:
@@ -121,8 +125,10 @@ def measure(variant: Variant, config: MeasureConfig, out: Path, advance: Callabl
                             engine.block_size))
     advance(1)
     eval_dir = out / "evals"
+    docs = config.eval_docs()
     for suite in config.suites:
-        run_evals(engine, suite, config.limit, eval_dir / suite, config.system_prompt, config.chat_template)
+        run_evals(engine, suite, None if docs else config.limit, eval_dir / suite, config.system_prompt,
+                  config.chat_template, docs)
         advance(1)
     metrics.update(eval_metrics(eval_dir, config.suites))
     artifacts = [str(bench_json)] + [str(eval_dir / s) for s in config.suites]
@@ -162,10 +168,11 @@ def capacity_gain(variant: dict[str, float], baseline: dict[str, float]) -> dict
 
 
 def run_evals(engine, suite: str, limit: int | None, out_dir: Path, system_prompt: str | None = None,
-              chat_template: bool | None = None) -> None:
+              chat_template: bool | None = None, docs: range | None = None) -> None:
     from evals.run import run_suite
 
-    run_suite(engine, [suite], limit=limit, out_dir=out_dir, system_prompt=system_prompt, chat_template=chat_template)
+    run_suite(engine, [suite], limit=limit, out_dir=out_dir, system_prompt=system_prompt, chat_template=chat_template,
+              docs=docs)
 
 
 def eval_metrics(eval_dir: Path, suites: tuple[str, ...]) -> dict[str, float]:

@@ -158,8 +158,9 @@ def start_release(source: Source, config: dict) -> str:
 
 @task(name="record", cache_policy=NO_CACHE)
 def record(release_run_id: str, measured: Measured, baseline: Measured | None,
-           speed: SpeedResult | None = None) -> tuple[str, str | None]:
-    """Compare with the baseline (variants only), log the run in MLflow, register the variant."""
+           speed: SpeedResult | None = None, register: bool = True) -> tuple[str, str | None]:
+    """Compare with the baseline (variants only), log the run in MLflow, register the variant (unless
+    `register` is False: `quantgate tune`'s candidates are recorded, never registered)."""
     from gates.metrics import MACHINE_TAG
     from gates.tracking import log_variant, register_variant
 
@@ -190,7 +191,7 @@ def record(release_run_id: str, measured: Measured, baseline: Measured | None,
                              manifest=v.manifest)
         if speed is not None:
             records.tag_release(run_id, {MACHINE_TAG: speed.machine[:5000]})
-        version = register_variant(run_id, source=v.path) if baseline is not None else None
+        version = register_variant(run_id, source=v.path) if baseline is not None and register else None
     return run_id, version
 
 

@@ -1,0 +1,76 @@
+"""`quantgate tune MODEL --policy P`, and reading its result for `quantgate release --recipe-from-tune FILE`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+DEFAULT_MODEL_REF = "smollm2-135m"  # `quantgate release --model`'s default
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("tune", help="find the smallest (or fastest) quantization recipe that passes every gate")
+    p.add_argument("model", nargs="?", default=DEFAULT_MODEL_REF, help="model reference (default: the embedded SmolLM2-135M)")
+    p.add_argument("--policy", default=None, help="gate policy YAML (default gates/policy.yaml)")
+    p.add_argument("--objective", choices=["smallest", "fastest"], default="smallest",
+                   help="smallest: candidates smallest first; fastest: fastest layout first (paired speed rounds)")
+    p.add_argument("--candidates", default=None,
+                   help="comma-separated recipes (default: int4_{rtn,awq,gptq}_g{128,64,32} and int8wo, each also +kv8)")
+    p.add_argument("--limit", type=int, default=40, help="items per eval task in each split (search, held-out)")
+    p.add_argument("--suites", default="accuracy,safety", help="eval suites and/or task names (default accuracy,safety)")
+    p.add_argument("--fresh", action="store_true", help="ignore cached quantizations and measurements")
+    p.add_argument("--json", default=None, help="also write the result to this file")
+    p.add_argument("--verbose", action="store_true", help="show Prefect's run logs in the terminal too")
+    p.set_defaults(func=_tune)
+
+
+def _names(text: str | None) -> list[str] | None:
+    if text is None:
+        return None
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    if not names:
+        raise ValueError("the list is empty")
+    return names
+
+
+def _tune(args: argparse.Namespace) -> int:
+    from flows.cli import _logs_to_api, _policy
+
+    _logs_to_api(args.verbose)
+    from flows.runtime import prepare
+
+    prepare()
+    from flows.progress import terminal_progress
+    from flows.runtime import work_dir
+    from flows.tune import check_options, tune_flow
+    from flows.tune_report import render
+    from quantgate.models import resolve_model
+
+    policy = _policy(args.policy)
+    candidates, suites = _names(args.candidates), _names(args.suites)
+    check_options(candidates, args.objective, args.limit, policy, suites)
+    resolve_model(args.model)  # an unknown reference fails here, before a flow run exists
+    log_file = None if args.verbose else work_dir("logs") / f"tune-{time.strftime('%Y%m%d-%H%M%S')}.log"
+    if log_file is not None:
+        print(f"progress below; library output and warnings go to {log_file}", file=sys.stderr)
+    with terminal_progress(log_file):
+        result = tune_flow(model=args.model, policy=policy, candidates=candidates, objective=args.objective,
+                           limit=args.limit, suites=suites, fresh=args.fresh, result_file=args.json)
+    print(render(result), end="")
+    return 0 if result["chosen"] else 1
+
+
+def from_tune(path: str, model: str) -> tuple[str, list[str]]:
+    """(model, [recipe]) for the release from a tune result (its model unless --model names another, which
+    is refused); the model must still be the one tuned."""
+    from flows.measuring import source_hash
+    from flows.tune_report import chosen_recipe
+    from quantgate.models import resolve_model
+
+    chosen, ref, digest = chosen_recipe(path)
+    if model not in (DEFAULT_MODEL_REF, ref):
+        raise ValueError(f"{path} was tuned for {ref}, not {model}")
+    now = source_hash(resolve_model(ref))
+    if now != digest:
+        raise ValueError(f"{ref} changed since it was tuned (sha256 {digest[:12]} then, {now[:12]} now): tune again")
+    return ref, [chosen]
