@@ -62,9 +62,10 @@ def run_dynamic_sweep(
     biggest = max(batch_sizes)
     blocks = kv_blocks_for(base, workload, biggest)
 
-    def engine_for(b: int) -> LLMEngine:
+    def engine_for(b: int, timeout_s: float | None = None) -> LLMEngine:
         return LLMEngine(base.model, base.tokenizer, device=base.device, scheduler="dynamic", max_num_seqs=b,
-                         num_kv_blocks=blocks, max_num_batched_tokens=max_num_batched_tokens, model_name=str(model))
+                         num_kv_blocks=blocks, max_num_batched_tokens=max_num_batched_tokens, model_name=str(model),
+                         batch_timeout_s=timeout_s)
 
     step_time = full_batch_step_time(engine_for(biggest), biggest)
     rate = 1.0 / (steps_per_arrival * step_time)
@@ -72,8 +73,7 @@ def run_dynamic_sweep(
     points = []
     for t_ms in timeouts_ms:
         for b in sorted(batch_sizes):
-            engine = engine_for(b)
-            engine.scheduler.batch_timeout_s = t_ms / 1000
+            engine = engine_for(b, t_ms / 1000)
             run = run_workload(engine, workload, label=f"B={b:<3} T={t_ms:g} ms", progress=progress)
             points.append(_point(b, t_ms, engine.scheduler, summarize_run(run)))
             del engine

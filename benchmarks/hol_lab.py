@@ -278,10 +278,11 @@ def run_each_scheduler(base, model: str, make: Callable[[float | None], list[Lab
         engine = LLMEngine(
             base.model, base.tokenizer, device=base.device, scheduler=name, max_num_seqs=max_num_seqs,
             num_kv_blocks=num_kv_blocks, max_num_batched_tokens=max_num_batched_tokens, model_name=model,
+            # batches of max_num_seqs that also close when the oldest waited the timeout
+            batch_timeout_s=batch_timeout_ms / 1000 if name == "dynamic" else None,
         )
-        measured = full_batch_step_time(engine, max_num_seqs)
-        if name == "dynamic":  # batches of max_num_seqs that also close when the oldest waited the timeout
-            engine.scheduler.batch_timeout_s = batch_timeout_ms / 1000
+        measured = full_batch_step_time(engine, max_num_seqs)  # a full batch: closes on size, not the timeout
+        if name == "dynamic":
             engine.scheduler.batches.clear()  # the warm-up's
         if step_time is None:  # the first engine fixes the workload; all run exactly the same one
             step_time = measured

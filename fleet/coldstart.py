@@ -68,7 +68,7 @@ def load_engine(model: str, *, device: str | None = None, dtype: str | None = "a
     engine.generate([[tokenizer.eos_token_id or 0] * 4], SamplingParams(max_tokens=1, ignore_eos=True))
     marks.append(time.perf_counter())
     d = [b - a for a, b in zip(marks, marks[1:], strict=False)]
-    return engine, ColdStart(marks[0] - began, d[0], d[1], d[2], d[3], d[4], nbytes, engine.block_manager.num_blocks)
+    return engine, ColdStart(marks[0] - began, d[0], d[1], d[2], d[3], d[4], nbytes, engine.config.num_kv_blocks)
 
 
 def replica_dir(name: str) -> Path:

@@ -17,21 +17,6 @@ from fleet.config import VersionSpec
 log = logging.getLogger("quantgate.fleet")
 
 
-def reserved_blocks(engine) -> int:
-    """Blocks the engine's unfinished requests hold or will hold (prompt + max_tokens each)."""
-    bm = engine.block_manager
-    for _ in range(5):  # the engine thread may change the dict while we read it
-        try:
-            seqs = list(engine.sequences.values())
-            break
-        except RuntimeError:
-            continue
-    else:
-        seqs = []
-    held = sum(bm.blocks_needed(s.num_prompt_tokens + s.params.max_tokens) for s in seqs if not s.is_finished)
-    return max(held, bm.num_used_blocks)
-
-
 class VersionReplica:
     def __init__(self, spec: dict, model_name: str):
         self.spec = VersionSpec.model_validate(spec)
@@ -68,7 +53,7 @@ class VersionReplica:
 
     def record_routing_stats(self) -> dict:
         stats = self.engine.stats()
-        return {"num_blocks": stats.num_blocks, "reserved_blocks": reserved_blocks(self.engine),
+        return {"num_blocks": stats.num_blocks, "reserved_blocks": stats.reserved_blocks,
                 "used_blocks": stats.used_blocks, "num_waiting": stats.num_waiting,
                 "num_running": stats.num_running, "block_size": stats.block_size, "time": time.time()}
 

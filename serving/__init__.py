@@ -8,9 +8,10 @@ from __future__ import annotations
 import importlib
 
 _EXPORTS = {
-    "EngineStats": "serving.engine",
+    "EngineConfig": "serving.engine_interface",
+    "EngineStats": "serving.engine_interface",
     "LLMEngine": "serving.engine",
-    "RequestOutput": "serving.engine",
+    "RequestOutput": "serving.engine_interface",
     "SamplingParams": "serving.sampling_params",
     "RequestMetrics": "serving.sequence",
     "TokenLogprob": "serving.sequence",

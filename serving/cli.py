@@ -33,18 +33,15 @@ def _dynamic_args(p: argparse.ArgumentParser) -> None:
                    help="--scheduler dynamic: ... or when the oldest has waited this long (default 50 ms)")
 
 
-def _batch_options(args: argparse.Namespace, default_seqs: int) -> int:
-    """max_num_seqs for the engine; --max-batch-size is the dynamic policy's name for it."""
+def _batch_options(args: argparse.Namespace, default_seqs: int) -> dict:
+    """The engine's batching options: max_num_seqs (--max-batch-size is the dynamic policy's name for it)
+    and, with --scheduler dynamic, its batch timeout."""
     if args.max_batch_size is not None and args.scheduler != "dynamic":
         raise ValueError("--max-batch-size is the dynamic scheduler's batch size; use --scheduler dynamic")
     if args.batch_timeout_ms < 0:
         raise ValueError("--batch-timeout-ms must be >= 0")
-    return args.max_batch_size or default_seqs
-
-
-def _configure_dynamic(engine, args: argparse.Namespace) -> None:
-    if args.scheduler == "dynamic":
-        engine.scheduler.batch_timeout_s = args.batch_timeout_ms / 1000
+    timeout = {"batch_timeout_s": args.batch_timeout_ms / 1000} if args.scheduler == "dynamic" else {}
+    return {"max_num_seqs": args.max_batch_size or default_seqs, **timeout}
 
 
 DEMO_PROMPTS = [
@@ -71,9 +68,8 @@ def _generate(args: argparse.Namespace) -> int:
     with console.status(f"loading {args.model}"):
         engine = LLMEngine.from_pretrained(
             args.model, device=args.device, dtype=args.dtype, scheduler=args.scheduler,
-            kv_cache_dtype=args.kv_cache_dtype, max_num_seqs=_batch_options(args, 64),
+            kv_cache_dtype=args.kv_cache_dtype, **_batch_options(args, 64),
         )
-    _configure_dynamic(engine, args)
     prompts = args.prompts or DEMO_PROMPTS
     if args.chat:
         prompts = [
@@ -164,7 +160,8 @@ def _serve(args: argparse.Namespace) -> int:
 
     import uvicorn
 
-    from serving.tenants import TenantFairness, load_tenants
+    from serving.fairness import TenantFairness
+    from serving.tenants import load_tenants
 
     if args.max_waiting < 1:
         raise ValueError("--max-waiting must be at least 1")
@@ -184,7 +181,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     engine = LLMEngine.from_pretrained(
         args.model, device=args.device, dtype=args.dtype, scheduler=args.scheduler,
-        max_num_seqs=_batch_options(args, args.max_num_seqs),
+        **_batch_options(args, args.max_num_seqs),
         max_num_batched_tokens=args.max_num_batched_tokens, num_kv_blocks=args.num_kv_blocks,
         kv_cache_memory_gb=args.kv_cache_memory_gb, prefix_cache_scope=args.prefix_cache_scope,
         kv_cache_dtype=args.kv_cache_dtype,
@@ -192,7 +189,6 @@ def _serve(args: argparse.Namespace) -> int:
                                                    prefill_chunk=args.tenant_prefill_chunk),
         **_parallel_options(args),
     )
-    _configure_dynamic(engine, args)
     app = build_app(engine, served_model_name=args.served_model_name, version=args.model_version,
                     tenants=tenants, max_waiting=args.max_waiting, metrics_key=args.metrics_key, engine_thread=False)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,

@@ -7,7 +7,6 @@ import logging
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -16,14 +15,17 @@ from quantgate.kernels import isa as isas
 from serving.block_manager import BlockManager
 from serving.cuda import resolve_backend
 from serving.device import default_device, resolve_dtype
+from serving.engine_interface import EngineConfig, EngineStats, RequestOutput
+from serving.fairness import TenantFairness
 from serving.llama_forward import supports
 from serving.model_runner import KVCacheShape, ModelRunner, load_model
 from serving.sampler import NO_TOKEN
 from serving.sampling_params import SamplingParams
 from serving.scheduler import MAX_NUM_BATCHED_TOKENS
 from serving.schedulers import SCHEDULERS
-from serving.sequence import RequestMetrics, Sequence, SequenceStatus, TokenLogprob
-from serving.tenants import TenantFairness
+from serving.sequence import Sequence, SequenceStatus
+
+__all__ = ["EngineConfig", "EngineStats", "LLMEngine", "RequestOutput"]
 
 log = logging.getLogger(__name__)
 
@@ -32,42 +34,9 @@ GPU_MEMORY_UTILIZATION = 0.9
 MAX_GRAPH_BATCH = 512  # decode steps of more sequences run eagerly
 
 
-@dataclass
-class RequestOutput:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    text: str
-    token_ids: list[int]
-    new_token_ids: list[int]
-    finished: bool
-    finish_reason: str | None
-    logprobs: list[TokenLogprob] | None
-    prompt_logprobs: list[TokenLogprob | None] | None
-    metrics: RequestMetrics
-    num_cached_tokens: int = 0
-    tenant: str = "default"
-
-
-@dataclass
-class EngineStats:
-    num_blocks: int
-    used_blocks: int
-    num_running: int
-    num_waiting: int
-    num_preemptions: int
-    prefix_cache_hit_tokens: int
-    prompt_tokens: int
-    generation_tokens: int
-    block_size: int = 16
-    running_by_tenant: dict[str, int] = field(default_factory=dict)
-
-    @property
-    def kv_cache_usage(self) -> float:
-        return self.used_blocks / self.num_blocks
-
-
 class LLMEngine:
+    """The engine (its contract, `EngineClient`, and what it reports are in serving/engine_interface.py)."""
+
     def __init__(
         self,
         model,
@@ -89,12 +58,16 @@ class LLMEngine:
         isa: str | None = None,
         attention: str = "auto",
         cuda_graphs: bool | None = None,
+        batch_timeout_s: float | None = None,
     ):
         """`attention`: auto (Triton kernels on CUDA, torch elsewhere), torch, or triton (serving/cuda; on CPU
         in Triton's interpreter). `cuda_graphs`: decode replayed from CUDA graphs per batch bucket (None: on
-        wherever Triton attention runs on CUDA; True on CPU runs the eager stand-in)."""
+        wherever Triton attention runs on CUDA; True on CPU runs the eager stand-in). `batch_timeout_s`: the
+        dynamic scheduler's batch timeout (None: its default; an error with another scheduler)."""
         if scheduler not in SCHEDULERS:
             raise ValueError(f"unknown scheduler {scheduler!r}; choose one of {sorted(SCHEDULERS)}")
+        if batch_timeout_s is not None and scheduler != "dynamic":
+            raise ValueError("batch_timeout_s is the dynamic scheduler's; use scheduler='dynamic'")
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
         self.device = torch.device(device)
@@ -119,8 +92,9 @@ class LLMEngine:
             if kv_cache_memory_gb is None:  # never reserve more than every slot at full context could use
                 num_kv_blocks = min(num_kv_blocks, max_num_seqs * -(-self.max_model_len // block_size))
         self.block_manager = BlockManager(num_kv_blocks, block_size, enable_prefix_caching, prefix_cache_scope)
+        options = {} if batch_timeout_s is None else {"batch_timeout_s": batch_timeout_s}
         self.scheduler = SCHEDULERS[scheduler](self.block_manager, max_num_seqs, max_num_batched_tokens,
-                                               fairness=tenant_fairness or TenantFairness())
+                                               fairness=tenant_fairness or TenantFairness(), **options)
         self.scheduler_name = scheduler
         # the kernel path attention and the fused ops take (the model's layers recorded theirs at load)
         self.kernel_isa = isas.resolve(isa) if self.device.type == "cpu" else self.device.type
@@ -128,6 +102,10 @@ class LLMEngine:
         self.runner = ModelRunner(model, self.device, block_size, num_kv_blocks, kv_dtype, kv_cache_dtype,
                                   isa if self.device.type == "cpu" else None, self.attention, graph_shape)
         self.kv_cache_dtype = kv_cache_dtype
+        self.config = EngineConfig(
+            model_name, str(self.device), block_size, num_kv_blocks, self.max_model_len, scheduler, max_num_seqs,
+            max_num_batched_tokens, enable_prefix_caching, prefix_cache_scope, kv_cache_dtype, self.attention,
+            self.kernel_isa, bool(cuda_graphs), getattr(self.scheduler, "batch_timeout_s", None))
         self.eos_token_ids = _eos_token_ids(model, tokenizer)
         self.sequences: dict[str, Sequence] = {}
         self._inbox: list[Sequence] = []
@@ -300,23 +278,42 @@ class LLMEngine:
                         return
 
     def stats(self) -> EngineStats:
-        running: dict[str, int] = {}
-        for seq in self.scheduler.running:
-            running[seq.tenant] = running.get(seq.tenant, 0) + 1
+        load = self.scheduler.tenant_load()
         return EngineStats(
             num_blocks=self.block_manager.num_blocks,
             used_blocks=self.block_manager.num_used_blocks,
-            num_running=len(self.scheduler.running),
-            num_waiting=len(self.scheduler.waiting) + len(self._inbox),
+            num_running=sum(load.running.values()),
+            num_waiting=sum(load.waiting.values()) + len(self._inbox),
             num_preemptions=self.scheduler.num_preemptions,
             prefix_cache_hit_tokens=self.block_manager.prefix_cache_hit_tokens,
             prompt_tokens=self.prompt_tokens,
             generation_tokens=self.generation_tokens,
             block_size=self.block_size,
-            running_by_tenant=running,
+            running_by_tenant=load.running,
+            waiting_by_tenant=load.waiting,
+            kv_blocks_by_tenant=load.kv_blocks,
+            reserved_blocks=self._reserved_blocks(),
         )
 
+    @property
+    def tenant_kv_quotas(self) -> dict[str, int]:
+        return self.scheduler.tenant_max_kv_blocks
+
     # ---- internals -----------------------------------------------------------------------------
+    def _reserved_blocks(self) -> int:
+        """Blocks unfinished requests hold or will hold (prompt + max_tokens each), never below those used."""
+        bm = self.block_manager
+        for _ in range(5):  # the engine thread may change the dict while another thread reads it
+            try:
+                seqs = list(self.sequences.values())
+                break
+            except RuntimeError:
+                continue
+        else:
+            seqs = []
+        held = sum(bm.blocks_needed(s.num_prompt_tokens + s.params.max_tokens) for s in seqs if not s.is_finished)
+        return max(held, bm.num_used_blocks)
+
     def _take_inbox(self) -> list[RequestOutput]:
         with self._lock:
             inbox, self._inbox = self._inbox, []
@@ -360,7 +357,7 @@ class LLMEngine:
                 f"the request needs {need} KV blocks ({prompt_len} prompt + {max_tokens} max_tokens) but the "
                 f"KV cache holds only {self.block_manager.num_blocks} blocks of {self.block_size} tokens"
             )
-        quota = self.scheduler.tenant_max_kv_blocks.get(tenant)
+        quota = self.tenant_kv_quotas.get(tenant)
         if quota is not None and need > quota:  # it could never be admitted: refuse it now, not hang
             raise ValueError(
                 f"the request needs {need} KV blocks ({prompt_len} prompt + {max_tokens} max_tokens) but "

@@ -15,7 +15,6 @@ import signal
 import threading
 import time
 import uuid
-from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -67,7 +66,7 @@ class EngineLoop:
     def run_here(self, keep_going: Callable[[], bool]) -> None:
         """Step the engine on the calling thread while `keep_going()` holds (`quantgate serve`: the main
         thread, with the HTTP server on another). torch's OpenMP ops run slower from a thread other than
-        the one that started the process: measured here 1.3–2.5x per op, ~25 % of serving throughput."""
+        the one that started the process (libgomp's thread pool; docs/results/design-figures.md)."""
         self._stop.clear()
         self._thread = threading.current_thread()
         try:
@@ -192,12 +191,7 @@ class EngineLoop:
                     del self._queued[rid]
 
     def _snapshot(self) -> None:
-        stats = self.engine.stats()
-        waiting = Counter(s.tenant for s in self.engine.scheduler.waiting)
-        blocks: Counter[str] = Counter()
-        for seq in self.engine.scheduler.running:
-            blocks[seq.tenant] += len(seq.block_table)
-        self.metrics.on_stats(stats, dict(waiting), dict(blocks))
+        self.metrics.on_stats(self.engine.stats())
 
     def _fail_all(self, error: APIError) -> None:
         with self._lock:

@@ -15,14 +15,10 @@ from prometheus_client import (
     generate_latest,
 )
 
-from serving.engine import EngineStats, RequestOutput
+from serving.engine_interface import EngineStats, RequestOutput
+from serving.metric_buckets import CONTENT_TYPE, LATENCY_BUCKETS, TOKEN_BUCKETS
 
-LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0,
-                   1.5, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
-TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
-                 1.0, 2.5)
-
-CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+__all__ = ["CONTENT_TYPE", "LATENCY_BUCKETS", "TOKEN_BUCKETS", "ServerMetrics"]
 
 
 class ServerMetrics:
@@ -97,9 +93,9 @@ class ServerMetrics:
         if m.e2e is not None:
             self.e2e.labels(v, t).observe(m.e2e)
 
-    def on_stats(self, stats: EngineStats, waiting: dict[str, int], blocks: dict[str, int]) -> None:
+    def on_stats(self, stats: EngineStats) -> None:
         """Engine-wide gauges and counters, from a snapshot taken on the engine thread."""
-        v = self.version
+        v, waiting, blocks = self.version, stats.waiting_by_tenant, stats.kv_blocks_by_tenant
         self.kv_usage.labels(v).set(stats.kv_cache_usage)
         for tenant in (set(stats.running_by_tenant) | set(waiting) | set(blocks)) - self._tenants:
             self._touch(tenant)

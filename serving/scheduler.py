@@ -11,7 +11,7 @@ Every step the continuous scheduler:
 Finished sequences are evicted by the engine right after the step, so the next step's admission
 already sees their blocks free.
 
-With several tenants (the server's API keys) a `TenantFairness` (serving/tenants.py), given at
+With several tenants (the server's API keys) a `TenantFairness` (serving/fairness.py), given at
 construction, keeps one tenant from starving another: admission takes the head of each tenant's FIFO
 in turn (round-robin), skipping a tenant whose KV-block quota (reserved for prompt + max_tokens) is
 full; and while more than one tenant has work, prefill is paid for from a time allowance, so a burst
@@ -31,42 +31,18 @@ current batch has finished — the head-of-line blocking that continuous batchin
 
 from __future__ import annotations
 
-from collections import deque
-from dataclasses import dataclass, field
+from collections import Counter, deque
 
 from serving.block_manager import BlockManager
+from serving.fairness import TenantFairness, reservation
+from serving.scheduler_interface import ScheduledSeq, SchedulerInterface, SchedulerOutput, TenantLoad
 from serving.sequence import Sequence, SequenceStatus
-from serving.tenants import TenantFairness, reservation
 
-# Tokens per step. 2048 against 512 on the peers workload (64 requests at once, 2 cores): 1.04x output
-# tokens/s and 0.79x TTFT p99, since each step reads the weights once for more prefill.
+__all__ = ["MAX_NUM_BATCHED_TOKENS", "ScheduledSeq", "Scheduler", "SchedulerOutput", "StaticScheduler"]
+
+# Tokens per step: a larger budget reads the weights once for more prefill per step, which raised
+# throughput and cut TTFT p99 under many concurrent requests (docs/results/design-figures.md).
 MAX_NUM_BATCHED_TOKENS = 2048
-
-
-@dataclass
-class ScheduledSeq:
-    seq: Sequence
-    num_new_tokens: int
-
-    @property
-    def is_prefill(self) -> bool:
-        """Prompt tokens (or a preempted sequence's recompute), not the one token of a decode."""
-        return self.num_new_tokens > 1 or self.seq.num_computed_tokens == 0
-
-
-@dataclass
-class SchedulerOutput:
-    scheduled: list[ScheduledSeq] = field(default_factory=list)
-    preempted: list[Sequence] = field(default_factory=list)
-    shared_step: bool = False  # several tenants had work (the time allowance is charged for this step)
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
-
-    @property
-    def num_prefill_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled if s.is_prefill)
 
 
 class FifoStep:
@@ -90,7 +66,7 @@ class FifoStep:
         return waiting[0]
 
 
-class Scheduler:
+class Scheduler(SchedulerInterface):
     """Continuous batching with KV-budget admission control."""
 
     def __init__(
@@ -186,6 +162,14 @@ class Scheduler:
     def tenant_max_kv_blocks(self) -> dict[str, int]:
         """Each tenant's KV-block quota (read by the engine to refuse a request no quota could admit)."""
         return self.fairness.quotas if self.fairness else {}
+
+    def tenant_load(self) -> TenantLoad:
+        running, waiting = list(self.running), list(self.waiting)  # copied at once: stats may be read off-thread
+        blocks: Counter[str] = Counter()
+        for seq in running:
+            blocks[seq.tenant] += len(seq.block_table)
+        return TenantLoad(dict(Counter(s.tenant for s in running)), dict(Counter(s.tenant for s in waiting)),
+                          dict(blocks))
 
     def step_done(self, plan: SchedulerOutput, seconds: float) -> None:
         """The engine reports each step's time (the tenant rules' time allowance is measured in it)."""

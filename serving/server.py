@@ -51,7 +51,7 @@ def build_app(
     metrics = ServerMetrics(version, sorted(tenants.tenants) if tenants else [DEFAULT_TENANT])
     waiting_limits = {n: t.max_waiting for n, t in (tenants.tenants if tenants else {}).items()
                       if t.max_waiting is not None}
-    if tenants and tenants.quotas(engine.block_manager.num_blocks) != engine.scheduler.tenant_max_kv_blocks:
+    if tenants and tenants.quotas(engine.config.num_kv_blocks) != engine.tenant_kv_quotas:
         raise ValueError("the tenants' KV quotas are the scheduler's: build the engine with "
                          "tenant_fairness=TenantFairness.for_tenants(tenants)")
     loop = EngineLoop(engine, metrics, max_waiting, waiting_limits)

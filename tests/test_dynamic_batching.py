@@ -99,8 +99,8 @@ def test_padding_accounting_of_an_unequal_batch():
 
 def test_dynamic_engine_matches_hf_greedy_and_closes_on_size_then_timeout(tiny_model_dir):
     engine = LLMEngine.from_pretrained(str(tiny_model_dir), device=DEVICE, dtype=DTYPE, scheduler="dynamic",
-                                       max_num_seqs=3)
-    engine.scheduler.batch_timeout_s = 0.02
+                                       max_num_seqs=3, batch_timeout_s=0.02)
+    assert engine.config.batch_timeout_s == 0.02
     prompts = random_prompts(7, engine.vocab_size, seed=11)
     max_tokens = [5, 19, 3, 12, 8, 1, 15]
     params = [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for m in max_tokens]
