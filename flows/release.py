@@ -314,9 +314,8 @@ def _quantize_all(source: Source, methods: list[str], fresh: bool) -> list[Varia
     """Quantize each weight method once (int4wo and int4wo+kv8 share the weights); a cached variant whose
     files vanished is rebuilt. A KV suffix only changes how the variant is served and measured.
 
-    Model construction is serialised per process (quantgate.loading), so threads gain nothing here:
-    int8 + nf4 of the default model took 4.8-5.1 s one after the other and 5.4-6.0 s from two threads
-    on 2 cores, and a process each would pay ~10 s of imports."""
+    Model construction is serialised per process (quantgate.loading), so threads gain nothing here, and a
+    process each would pay for its imports again (docs/results/design-figures.md)."""
     task_ = quantize_method.with_options(refresh_cache=True) if fresh else quantize_method
     weights: dict[str, Variant] = {}
     for method in dict.fromkeys(measuring.split_method(m)[0] for m in methods):

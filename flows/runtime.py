@@ -17,7 +17,7 @@ from pathlib import Path
 from quantgate.env import apply_defaults, home
 
 PREFECT_DEFAULTS: dict[str, str] = {
-    # The temporary API needs 10-25 s to start on 2 busy cores; Prefect's default (20 s) is too tight.
+    # The temporary API can take longer than Prefect's default (20 s) to start on a small busy machine.
     "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120",
     "PREFECT_CLOUD_ENABLE_ORCHESTRATION_TELEMETRY": "false",
     "PREFECT_RESULTS_PERSIST_BY_DEFAULT": "false",
@@ -60,7 +60,7 @@ def shared_api() -> Iterator[SharedApi]:
     """The Prefect API of this process and of the flow-run processes it starts.
 
     `PREFECT_API_URL` when set. Otherwise one temporary local API (over the sqlite under PREFECT_HOME)
-    started here and handed to the children, so no flow run starts (~10 s) and stops (~5 s) one of its
+    started here and handed to the children, so no flow run pays for starting and stopping one of its
     own. It runs in its own session: a Ctrl-C sent to our process group must not take it down while the
     runs in flight are being recorded; it dies with this process and is stopped on exit.
     """

@@ -1,10 +1,9 @@
 """tcmalloc under the `quantgate` process, where the machine has it (as vLLM's CPU docs advise).
 
-With glibc's malloc every large tensor of a prefill step (a 2048-row gate/up output is 12.6 MB) came back
-as fresh pages, and this VM faults each page in at ~3 us, inside the kernels that write them: SmolLM2's
-fused gate/up projection took 29.5 ms a call in a 2048-token prefill step, 4.5 ms under tcmalloc, which
-keeps freed memory for the next step. `quantgate serve`: 565-609 -> 670 output tok/s on the 64-request
-peers workload, TTFT p99 2.6-3.4 -> 2.4 s. The library must be loaded before the process starts, so the
+With glibc's malloc every large tensor of a prefill step comes back as fresh pages, which the kernels
+that write them then fault in one by one; tcmalloc keeps freed memory for the next step, so a prefill
+step's large outputs reuse pages already mapped (figures and the command that measures them:
+docs/results/design-figures.md). The library must be loaded before the process starts, so the
 CLI re-executes itself once with it in LD_PRELOAD. `QUANTGATE_TCMALLOC=0` keeps glibc's malloc; a machine
 without the library (Debian: libtcmalloc-minimal4, `scripts/install_tcmalloc.sh`) runs as before.
 """

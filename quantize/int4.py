@@ -22,9 +22,10 @@ from quantgate.kernels import wo_linear as wo
 from quantgate.kernels import woq
 from quantize.kernel_path import TORCH, KernelPath, choose, wide_compute_dtype
 
-DEFAULT_GROUP_SIZE = 32  # logit cosine to the source on the probe: 0.969 at 32, 0.842 at 64 (default model)
-# Up to this many rows the int4 kernel beats dequantize-then-GEMM on CPU (it costs ~linear in rows;
-# measured crossover on a 1536x576 layer between 64 and 256 rows).
+# Smaller groups keep the logits closer to the source's (docs/results/design-figures.md).
+DEFAULT_GROUP_SIZE = 32
+# Up to this many rows the int4 kernel beats dequantize-then-GEMM on CPU: it costs ~linear in rows, the
+# GEMM barely (the crossover: docs/results/design-figures.md).
 FAST_PATH_MAX_ROWS = 128
 KERNEL_ROWS = 64  # the CPU kernel packs 64 output rows at a time: [N/64, K, 32] bytes, rows 0-31 low nibbles
 

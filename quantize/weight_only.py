@@ -21,8 +21,8 @@ from quantgate.kernels import wo_linear as wo
 from quantgate.kernels import woq
 from quantize.kernel_path import TORCH, KernelPath, choose, wide_compute_dtype
 
-# Up to this many rows the int8 kernel (a GEMV per row) beats dequantize-then-matmul on CPU (measured,
-# bf16, one thread, SmolLM2 shapes: 10.9 vs 12.3 ms at 8 rows, 17.0 vs 14.3 at 16); beyond, it falls behind fast.
+# Up to this many rows torch's int8 kernel (a GEMV per row, bf16 activations) beats dequantize-then-matmul:
+# its cost grows with the rows, the matmul's barely (the crossover: docs/results/design-figures.md).
 FAST_PATH_MAX_ROWS = 8
 
 

@@ -161,8 +161,8 @@ def attend(ctx: AttentionContext, layer: int, q: torch.Tensor, key: torch.Tensor
         rows = slice(chunk.start, chunk.start + chunk.length)
         qs = q[rows].transpose(0, 1)  # [heads, len, dim]
         ks, vs, mask = _prefill_context(ctx, layer, chunk, k, v, window)
-        # 4-D inputs: torch's fused CPU (flash) kernel; 3-D ones fall back to its unfused math path,
-        # 2.6-3.2x slower here on 256-token prompts
+        # 4-D inputs: torch's fused CPU (flash) kernel; 3-D ones fall back to its unfused math path
+        # (docs/results/design-figures.md)
         o = F.scaled_dot_product_attention(
             qs[None], ks[None], vs[None], attn_mask=mask, is_causal=mask is None, scale=scaling, enable_gqa=gqa
         )
@@ -247,8 +247,8 @@ def _decode(q, ctx: AttentionContext, layer: int, group: DecodeGroup, scale: flo
 
     index_select copies whole blocks (contiguous rows of the head-major cache) into [kv, n, L, dim].
     The query heads sharing a KV head form the rows of one matmul (GQA without repeating K/V); a
-    single-row SDPA per sequence was ~10x slower on CPU. int8 scales multiply the scores and the
-    probabilities ([kv, n, 1, L]), so the codes only change dtype."""
+    single-row SDPA per sequence pays a call per sequence and head group instead. int8 scales multiply the
+    scores and the probabilities ([kv, n, 1, L]), so the codes only change dtype."""
     k_cache, v_cache, bs = ctx.k_cache[layer], ctx.v_cache[layer], ctx.block_size
     tables, pad = group.windowed(window, bs)
     n, length = group.num_seqs, pad.shape[-1]

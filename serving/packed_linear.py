@@ -2,16 +2,14 @@
 
 `F.linear` on a bf16 CPU tensor hands oneDNN a plain row-major weight, which it re-lays out into its
 blocked format on every call: at decode sizes (a few rows) that reordering reads and writes the whole
-weight again, so a memory-bound step moves it ~2x. Packing once at load time removes that (measured on
-SmolLM2-135M's 210 projections, one thread: 1.5x at 1 row, 1.7-2.2x at 4-16 rows, 1.1-1.2x at 64-256;
-results bit-identical to `F.linear`). This is what IPEX and inductor's CPU freezing do; we do it on the
-unmodified model by swapping `nn.Linear` modules, so quantized layers (ours, bitsandbytes) are untouched.
+weight again, so a memory-bound step moves it twice. Packing once at load time removes that (results
+bit-identical to `F.linear`; figures: docs/results/design-figures.md). This is what IPEX and inductor's CPU
+freezing do; we do it on the unmodified model by swapping `nn.Linear` modules, so quantized layers (ours,
+bitsandbytes) are untouched.
 
 Where quantgate's own kernel runs (quantgate/kernels/woq, AVX-512-BF16) it replaces oneDNN for every bf16
-projection: the weight is re-laid out once as bf16 pairs that `woq_linear_bf16` reads in place. Measured on
-SmolLM2-135M's 30 layers of projections as a decode step streams them (2 threads, `quantgate bench woq`):
-1.8-2.0x oneDNN's packed kernel at 1-2 rows, 1.6x at 4, 1.45x at 16, ~1.05x at 128; 1.15x at a
-2048-token prefill chunk.
+projection: the weight is re-laid out once as bf16 pairs that `woq_linear_bf16` reads in place, which
+beats oneDNN's packed kernel most at decode sizes (`quantgate bench woq`; docs/results/design-figures.md).
 A tied lm_head shares its weight with the embedding, and oneDNN's packed tensor is opaque (no rows to
 look up); the pair layout has rows, so the embedding indexes the head's copy: one copy.
 

@@ -12,8 +12,8 @@ NO_TOKEN = -1  # a row whose logits are not all finite (a broken model or varian
 def sample(logits: torch.Tensor, seqs: list[Sequence], generators: dict[str, torch.Generator]) -> list[int]:
     """logits: [len(seqs), vocab] float32. Greedy rows share one argmax; others sample one by one.
     A row with NaN/inf logits gets NO_TOKEN instead of failing every sequence of the step."""
-    # max(dim) gives argmax's index (the first of ties) and the row's max in one pass, 2.7x faster than
-    # argmax on CPU at 64 x 49152. NaN propagates through the max, and +-inf show in max/amin: two
+    # max(dim) gives argmax's index (the first of ties) and the row's max in one pass, cheaper than argmax
+    # on CPU (docs/results/design-figures.md). NaN propagates through the max, and +-inf show in max/amin: two
     # reductions instead of a [rows, vocab] boolean temporary per op (isfinite allocates three)
     peaks, best = logits.max(dim=-1)
     next_tokens = best.tolist()

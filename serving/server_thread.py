@@ -55,9 +55,9 @@ class ServerThread:
 
 def run_beside_engine(engine_loop, client: Callable[[], T], timeout: float = 30.0) -> T:
     """`client()` on a thread while this thread steps the engine (an app built with `engine_thread=False`)
-    until the client returns; its result, or its exception. torch's OpenMP ops run ~2x slower from a
-    thread other than the process's first one (libgomp, 2 threads: 30-layer projections 17 vs 34 ms, SiLU
-    32 vs 106 us), so a measurement taken on the main thread this way sees the engine's own speed."""
+    until the client returns; its result, or its exception. torch's OpenMP ops run slower from a thread
+    other than the process's first one (libgomp's thread pool; docs/results/design-figures.md), so a
+    measurement taken on the main thread this way sees the engine's own speed."""
     outcome: dict[str, object] = {}
 
     def run_client() -> None:
