@@ -33,11 +33,15 @@ from flows.data import (  # noqa: E402
     Variant,
     VariantResult,
 )
+from flows.machine import DEVICE  # noqa: E402
 from flows.progress import note, stage  # noqa: E402
 from quantgate.models import DEFAULT_MODEL, is_default_model  # noqa: E402
+from quantize.methods import default_methods  # noqa: E402
 
 FLOW_NAME = "quantgate-release"
-DEFAULT_METHODS = ("int8wo", "int4wo")  # our fast weight-only kernels; bitsandbytes int8/nf4/fp4 on request
+# the methods with real kernels on the device the flow serves on (quantize/methods.py): CPU int8wo, int4wo;
+# CUDA also bitsandbytes int8, nf4. Others (fp4, int4-gptq, int4-awq) on request
+DEFAULT_METHODS = default_methods(DEVICE)
 TASK_RETRIES = 2
 RETRY_DELAY_S = 3.0
 CACHE_VERSION = "3"  # bump when a cached stage's output format changes (3: weights as served, machine in keys)
