@@ -88,7 +88,12 @@ def _plan_args(p: argparse.ArgumentParser) -> None:
 
 
 def _event_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--methods", default="int8wo,int4wo", help="comma-separated quantization methods (default int8wo,int4wo)")
+    from flows.machine import DEVICE
+    from quantize.methods import default_methods
+
+    methods = ",".join(default_methods(DEVICE))  # per device: quantize/methods.py
+    p.add_argument("--methods", default=methods, help=f"comma-separated quantization methods (default {methods} "
+                                                      f"on {DEVICE})")
     p.add_argument("--policy", default=None, help="gate policy YAML (default gates/policy.yaml)")
     p.add_argument("--approve", choices=["auto", "manual"], default="auto",
                    help="auto: approve every variant whose gates pass; manual: pause for a release manager")

@@ -198,6 +198,22 @@ METHODS: dict[str, Method] = {
 INT8_DEFAULT = "int8wo"
 INT4_DEFAULT = "int4wo"
 
+# A release's methods when none are named, by the device it serves on: those with real kernels there. CPU:
+# our weight-only kernels (bitsandbytes' CPU kernels are slower than bf16). CUDA: the same formats through
+# serving/cuda/woq.py's Triton GEMMs, and bitsandbytes LLM.int8() and NF4 through its CUDA kernels.
+DEFAULT_METHODS: dict[str, tuple[str, ...]] = {
+    "cpu": ("int8wo", "int4wo"),
+    "cuda": ("int8wo", "int4wo", "int8", "nf4"),
+}
+
+
+def default_methods(device: str) -> tuple[str, ...]:
+    """The release's default methods on `device` ("cpu", "cuda", "cuda:1")."""
+    kind = str(device).split(":")[0].strip().lower()
+    if kind not in DEFAULT_METHODS:
+        raise ValueError(f"no default methods for device {device!r}; devices: {', '.join(DEFAULT_METHODS)}")
+    return DEFAULT_METHODS[kind]
+
 
 def get_method(name: str) -> Method:
     key = str(name).strip().lower()
