@@ -7,10 +7,16 @@ the same static buffers (inputs, slots, block tables, lengths), filled before ea
 captured the first time a step needs it, after one eager run of the same call (which compiles the Triton
 kernels; its outputs are the step's). On CPU, `EagerGraph` stands in for the CUDA graph: it reruns the call
 over the same padded buffers, so the bucketing and padding are checked without a GPU.
+
+Layers whose forward waits on the host cannot be captured: bitsandbytes' LLM.int8() with an outlier threshold
+looks for outlier columns in every call (`if outliers.any()`, then columns of data-dependent count). With such
+a layer (`capture_blocker`), or when a capture fails, the buckets run eagerly over the same padded buffers,
+said once in the log.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -20,6 +26,18 @@ from serving.attention import AttentionContext
 from serving.cuda.step import PagedStep
 
 Forward = Callable[[AttentionContext, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+log = logging.getLogger(__name__)
+
+
+def capture_blocker(model: torch.nn.Module | None) -> str | None:
+    """The name of the first module whose forward syncs with the host (so no graph can hold it), or None."""
+    if model is None:
+        return None
+    for name, module in model.named_modules():
+        state = getattr(module, "state", None)
+        if type(module).__name__ == "Linear8bitLt" and float(getattr(state, "threshold", 0.0) or 0.0) > 0:
+            return f"{name} (bitsandbytes LLM.int8() with outlier threshold {state.threshold})"
+    return None
 
 
 def batch_buckets(max_batch: int) -> list[int]:
@@ -106,6 +124,9 @@ class DecodeGraphs:
         self.buffers = StaticDecodeBuffers.allocate(max_batch, max_blocks, self.device)
         self.graphs: dict[int, EagerGraph | CudaGraph] = {}
         self.pool = torch.cuda.graph_pool_handle() if self.device.type == "cuda" else None
+        self.eager_reason = capture_blocker(getattr(forward, "model", None)) if self.pool is not None else None
+        if self.eager_reason:
+            log.warning("decode steps run eagerly over the graph buffers: %s cannot be captured", self.eager_reason)
 
     def fits(self, num_seqs: int, widest_table: int) -> bool:
         return num_seqs <= self.buckets[-1] and widest_table <= self.buffers.block_tables.shape[1]
@@ -118,11 +139,21 @@ class DecodeGraphs:
         self.buffers.fill(input_ids, positions, slots, tables, lengths, bucket)
         graph = self.graphs.get(bucket)
         if graph is None:
-            call = self._call(bucket)
-            self.graphs[bucket] = EagerGraph(call) if self.pool is None else CudaGraph(call, self.pool)
+            self.graphs[bucket] = self._capture(self._call(bucket))
         else:
             graph.replay()
         return self.graphs[bucket].output[:n]
+
+    def _capture(self, call: Callable[[], torch.Tensor]) -> EagerGraph | CudaGraph:
+        if self.pool is None or self.eager_reason:
+            return EagerGraph(call)
+        try:
+            return CudaGraph(call, self.pool)
+        except RuntimeError as exc:  # a host sync or an op CUDA graphs refuse: this and later buckets run eagerly
+            self.eager_reason = f"capture failed: {exc}"
+            log.warning("decode steps run eagerly over the graph buffers: %s", self.eager_reason)
+            torch.cuda.synchronize()
+            return EagerGraph(call)
 
     def _call(self, bucket: int) -> Callable[[], torch.Tensor]:
         buf = self.buffers
