@@ -17,6 +17,8 @@ import torch  # noqa: E402
 
 pytest.importorskip("triton")
 
+from words_llama import VOCAB, build_words_llama, word_prompts  # noqa: E402
+
 from serving import attention  # noqa: E402
 from serving.attention import AttentionContext, DecodeGroup, PrefillChunk  # noqa: E402
 from serving.cuda.attention import attend as triton_attend  # noqa: E402
@@ -79,25 +81,10 @@ def test_store_decode_and_prefill_match_the_torch_path(dtype, window):
     assert (out[:3].float() - ref[:3].float()).abs().max() < tol  # the decode rows
 
 
-VOCAB = 512
-
-
 @pytest.fixture(scope="module")
 def llama_dir(tmp_path_factory):
     """A 2-layer random Llama (GQA, head_dim 16) and a word-level tokenizer, built offline."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-
-    path = tmp_path_factory.mktemp("tiny-llama")
-    words = Tokenizer(models.WordLevel({f"w{i}": i for i in range(VOCAB)}, unk_token="w0"))
-    words.pre_tokenizer = pre_tokenizers.Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=words, unk_token="w0", bos_token="w1", eos_token="w2").save_pretrained(path)
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                         initializer_range=0.2, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).eval().save_pretrained(path)
-    return path
+    return build_words_llama(tmp_path_factory.mktemp("tiny-llama"))
 
 
 def _greedy(model_dir, prompts, max_tokens, **kwargs):
@@ -111,13 +98,6 @@ def _greedy(model_dir, prompts, max_tokens, **kwargs):
     return engine, [o.token_ids for o in outs], [[lp.logprob for lp in o.logprobs] for o in outs]
 
 
-def _prompts(vocab: int) -> list[list[int]]:
-    gen = torch.Generator().manual_seed(7)
-    shared = torch.randint(100, vocab, (12,), generator=gen).tolist()  # three full blocks of 4: prefix hits
-    return [shared + [11, 12], torch.randint(100, vocab, (21,), generator=gen).tolist(), shared + [13],
-            torch.randint(100, vocab, (3,), generator=gen).tolist()]
-
-
 @pytest.mark.parametrize(
     "config",
     [
@@ -128,7 +108,7 @@ def _prompts(vocab: int) -> list[list[int]]:
     ids=["chunked-prefix", "preempt", "graphs"],
 )
 def test_engine_through_triton_is_token_identical_to_the_torch_path_fp32(llama_dir, config):
-    prompts, max_tokens = _prompts(VOCAB), [9, 6, 8, 7]
+    prompts, max_tokens = word_prompts(VOCAB), [9, 6, 8, 7]
     torch_config = {k: v for k, v in config.items() if k != "cuda_graphs"}
     _, ref, _ = _greedy(llama_dir, prompts, max_tokens, dtype="float32", attention="torch", **torch_config)
     engine, out, _ = _greedy(llama_dir, prompts, max_tokens, dtype="float32", attention="triton", **config)
@@ -148,7 +128,7 @@ def test_engine_through_triton_is_token_identical_to_the_torch_path_fp32(llama_d
 def test_bf16_engine_through_triton_agrees_with_the_torch_path(llama_dir):
     """bf16 rounds in other places (scores accumulate in fp32 tiles, no bf16 score matrix): texts may part
     at a near tie, so logprobs are compared where the tokens agree."""
-    prompts, max_tokens = _prompts(VOCAB), [6, 6, 6, 6]
+    prompts, max_tokens = word_prompts(VOCAB), [6, 6, 6, 6]
     kwargs = dict(dtype="bfloat16", max_num_batched_tokens=8, block_size=4)
     _, ref, ref_lps = _greedy(llama_dir, prompts, max_tokens, attention="torch", **kwargs)
     _, out, lps = _greedy(llama_dir, prompts, max_tokens, attention="triton", **kwargs)
@@ -243,7 +223,7 @@ def test_models_own_forward_through_triton_attention(llama_dir, monkeypatch):
     """Without llama_forward (QUANTGATE_FAST_FORWARD=0, as for other architectures) the model's own forward
     calls the registered attention, which hands the step to the Triton kernels."""
     monkeypatch.setenv("QUANTGATE_FAST_FORWARD", "0")
-    prompts, max_tokens = _prompts(VOCAB)[:2], [5, 5]
+    prompts, max_tokens = word_prompts(VOCAB)[:2], [5, 5]
     _, ref, _ = _greedy(llama_dir, prompts, max_tokens, dtype="float32", attention="torch", block_size=4)
     engine, out, _ = _greedy(llama_dir, prompts, max_tokens, dtype="float32", attention="triton", block_size=4)
     assert engine.runner.fast_forward is None and engine.runner.graphs is None
@@ -280,7 +260,7 @@ def test_weight_only_model_through_fused_triton_projections(llama_dir, group_siz
                                        cuda_graphs=False, block_size=4, isa="torch")
     replace_linears(engine.model.model, from_weights=True, group_size=group_size)
     assert fuse_projections(engine.runner.fast_forward) == 4 * len(engine.model.model.layers)
-    prompt = _prompts(VOCAB)[1]
+    prompt = word_prompts(VOCAB)[1]
     out = engine.generate([prompt], SamplingParams(max_tokens=1, temperature=0, logprobs=5))[0]
     plain = AutoModelForCausalLM.from_pretrained(llama_dir, dtype=torch.float32).to(DEVICE).eval()
     with torch.inference_mode():
