@@ -108,7 +108,7 @@ def kv_blocks_for(engine, workload: list[LabRequest], max_num_seqs: int) -> int:
     """Enough KV blocks that `max_num_seqs` of the longest requests fit: the lab measures scheduling,
     not preemption."""
     longest = max(len(engine.tokenizer.encode(r.prompt)) + r.max_tokens for r in workload)
-    return max_num_seqs * engine.block_manager.blocks_needed(longest) + 1
+    return max_num_seqs * -(-longest // engine.config.block_size) + 1
 
 
 class SlotTracker:
@@ -178,7 +178,7 @@ def run_workload(engine, workload: list[LabRequest], *, label: str = "", progres
     arrival_step: dict[str, int] = {}  # engine steps are the machine-independent clock
     first_step: dict[str, int] = {}
     finish_step: dict[str, int] = {}
-    preempt_before = engine.scheduler.num_preemptions
+    preempt_before = engine.stats().num_preemptions
     bar = ProgressBar(len(workload), label) if progress else None
     t0 = time.perf_counter()
     while pending or engine.has_unfinished():
@@ -218,7 +218,7 @@ def run_workload(engine, workload: list[LabRequest], *, label: str = "", progres
         intervals=slots.close(),
         makespan=max((d["finished"] for d in requests), default=0.0),
         num_steps=len(batch_sizes),
-        num_preemptions=engine.scheduler.num_preemptions - preempt_before,
+        num_preemptions=engine.stats().num_preemptions - preempt_before,
         step_batch_sizes=batch_sizes,
     )
 

@@ -181,7 +181,7 @@ def run_scope(model: str, scope: str, work: LeakWorkload, device: str | None, dt
     result = {
         "scope": scope,
         "dtype": str(engine.model.get_input_embeddings().weight.dtype).removeprefix("torch."),
-        "num_kv_blocks": engine.block_manager.num_blocks,
+        "num_kv_blocks": engine.config.num_kv_blocks,
         "b_ttft_p_s": summarize(p for p, _ in pairs),
         "b_ttft_q_s": summarize(q for _, q in pairs),
         "pairs_s": pairs,

@@ -16,9 +16,7 @@ from prometheus_client import (
 )
 
 from serving.engine_interface import EngineStats, RequestOutput
-from serving.metric_buckets import CONTENT_TYPE, LATENCY_BUCKETS, TOKEN_BUCKETS
-
-__all__ = ["CONTENT_TYPE", "LATENCY_BUCKETS", "TOKEN_BUCKETS", "ServerMetrics"]
+from serving.metric_buckets import LATENCY_BUCKETS, TOKEN_BUCKETS
 
 
 class ServerMetrics:

@@ -19,7 +19,7 @@ from serving.context import ServingContext
 from serving.engine import RequestOutput
 from serving.engine_loop import DISCONNECT_POLL_S, ENGINE_STOPPED, EngineLoop
 from serving.http_body import parse_json_object, read_body
-from serving.metrics import CONTENT_TYPE
+from serving.metric_buckets import CONTENT_TYPE
 from serving.protocol import (
     APIError,
     ChatCompletionRequest,
