@@ -2,7 +2,9 @@
 from the test harness, real MLflow sqlite store, real engine), with the candidate list restricted.
 
 The crafted policy: a fidelity gate (KL vs the baseline on the held text) at a level int8wo meets and int4
-at group 32 does not on this random model; everything else loose.
+at group 32 does not on this random model (KL 0.00008 vs 0.0033 at 4 chunks of 32 tokens); everything else
+loose. The whole file takes ~4 min on a loaded 2-core machine, most of it the Prefect harness and the first
+tune's measurements (later tests take them from the cache).
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ def prefect_api():
 @pytest.fixture(scope="module")
 def policies(tmp_path_factory) -> dict[str, str]:
     d = tmp_path_factory.mktemp("tune-policies")
-    (d / "kl.yaml").write_text(POLICY % "0.05")
+    (d / "kl.yaml").write_text(POLICY % "0.001")  # measured here: int4 g32 KL 0.0033 [0.0029, 0.0040], int8wo 0.00008
     (d / "loose.yaml").write_text(POLICY % "100.0")
     return {name: str(d / f"{name}.yaml") for name in ("kl", "loose")}
 
@@ -144,7 +146,7 @@ def test_tune_stops_at_int8wo_when_int4_fails_and_reports_every_candidate(first_
     assert rows["int4_rtn_g128"]["status"] == "refused" and "does not divide" in rows["int4_rtn_g128"]["reason"]
     int4 = rows["int4_rtn_g32"]
     assert int4["status"] == "failed" and list(int4["gates_failed"]) == ["fidelity/kl/max"]
-    assert "0.05" in int4["gates_failed"]["fidelity/kl/max"] or "+0.05" in int4["gates_failed"]["fidelity/kl/max"]
+    assert "0.001" in int4["gates_failed"]["fidelity/kl/max"]
     assert r["chosen"] == "int8wo" and rows["int8wo"]["status"] == "chosen"
     assert rows["int8wo"]["held_out_gates_failed"] == {} and rows["int8wo"]["held_out_run_id"]
     # MLflow: one parent, a child per measured candidate with its verdicts; the held-out runs nested in it
@@ -243,3 +245,10 @@ def test_release_takes_the_recipe_tune_chose(first_tune, tiny_model_dir, tmp_pat
     nothing.write_text(json.dumps({**first_tune, "chosen": None, "outcome": "no candidate passed"}))
     with pytest.raises(ValueError, match="chose nothing"):
         chosen_recipe(nothing)
+
+
+def test_objective_fastest_tries_the_fastest_layout_first(first_tune, tiny_model_dir, policies):
+    r = _tune(tiny_model_dir, policies["loose"], candidates=["int4_rtn_g32", "int8wo"], objective="fastest")
+    scores = [row["speed_score"] for row in r["rows"]]
+    assert all(s is not None and s > 0 for s in scores) and scores == sorted(scores, reverse=True)
+    assert r["chosen"] == r["rows"][0]["name"] and r["rows"][1]["status"] == "not tried"
