@@ -43,14 +43,15 @@ def test_release_flow_and_cli_take_the_defaults_of_the_flows_device():
 
 @pytest.fixture(scope="module")
 def variants(tmp_path_factory):
-    """The tiny Llama and its int8 and nf4 variants, built as a release builds them (fp32, on CPU)."""
+    """The tiny Llama and its int8 and nf4 variants, built as a release builds them (fp32), on the device (on
+    CUDA bitsandbytes quantizes there, as GPU users do)."""
     pytest.importorskip("bitsandbytes")
     from words_llama import build_words_llama
 
     import quantize
 
     source = build_words_llama(tmp_path_factory.mktemp("words-llama"))
-    return source, {m: quantize.quantize(str(source), m) for m in BNB_METHODS}
+    return source, {m: quantize.quantize(str(source), m, device=DEVICE) for m in BNB_METHODS}
 
 
 def _engine(directory, **kwargs):
