@@ -14,7 +14,7 @@
 # QUANTGATE_GPU_PYTHON names the interpreter (default python3; for --cpu and the dry run .venv/bin/python when
 # it is unset). The cp312 wheels are put on PYTHONPATH only for a CPython 3.12 interpreter.
 #
-# On the lent machine: the run tool, carry [".gpu_wheels"], command "bash scripts/gpu_check.sh", timeout_s 520.
+# On the lent machine: the run tool, carry [".gpu_wheels"], command "bash scripts/gpu_check.sh", timeout_s 500.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 MODE=gpu
