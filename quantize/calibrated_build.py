@@ -17,6 +17,7 @@ from torch import nn
 from quantize.calibrated import Recipe, calibrate
 from quantize.group_grid import GroupCodes, round_to_nearest
 from quantize.int4 import Int4Embedding, Int4WeightOnlyLinear, check_group_size
+from quantize.weight_only import keep_embedding_scale
 
 ALGORITHM_OPTIONS = {"gptq": ("damp",), "awq": ("grid",), "rtn": ()}
 
@@ -79,5 +80,5 @@ def swap_in(model: nn.Module, codes: dict[str, GroupCodes], recipe: Recipe, quan
         new_embed = Int4Embedding(embed.num_embeddings, embed.embedding_dim, embed.weight.dtype, recipe.group_size)
         new_embed.codes, new_embed.scales_and_zeros = round_to_nearest(
             embed.weight.detach(), recipe.group_size, recipe.bits).layout()
-    model.set_input_embeddings(new_embed)
+    model.set_input_embeddings(keep_embedding_scale(embed, new_embed))
 

@@ -231,9 +231,23 @@ def quantize_model(model: nn.Module, quantize_lm_head: bool = True, quantize_emb
         else:
             new_embed = Int8Embedding.from_embedding(embed)
         name = _module_name(model, embed)
-        model.set_input_embeddings(new_embed)
+        model.set_input_embeddings(keep_embedding_scale(embed, new_embed))
         swapped.append(name)
     return swapped
+
+
+def keep_embedding_scale(old: nn.Module, new: nn.Module) -> nn.Module:
+    """A quantized table in place of an embedding that scales its rows (Gemma's `embed_scale`, sqrt(hidden)):
+    the new module scales them too (a non-persistent buffer, rebuilt from the config on load)."""
+    scale = getattr(old, "embed_scale", None)
+    if isinstance(scale, torch.Tensor):
+        new.register_buffer("embed_scale", scale.detach().clone(), persistent=False)
+        new.register_forward_hook(_scale_rows)
+    return new
+
+
+def _scale_rows(module: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
+    return out * module.embed_scale.to(out.dtype)
 
 
 def int4_fits(linear: nn.Linear, group_size: int) -> bool:

@@ -16,7 +16,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 from quantgate.loading import check_materialised, model_construction
 from quantize.int4 import Int4Embedding, Int4WeightOnlyLinear
-from quantize.weight_only import Int8Embedding, Int8WeightOnlyLinear, replace_linears
+from quantize.weight_only import Int8Embedding, Int8WeightOnlyLinear, keep_embedding_scale, replace_linears
 
 WEIGHTS_FILES = {"int8wo": "int8wo.safetensors", "int4wo": "int4wo.safetensors"}
 
@@ -71,7 +71,7 @@ def load_weight_only(directory: Path, device: str = "cpu", dtype: torch.dtype | 
         parent, _, child = name.rpartition(".")
         table = (Int8Embedding(old.num_embeddings, old.embedding_dim, dtype) if group_size is None
                  else Int4Embedding(old.num_embeddings, old.embedding_dim, dtype, group_size))
-        setattr(model.get_submodule(parent), child, table)
+        setattr(model.get_submodule(parent), child, keep_embedding_scale(old, table))
     state = load_file(str(path), device="cpu")
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [k for k in missing if k not in tied]

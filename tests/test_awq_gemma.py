@@ -10,11 +10,10 @@ from quantize.calibrated import Recipe, _previous_op, calibrate
 from quantize.calibration import calibration_set, leading_token
 
 
-@pytest.fixture(scope="module")
-def tiny_gemma3():
+def _gemma3(vocab_size: int):
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
-    config = Gemma3TextConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    config = Gemma3TextConfig(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                               num_attention_heads=4, num_key_value_heads=1, head_dim=16, max_position_embeddings=256,
                               sliding_window=16, layer_types=["sliding_attention", "full_attention"])
     torch.manual_seed(0)
@@ -24,6 +23,11 @@ def tiny_gemma3():
             if "norm" in name:
                 parameter.normal_(0, 0.3)
     return model
+
+
+@pytest.fixture(scope="module")
+def tiny_gemma3():
+    return _gemma3(256)
 
 
 def test_fold_into_a_gemma_norm_keeps_the_model_exact(tiny_gemma3):
@@ -82,3 +86,23 @@ def test_calibration_sequences_start_with_bos_when_the_tokenizer_adds_one():
     assert with_bos.ids.shape == plain.ids.shape == (4, 64)
     assert (with_bos.ids[:, 0] == 2).all() and with_bos.record["bos"] == 2 and plain.record["bos"] is None
     assert torch.equal(with_bos.ids[0, 1:], plain.ids[0, :63])  # the same text after the <bos>
+
+
+@pytest.mark.parametrize("method", ["int4wo", "int8wo", "int4-awq"])
+def test_a_gemma_variant_keeps_the_embedding_scale(tmp_path, method, default_model_dir):
+    """Gemma's embedding multiplies its rows by sqrt(hidden): the quantized table must too, built and loaded."""
+    from transformers import AutoTokenizer
+
+    import quantize
+
+    tokenizer = AutoTokenizer.from_pretrained(default_model_dir)  # the calibration text needs one
+    model, source = _gemma3(len(tokenizer)), tmp_path / "gemma"
+    model.save_pretrained(source)
+    tokenizer.save_pretrained(source)
+    opts = {"calibration_tokens": 256, "seq_len": 64} if method == "int4-awq" else {}
+    variant = quantize.quantize(source, method, tmp_path / "v", **opts)
+    loaded = quantize.load_model(variant, "cpu", None)
+    ids = torch.tensor([[3, 50, 100, 200]])
+    with torch.no_grad():
+        ratio = loaded.model.embed_tokens(ids).norm() / model.model.embed_tokens(ids).norm()
+    assert abs(ratio.item() - 1) < 0.1  # 1 / sqrt(64) = 0.125 when the scale is dropped
