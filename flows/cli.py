@@ -18,9 +18,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     _plan_args(p)
     p.set_defaults(func=_release)
 
-    from flows.tune_cli import register as register_tune
+    from flows.tune_cli import add_parser as add_tune_parser
 
-    register_tune(subparsers)
+    add_tune_parser(subparsers).set_defaults(func=_tune)
 
     p = subparsers.add_parser("demo", help="the whole release on the embedded default model, auto-approved")
     p.add_argument("--limit", type=int, default=DEMO_LIMIT, help=f"items per eval task (default {DEMO_LIMIT})")
@@ -181,6 +181,13 @@ def _release(args: argparse.Namespace) -> int:
 
         return run_release(args, *from_tune(args.recipe_from_tune, args.model))
     return run_release(args, args.model, _methods(args.methods))
+
+
+def _tune(args: argparse.Namespace) -> int:
+    _logs_to_api(args.verbose)
+    from flows.tune_cli import run_tune
+
+    return run_tune(args, _policy(args.policy))
 
 
 def _demo(args: argparse.Namespace) -> int:

@@ -129,8 +129,8 @@ def estimate_weight_bytes(config: dict, recipe: Recipe) -> int:
 def candidates(config: dict, names: list[str] | None = None) -> tuple[list[Candidate], list[Refused]]:
     """The candidates smallest first (weights, then KV bytes per token, then the cheaper build), and the
     names refused before anything is built, each with its reason."""
-    from flows.measuring import split_method
     from quantize.capacity import ModelShape
+    from quantize.capacity import split_variant as split_method
 
     shape = ModelShape.from_config(config)
     out: list[Candidate] = []

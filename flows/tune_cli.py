@@ -8,7 +8,7 @@ import time
 
 DEFAULT_MODEL_REF = "smollm2-135m"  # `quantgate release --model`'s default
 
-def register(subparsers: argparse._SubParsersAction) -> None:
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = subparsers.add_parser("tune", help="find the smallest (or fastest) quantization recipe that passes every gate")
     p.add_argument("model", nargs="?", default=DEFAULT_MODEL_REF, help="model reference (default: the embedded SmolLM2-135M)")
     p.add_argument("--policy", default=None, help="gate policy YAML (default gates/policy.yaml)")
@@ -21,7 +21,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--fresh", action="store_true", help="ignore cached quantizations and measurements")
     p.add_argument("--json", default=None, help="also write the result to this file")
     p.add_argument("--verbose", action="store_true", help="show Prefect's run logs in the terminal too")
-    p.set_defaults(func=_tune)
+    return p
 
 
 def _names(text: str | None) -> list[str] | None:
@@ -33,10 +33,8 @@ def _names(text: str | None) -> list[str] | None:
     return names
 
 
-def _tune(args: argparse.Namespace) -> int:
-    from flows.cli import _logs_to_api, _policy
-
-    _logs_to_api(args.verbose)
+def run_tune(args: argparse.Namespace, policy: str | None) -> int:
+    """The verb's body; flows/cli.py has set where the logs go and checked the policy path."""
     from flows.runtime import prepare
 
     prepare()
@@ -46,7 +44,6 @@ def _tune(args: argparse.Namespace) -> int:
     from flows.tune_report import render
     from quantgate.models import resolve_model
 
-    policy = _policy(args.policy)
     candidates, suites = _names(args.candidates), _names(args.suites)
     check_options(candidates, args.objective, args.limit, policy, suites)
     resolve_model(args.model)  # an unknown reference fails here, before a flow run exists
