@@ -50,17 +50,18 @@ def evaluate(name: str, path: str, tasks: list[str], limit: int, out: Path) -> d
     from evals.run import run_suite
     from serving import LLMEngine
 
+    record = out / name / "times.json"
+    times = json.loads(record.read_text()) if record.is_file() else {}
+    todo = [t for t in tasks if not (out / name / t / "summary.json").is_file()]  # a stopped run resumes
+    if not todo:
+        return times
     engine = LLMEngine.from_pretrained(path, device="cpu", kv_cache_memory_gb=0.5, model_name=name)
-    times = {}
-    for task in tasks:
-        target = out / name / task
-        if (target / "summary.json").is_file():  # a stopped run resumes where it was
-            print(f"{name} {task}: kept {target}", flush=True)
-            continue
+    for task in todo:
         wall, cpu = time.perf_counter(), time.process_time()
-        run_suite(engine, [task], limit=limit, out_dir=target)
+        run_suite(engine, [task], limit=limit, out_dir=out / name / task)
         times[task] = {"cpu_s": round(time.process_time() - cpu, 1), "wall_s": round(time.perf_counter() - wall, 1),
                        "load1": round(os.getloadavg()[0], 2)}
+        record.write_text(json.dumps(times))
         print(f"{name} {task}: {times[task]}", flush=True)
     del engine
     return times
@@ -76,11 +77,12 @@ def load(out: Path, name: str):
     return merged
 
 
-def comparison_rows(out: Path, names: list[str]) -> tuple[list[dict], list[dict]]:
-    """Per (variant, task): paired delta, its 95 % CI, McNemar p, flips; and the mean over tasks."""
+def comparison_rows(out: Path, names: list[str], reference: str = "baseline") -> tuple[list[dict], list[dict]]:
+    """Per (variant, task): paired delta against `reference`, its 95 % CI, McNemar p, flips; and the mean
+    over tasks."""
     from evals.compare import compare
 
-    result = compare(load(out, "baseline"), {n: load(out, n) for n in names})
+    result = compare(load(out, reference), {n: load(out, n) for n in names if n != reference})
     rows = [{"variant": r.variant, "task": r.task, "metric": r.metric, "n": r.n, "baseline": round(r.baseline, 4),
              "variant_score": round(r.variant_score, 4), "delta": round(r.delta, 4), "ci_low": round(r.ci_low, 4),
              "ci_high": round(r.ci_high, 4),
@@ -113,12 +115,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     tasks = [t for t in args.tasks.split(",") if t]
     built = build_variants(args.model, methods, args.group_size)
     models = {"baseline": str(resolve_model(args.model))} | {m: built[m]["path"] for m in methods}
-    times = {name: evaluate(name, path, tasks, args.limit, args.out) for name, path in models.items()}
+    for name, path in models.items():
+        evaluate(name, path, tasks, args.limit, args.out)
+    times = {name: json.loads((args.out / name / "times.json").read_text()) for name in models}
     rows, means = comparison_rows(args.out, methods)
+    # the calibrated methods against round-to-nearest itself, item by item
+    versus_rtn = comparison_rows(args.out, methods, "int4wo") if "int4wo" in methods and len(methods) > 1 else None
     report = {"model": args.model, "note": DEFAULT_MODEL_NOTE if is_default_model(args.model) else None,
               "machine": isas.cpu_model(), "isa": isas.resolve(),
               "threads": 1, "group_size": args.group_size, "limit": args.limit, "tasks": tasks,
-              "variants": built, "eval_seconds": times, "rows": rows, "means": means}
+              "variants": built, "eval_seconds": times, "rows": rows, "means": means,
+              "versus_int4wo": None if versus_rtn is None else {"rows": versus_rtn[0], "means": versus_rtn[1]}}
     for row in rows:
         print(f"{row['variant']:>10} {row['task']:>10}: n {row['n']}  {row['baseline']:.3f} -> "
               f"{row['variant_score']:.3f}  delta {row['delta']:+.3f} [{row['ci_low']:+.3f}, {row['ci_high']:+.3f}]  "
