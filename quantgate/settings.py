@@ -38,6 +38,7 @@ DTYPE = _switch("QUANTGATE_DTYPE", "auto", "the engine's dtype when the caller n
 WOQ_KERNEL = _switch("QUANTGATE_WOQ_KERNEL", "1", "0: no bf16-activation kernel (woq); layers take the avx512 fp32 kernel, torch where it does not fit")
 PAGED_KERNEL = _switch("QUANTGATE_PAGED_KERNEL", "1", "0 runs attention through torch")
 FUSED_OPS = _switch("QUANTGATE_FUSED_OPS", "1", "0 runs RMSNorm/rotary through torch")
+DECODE_STEP = _switch("QUANTGATE_DECODE_STEP", "1", "0 runs decode steps' layers from Python, op by op")
 PACK_WEIGHTS = _switch("QUANTGATE_PACK_WEIGHTS", "1", "0 keeps plain nn.Linear for bf16 weights")
 FAST_FORWARD = _switch("QUANTGATE_FAST_FORWARD", "1", "0 runs the model's own forward instead of llama_forward")
 TRITON_INTERPRET = _switch("TRITON_INTERPRET", "0", "Triton's own (read when kernels are defined): 1 runs "

@@ -12,6 +12,7 @@ kernel path); any other mix returns None and the caller runs the modules.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -24,8 +25,32 @@ from serving.packed_linear import PairPackedLinear, WoLinear
 Projection = Callable[[torch.Tensor], torch.Tensor]
 
 
-def fuse(modules: list) -> Projection | None:
-    """One call computing every module's output side by side (for fp32 or bf16 rows), or None."""
+@dataclass(frozen=True)
+class KernelCall:
+    """One compiled linear op with its weights bound: `op(rows, *tensors, *ints)`. A woq_linear op (`bf16_rows`)
+    reads bf16 rows and writes `woq.out_dtype` of the input's dtype (its last int); a wo_linear op reads fp32
+    rows and writes fp32. Either way the caller gets its own dtype back. The decode-step plan
+    (quantgate/kernels/decode_step.cpp) calls the same op with the same arguments."""
+
+    op: torch._ops.OpOverload
+    tensors: tuple[torch.Tensor, ...]
+    ints: tuple[int, ...]
+    bf16_rows: bool
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.bf16_rows:
+            return self.op(x.to(torch.bfloat16).contiguous(), *self.tensors, *self.ints, woq.out_dtype(x.dtype))
+        rows = x if x.dtype is torch.float32 and x.is_contiguous() else x.to(torch.float32).contiguous()
+        return self.op(rows, *self.tensors, *self.ints).to(x.dtype)
+
+    @property
+    def op_name(self) -> str:
+        return self.op._schema.name
+
+
+def fuse(modules: list) -> KernelCall | None:
+    """One call computing every module's output side by side (for fp32 or bf16 rows), or None. A single
+    module gets its own kernel call (no copy)."""
     kinds = {type(m) for m in modules}
     if len(kinds) != 1 or any(getattr(m, "bias", None) is not None for m in modules):
         return None
@@ -33,8 +58,7 @@ def fuse(modules: list) -> Projection | None:
     if kind is PairPackedLinear:
         if len({m.isa for m in modules}) != 1:
             return None
-        packed, isa = _share(modules, "packed_weight"), modules[0].isa
-        return lambda x: woq.bf16_linear(_bf16(x), packed, woq.out_dtype(x.dtype), isa)
+        return KernelCall(_woq_op(modules[0].isa, "bf16"), (_share(modules, "packed_weight"),), (), True)
     if kind is WoLinear and len({(m.isa, m.packed_weight.dtype) for m in modules}) == 1:
         return _fused_wo(modules)
     if kind not in (Int8WeightOnlyLinear, Int4WeightOnlyLinear):
@@ -45,47 +69,46 @@ def fuse(modules: list) -> Projection | None:
         return _fused_wo(modules)
     if path is None or path.kind != "woq":
         return None
-    isa = path.isa
     if kind is Int8WeightOnlyLinear:
-        packed, scales = _share(modules, "_woq_weight"), _share(modules, "scales")
-        return lambda x: woq.int8_linear(_bf16(x), packed, scales, woq.out_dtype(x.dtype), isa)
+        tensors = (_share(modules, "_woq_weight"), _share(modules, "scales"))
+        return KernelCall(_woq_op(path.isa, "int8"), tensors, (), True)
     if kind is Int4WeightOnlyLinear and len({m.group_size for m in modules}) == 1:
         codes = _share(modules, "_woq_codes")
         # [K/g, N, 2], joined along N: the modules keep strided views, which their own forward would copy
         scales = _share(modules, "scales_and_zeros", [m._scales_for_kernel() for m in modules], dim=1)
         group, n = modules[0].group_size, sum(m.out_features for m in modules)
-        return lambda x: woq.int4_linear(_bf16(x), codes, scales, group, n, woq.out_dtype(x.dtype), isa)
+        return KernelCall(_woq_op(path.isa, "int4"), (codes, scales), (group, n), True)
     return None
 
 
-def _fused_wo(modules: list) -> Projection | None:
+def _woq_op(isa: str | None, kind: str) -> torch._ops.OpOverload:
+    return getattr(woq._kernel(isa), kind)
+
+
+def _fused_wo(modules: list) -> KernelCall | None:
     """One wo_linear call over the modules' tiled layouts (fp32 math; the caller's dtype out)."""
     first = modules[0]
     if isinstance(first, WoLinear):
-        packed, isa = _share(modules, "packed_weight"), first.isa
-        if packed.dtype == torch.float32:
-            return lambda x: wo.linear_f32(isa, x, packed).to(x.dtype)
-        return lambda x: wo.linear_bf16(isa, x, packed).to(x.dtype)
+        packed = _share(modules, "packed_weight")
+        name = "linear_f32" if packed.dtype == torch.float32 else "linear_bf16"
+        return KernelCall(wo._op(first.isa, name), (packed,), (), False)
     isa = first.kernel_path().isa
     if isinstance(first, Int8WeightOnlyLinear):
-        packed, scales = _share(modules, "_wo_weight"), _share(modules, "scales")
-        return lambda x: wo.linear_int8(isa, x, packed, scales).to(x.dtype)
+        tensors = (_share(modules, "_wo_weight"), _share(modules, "scales"))
+        return KernelCall(wo._op(isa, "linear_int8"), tensors, (), False)
     if len({m.group_size for m in modules}) != 1:
         return None
     codes = _share(modules, "_wo_codes")
     scales = _share(modules, "scales_and_zeros", [m._scales_for_kernel() for m in modules], dim=1)
-    group = first.group_size
-    return lambda x: wo.linear_int4(isa, x, codes, scales, group).to(x.dtype)
-
-
-def _bf16(x: torch.Tensor) -> torch.Tensor:
-    return x.to(torch.bfloat16).contiguous()  # what the kernels read; no copy for the bf16 rows they get
+    return KernelCall(wo._op(isa, "linear_int4"), (codes, scales), (first.group_size,), False)
 
 
 def _share(modules: list, name: str, parts: list[torch.Tensor] | None = None, dim: int = 0) -> torch.Tensor:
     """Concatenate `parts` (by default each module's `name` tensor) along `dim` and hand each module back
     its slice of the result (a view) as its `name`, where the dtypes agree."""
     parts = parts if parts is not None else [getattr(m, name) for m in modules]
+    if len(parts) == 1:
+        return parts[0].contiguous()
     fused = torch.cat(parts, dim=dim).contiguous()
     start = 0
     for m, part in zip(modules, parts, strict=True):

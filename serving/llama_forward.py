@@ -21,7 +21,8 @@ from quantgate import settings
 from quantgate.kernels.decoder_ops import fused_ops
 from serving import attention
 from serving.attention import AttentionContext
-from serving.fused_linear import Projection, fuse
+from serving.decode_step import DecodeStep
+from serving.fused_linear import KernelCall, Projection, fuse
 
 FAST_FORWARD_ENV = settings.FAST_FORWARD.name
 # decoder layer class -> what its forward is: pre-norm attention + SwiGLU MLP, RMSNorm, rotary on q and k
@@ -64,14 +65,33 @@ class LayerPlan:
     down_proj: Projection
     scaling: float
     window: int | None  # sliding-window layers: what the model's forward passes attention as `sliding_window`
+    kernels: dict[str, KernelCall]  # by decode_step.SLOTS name: the projections that are one compiled call
 
     @classmethod
     def of(cls, layer) -> LayerPlan:
         attn, mlp = layer.self_attn, layer.mlp
+        calls = _kernel_calls({"qkv": {"q": attn.q_proj, "k": attn.k_proj, "v": attn.v_proj},
+                               "o": {"o": attn.o_proj}, "gate_up": {"gate": mlp.gate_proj, "up": mlp.up_proj},
+                               "down": {"down": mlp.down_proj}})
         return cls(_norm(layer.input_layernorm), _norm(layer.post_attention_layernorm),
-                   _outputs([attn.q_proj, attn.k_proj, attn.v_proj]), attn.o_proj.forward,
-                   _outputs([mlp.gate_proj, mlp.up_proj]), mlp.down_proj.forward, attn.scaling,
-                   _sliding_window(attn))
+                   _outputs([attn.q_proj, attn.k_proj, attn.v_proj], calls.get("qkv")),
+                   calls.get("o") or attn.o_proj.forward, _outputs([mlp.gate_proj, mlp.up_proj], calls.get("gate_up")),
+                   calls.get("down") or mlp.down_proj.forward, attn.scaling, _sliding_window(attn), calls)
+
+
+def _kernel_calls(groups: dict[str, dict[str, object]]) -> dict[str, KernelCall]:
+    """Each group of projections as one fused call, else each member as its own call, where it is one."""
+    calls = {}
+    for group, members in groups.items():
+        fused = fuse(list(members.values()))
+        if fused is not None:
+            calls[group] = fused
+            continue
+        for name, module in members.items():
+            single = fuse([module]) if len(members) > 1 else None
+            if single is not None:
+                calls[name] = single
+    return calls
 
 
 def _sliding_window(attn) -> int | None:
@@ -85,9 +105,8 @@ def _norm(module) -> tuple[torch.Tensor, float]:
     return module.weight, module.variance_epsilon
 
 
-def _outputs(modules) -> Outputs:
+def _outputs(modules, fused: KernelCall | None) -> Outputs:
     """One fused call split into each module's columns, or the modules one after another."""
-    fused = fuse(modules)
     if fused is None:
         calls = [m.forward for m in modules]
         return lambda x: [call(x) for call in calls]
@@ -96,18 +115,19 @@ def _outputs(modules) -> Outputs:
 
 
 class LlamaForward:
-    def __init__(self, model, ops):
+    def __init__(self, model, ops, isa: str | None = None):
         self.model = model
         self.ops = ops
         self.plans = [LayerPlan.of(layer) for layer in model.model.layers]
         self.final_norm = _norm(model.model.norm)
         self.head_dim = model.model.layers[0].self_attn.head_dim
         self.dtype = compute_dtype(model)
+        self.step = DecodeStep.of(self, isa)
 
     @classmethod
     def of(cls, model, device: torch.device, isa: str | None = None) -> LlamaForward | None:
         ops = fused_ops(device, isa) if supports(model) else None
-        return None if ops is None else cls(model, ops)
+        return None if ops is None else cls(model, ops, isa)
 
     def __call__(self, ctx: AttentionContext, input_ids: torch.Tensor, positions: torch.Tensor,
                  keep_rows: torch.Tensor) -> torch.Tensor:
@@ -117,6 +137,8 @@ class LlamaForward:
         cos, sin = model.model.rotary_emb(residual[None], positions[None])
         cos, sin = cos[0].contiguous(), sin[0].contiguous()  # [tokens, head_dim]
         x = ops.rms_norm(residual, *plans[0].input_norm)
+        if self.step is not None and self.step.serves(ctx, x.shape[0]):
+            return model.lm_head(self.step(ctx, x, residual, cos, sin).index_select(0, keep_rows))
         for i, plan in enumerate(plans):
             out = plan.o_proj(self._attention(ctx, i, plan, x, cos, sin))
             x = ops.add_rms_norm(residual, out.contiguous(), *plan.post_norm)

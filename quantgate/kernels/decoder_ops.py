@@ -21,6 +21,8 @@ from quantgate.kernels import isa as isas
 
 SOURCE = Path(__file__).with_name("paged_attention.cpp")
 FUSED_SOURCE = Path(__file__).with_name("fused_ops.cpp")
+STEP_SOURCE = Path(__file__).with_name("decode_step.cpp")
+STEP_CFLAGS = ["-O2"]  # it only calls other ops: no instruction set of its own
 OWN_FLAG_PATHS = ("avx512", "avx2", "scalar")
 
 
@@ -56,3 +58,10 @@ def fused_ops(device: torch.device | str = "cpu", isa: str | None = None):
         return None
     ops = _namespace(FUSED_SOURCE, kernels.PRECISE_CFLAGS, "quantgate_ops", isa)
     return ops if ops is not None and hasattr(ops, "rotary") else None
+
+
+def decode_plan_class():
+    """`torch.classes.quantgate_step.DecodePlan` (decode_step.cpp), or None where it cannot be built."""
+    if not settings.enabled(settings.DECODE_STEP) or not kernels.load(STEP_SOURCE, STEP_CFLAGS):
+        return None
+    return torch.classes.quantgate_step.DecodePlan
