@@ -22,7 +22,7 @@ import torch  # noqa: E402
 from benchmarks.common import add_kernel_bench_options, mean_seconds, pyplot, save_figure, write_rows_report  # noqa: E402
 from benchmarks.peers import cpu_info  # noqa: E402
 from quantgate.kernels import decoder_ops as kernels  # noqa: E402
-from serving import attention  # noqa: E402
+from serving.model import attention  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
 SHAPES = ((1, 256), (8, 256), (32, 320), (64, 256), (64, 512))  # (sequences, context tokens)

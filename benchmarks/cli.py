@@ -255,7 +255,7 @@ def _serve(args: argparse.Namespace) -> int:
         report = run_serving_benchmark(args.url, args.model, **kwargs)
     else:
         from serving import LLMEngine
-        from serving.server import ServerThread, build_app
+        from serving.http.server import ServerThread, build_app
 
         engine = LLMEngine.from_pretrained(args.serve, device=args.device)
         with ServerThread(build_app(engine)) as server:

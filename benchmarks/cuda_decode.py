@@ -52,7 +52,7 @@ class TokenIdsOnly:
 def build_model(shape: str, device: str, dtype: torch.dtype, max_len: int):
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from serving import attention
+    from serving.model import attention
 
     config = LlamaConfig(**SHAPES[shape], max_position_embeddings=max_len)
     with torch.device(device):
@@ -126,7 +126,7 @@ def decode_run(engine, batch: int, prompt: int, warmup: int, steps: int, vocab: 
 
 def bench_shape(shape: str, variant: str, args, bandwidth: float | None, result: dict) -> None:
     """Appends a row per (graphs, batch) to result['rows'], saving the JSON after each (a timeout keeps them).
-    int8wo / int4wo: the decoder's Linears weight-only (quantize/; serving/cuda/woq.py's kernels; int4 in
+    int8wo / int4wo: the decoder's Linears weight-only (quantize/; serving/model/cuda/woq.py's kernels; int4 in
     groups of 32 where they fit, as the release's int4wo), graphs on, at --wo-batches only."""
     from serving import LLMEngine
 

@@ -3,7 +3,7 @@
 Each (B, T) runs the same workload (80 % short, 20 % long requests at a fixed rate) through the real
 engine with the dynamic policy: a static batch closes when B requests wait or the oldest has waited T.
 Reports, per point, the short requests' completion p99 and the padding waste a padded batch would carry
-(padded token slots / useful ones, see serving/dynamic_batching.py), and plots both against B for each T:
+(padded token slots / useful ones, see serving/core/dynamic_batching.py), and plots both against B for each T:
 a larger B amortises the weights over more rows but makes more short requests wait behind (and pad up
 to) a long one, so the best B depends on the workload's mix of lengths, not on the hardware alone.
 

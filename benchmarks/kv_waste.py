@@ -1,6 +1,6 @@
 """KV memory waste: our paged allocator against a contiguous max-length reservation per sequence.
 
-Both are measured by driving `serving.block_manager.BlockManager` itself, not computed on paper:
+Both are measured by driving `serving.core.block_manager.BlockManager` itself, not computed on paper:
 each sequence is allocated for its prompt and grown token by token with `append_slots`, exactly as
 the engine does. A contiguous per-sequence reservation of `max_len` tokens is the same allocator
 with one block of `max_len` tokens per sequence. Reports the fraction of reserved KV slots that hold
@@ -52,8 +52,8 @@ def realistic_lengths(
 
 
 def _sequence(index: int, prompt_len: int, output_len: int):
-    from serving.sampling_params import SamplingParams
-    from serving.sequence import Sequence
+    from serving.core.sampling_params import SamplingParams
+    from serving.core.sequence import Sequence
 
     params = SamplingParams(max_tokens=max(1, output_len), temperature=0.0)
     return Sequence(f"s{index}", None, [index % 1000 + 1] * prompt_len, params)
@@ -71,7 +71,7 @@ def _grow(manager, seq, output_len: int) -> None:
 
 def measure_allocation(pairs: list[tuple[int, int]], block_size: int) -> Allocation:
     """All sequences grown to their full length in one BlockManager; used vs reserved slots."""
-    from serving.block_manager import BlockManager
+    from serving.core.block_manager import BlockManager
 
     _check_pairs(pairs, None)
     need = sum(-(-(p + o) // block_size) for p, o in pairs)
@@ -88,7 +88,7 @@ def measure_allocation(pairs: list[tuple[int, int]], block_size: int) -> Allocat
 def count_admitted(pairs: list[tuple[int, int]], block_size: int, memory_tokens: int) -> int:
     """How many sequences, taken in order (cycling through `pairs`), fit at their full length in a
     KV memory of `memory_tokens` slots."""
-    from serving.block_manager import BlockManager
+    from serving.core.block_manager import BlockManager
 
     num_blocks = memory_tokens // block_size
     if num_blocks < 1:

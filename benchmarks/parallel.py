@@ -60,7 +60,7 @@ def run_parallel_bench(model: str = "smollm2-135m", *, num_requests: int = 8, ma
     import torch
 
     from serving import LLMEngine
-    from serving.parallel.ranks import gather_stats, reset_stats
+    from serving.model.parallel.ranks import gather_stats, reset_stats
 
     out = output_dir(out_dir, "parallel")
     kwargs = dict(device=device, dtype=dtype, max_num_seqs=num_requests)

@@ -33,7 +33,7 @@ from quantgate.loadgen.client import session, stream_completion
 from quantgate.loadgen.prompts import load_prompts
 from quantgate.loadgen.report import machine, write_json
 from quantgate.loadgen.stats import summarize
-from serving.serve_process import spawn_serve, stop_serve, wait_serve_up
+from serving.http.serve_process import spawn_serve, stop_serve, wait_serve_up
 
 
 @dataclass

@@ -105,7 +105,7 @@ def leak_figures(pairs: list[tuple[float, float]]) -> dict[str, Any]:
 # ---- hashing cost ------------------------------------------------------------------------------
 def hash_cost(block_size: int = 16, number: int = 20000) -> dict[str, float]:
     """Microseconds per full block: the engine's SHA-256 chain step, BLAKE2b, and the old Python hash."""
-    from serving.block_manager import block_digest
+    from serving.core.block_manager import block_digest
 
     tokens = tuple(range(1000, 1000 + block_size))
     parent = hashlib.sha256(b"parent").digest()
@@ -138,8 +138,8 @@ def run_scope(model: str, scope: str, work: LeakWorkload, device: str | None, dt
     import httpx
 
     from serving import LLMEngine
-    from serving.server import ServerThread, build_app
-    from serving.tenants import parse_tenants
+    from serving.http.server import ServerThread, build_app
+    from serving.http.tenants import parse_tenants
 
     rng = random.Random(work.seed)
     blocks_per_prompt = -(-(work.prompt_tokens + 1) // 16)

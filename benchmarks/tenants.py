@@ -97,7 +97,7 @@ def run(model: str = "smollm2-135m", device: str | None = None, dtype: str | Non
         work: Workload | None = None, slack: float | None = None, out_dir: str | Path | None = None,
         plots: bool = True) -> dict[str, Any]:
     from serving import LLMEngine, SamplingParams
-    from serving.fairness import TenantFairness
+    from serving.core.fairness import TenantFairness
 
     work = work or Workload()
     fairness = TenantFairness() if slack is None else TenantFairness(step_slack=slack)

@@ -161,7 +161,7 @@ def main(argv: list[str] | None = None) -> dict:
     from transformers import AutoModelForCausalLM
 
     from quantgate.models import resolve_model
-    from serving.device import resolve_dtype
+    from serving.model.device import resolve_dtype
 
     dtype = resolve_dtype(args.dtype, args.device)
     model_dir = resolve_model(args.model)

@@ -33,7 +33,7 @@ from quantgate import settings  # noqa: E402
 from quantgate.kernels import woq  # noqa: E402
 from quantize.int4 import pack_for_cpu, quantize_groups, unpack_nibbles  # noqa: E402
 from quantize.weight_only import FAST_PATH_MAX_ROWS, quantize_per_channel  # noqa: E402
-from serving.packed_linear import PackedLinear  # noqa: E402
+from serving.model.packed_linear import PackedLinear  # noqa: E402
 
 # (out, in) of q, k, v, o, gate, up, down, then the lm_head
 SHAPES = ((576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536), (49152, 576))

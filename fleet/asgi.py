@@ -1,6 +1,6 @@
 """Call an ASGI app in-process and stream its response: how a replica runs `quantgate serve`'s own app.
 
-The replica answers with the very app `quantgate serve` builds (`serving.server.build_app`), so the
+The replica answers with the very app `quantgate serve` builds (`serving.http.server.build_app`), so the
 fleet's endpoints, validation, error shapes and SSE streams are the single server's by construction.
 """
 

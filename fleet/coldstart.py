@@ -47,10 +47,10 @@ def load_engine(model: str, *, device: str | None = None, dtype: str | None = "a
 
     from quantgate.env import apply_defaults
     from quantgate.models import resolve_model
-    from serving.device import default_device, resolve_dtype
-    from serving.engine import LLMEngine
-    from serving.model_runner import load_model
-    from serving.sampling_params import SamplingParams
+    from serving.core.engine import LLMEngine
+    from serving.core.sampling_params import SamplingParams
+    from serving.model.device import default_device, resolve_dtype
+    from serving.model.model_runner import load_model
 
     apply_defaults()
     marks = [time.perf_counter()]

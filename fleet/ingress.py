@@ -14,8 +14,8 @@ from ray import serve
 from fleet.config import FleetConfig
 from fleet.sizing import RequestSizer
 from fleet.traffic import TrafficState
-from serving.http_errors import install_error_handlers
-from serving.protocol import APIError, error_body
+from serving.http.http_errors import install_error_handlers
+from serving.http.protocol import APIError, error_body
 
 log = logging.getLogger("quantgate.fleet")
 

@@ -29,7 +29,7 @@ class VersionReplica:
                   "num_kv_blocks": self.spec.num_kv_blocks, "kv_cache_memory_gb": self.spec.kv_cache_memory_gb}
         engine, self.cold_start = load_engine(self.spec.model, device=self.spec.device, dtype=self.spec.dtype,
                                               **kwargs)
-        from serving.server import build_app
+        from serving.http.server import build_app
 
         self.engine = engine
         self.app = build_app(engine, served_model_name=model_name, version=self.spec.name,

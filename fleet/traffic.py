@@ -1,13 +1,13 @@
 """The fleet ingress's traffic split: weights, sticky per `user`, changed live and recorded.
 
-The split itself is serving/traffic_split.py (shared with the canary router); the fleet's rules are that
+The split itself is serving/routing/traffic_split.py (shared with the canary router); the fleet's rules are that
 versions are laid out by name, weights are checked here (known versions, non-negative, a positive sum), and a
 rollback restores the weights and champion in force before the latest change.
 """
 
 from __future__ import annotations
 
-from serving.traffic_split import Change, RollbackRule, TrafficSplit, user_point
+from serving.routing.traffic_split import Change, RollbackRule, TrafficSplit, user_point
 
 __all__ = ["Change", "TrafficState", "user_point"]
 

@@ -1,6 +1,6 @@
 """The canary stage: the champion and the challenger behind our router, a replayed traffic sample.
 
-Both versions are served by `serving.server` on loopback ports, the router (`serving.router`) in front
+Both versions are served by `serving.http.server` on loopback ports, the router (`serving.routing.router`) in front
 sends each request to a version by weight, sticky per `user`. The replay streams every request through
 the router; the router names the version that answered (`X-Quantgate-Version`). Per version: requests,
 errors (non-200, or an error inside the stream), error rate, TTFT and TPOT quantiles. The flow logs the
@@ -101,9 +101,9 @@ class Canary:
 
     def __enter__(self) -> Canary:
         from serving import LLMEngine
-        from serving.router import build_router_app, parse_router_config
-        from serving.server import build_app
-        from serving.server_thread import ServerThread
+        from serving.http.server import build_app
+        from serving.http.server_thread import ServerThread
+        from serving.routing.router import build_router_app, parse_router_config
 
         try:
             backends = {}

@@ -42,7 +42,7 @@ def describe() -> dict[str, object]:
     import torch
 
     from quantgate.kernels import isa, sources_hash
-    from serving.device import resolve_dtype
+    from serving.model.device import resolve_dtype
 
     return {**isa.describe(), "threads": torch.get_num_threads(), "device": DEVICE,
             "dtype": str(resolve_dtype(None, DEVICE)).removeprefix("torch."), "kernel_sources": sources_hash(),

@@ -1,6 +1,6 @@
 """The serving benchmark of one model inside the release flow.
 
-The model's engine is served by our OpenAI-compatible server (`serving.server`) on a free loopback port
+The model's engine is served by our OpenAI-compatible server (`serving.http.server`) on a free loopback port
 in this process, stepped on the calling thread (where torch's ops run fastest: `run_beside_engine`), and
 `quantgate.loadgen.run` drives it from another thread: the shipped prompt set, a fixed concurrency
 (`bench_concurrency` streaming clients in a closed loop), greedy, `ignore_eos` so every request decodes
@@ -20,8 +20,8 @@ _STAT_FOR_QUANTILE = {50: "median", 95: "p95", 99: "p99"}
 def benchmark(engine, config: MeasureConfig, name: str, out_json: Path) -> dict:
     from quantgate.loadgen.run import run_serving_benchmark
     from serving import SamplingParams
-    from serving.server import build_app
-    from serving.server_thread import ServerThread, run_beside_engine
+    from serving.http.server import build_app
+    from serving.http.server_thread import ServerThread, run_beside_engine
 
     engine.generate(["warm up"], SamplingParams(max_tokens=2, temperature=0.0))  # first-call costs out
     app = build_app(engine, served_model_name=name, version=name, engine_thread=False)

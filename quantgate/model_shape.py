@@ -46,7 +46,7 @@ def kv_shape(config: Mapping | Any) -> KVShape:
 def attention_window(config) -> int | None:
     """The sliding window some layers attend within (Gemma 3, Mistral, Qwen2 with `use_sliding_window`), or
     None when every layer sees the whole context. Paged attention takes each layer's own window from what
-    the model's forward passes it (serving/attention.py); this only says whether a model has one."""
+    the model's forward passes it (serving/model/attention.py); this only says whether a model has one."""
     window = getattr(config, "sliding_window", None)
     if not window:
         return None

@@ -200,7 +200,7 @@ INT4_DEFAULT = "int4wo"
 
 # A release's methods when none are named, by the device it serves on: those with real kernels there. CPU:
 # our weight-only kernels (bitsandbytes' CPU kernels are slower than bf16). CUDA: the same formats through
-# serving/cuda/woq.py's Triton GEMMs, and bitsandbytes LLM.int8() and NF4 through its CUDA kernels.
+# serving/model/cuda/woq.py's Triton GEMMs, and bitsandbytes LLM.int8() and NF4 through its CUDA kernels.
 DEFAULT_METHODS: dict[str, tuple[str, ...]] = {
     "cpu": ("int8wo", "int4wo"),
     "cuda": ("int8wo", "int4wo", "int8", "nf4"),

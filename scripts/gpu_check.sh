@@ -69,7 +69,7 @@ fi
 # 2. What this machine runs (imports only: no CUDA call).
 step versions 60 "$PY" -c "
 import platform, torch, triton, transformers, pydantic, yaml, psutil, numpy, bitsandbytes
-import serving.engine, serving.cuda.graphs, serving.cuda.attention, benchmarks.cuda_decode, quantize.variant
+import serving.core.engine, serving.model.cuda.graphs, serving.model.cuda.attention, benchmarks.cuda_decode, quantize.variant
 print('python', platform.python_version(), 'torch', torch.__version__, 'cuda', torch.version.cuda,
       'triton', triton.__version__, 'transformers', transformers.__version__, 'pydantic', pydantic.VERSION,
       'numpy', numpy.__version__, 'bitsandbytes', bitsandbytes.__version__, 'from', bitsandbytes.__file__)" || exit 3

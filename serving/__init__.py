@@ -8,13 +8,13 @@ from __future__ import annotations
 import importlib
 
 _EXPORTS = {
-    "EngineConfig": "serving.engine_interface",
-    "EngineStats": "serving.engine_interface",
-    "LLMEngine": "serving.engine",
-    "RequestOutput": "serving.engine_interface",
-    "SamplingParams": "serving.sampling_params",
-    "RequestMetrics": "serving.sequence",
-    "TokenLogprob": "serving.sequence",
+    "EngineConfig": "serving.core.engine_interface",
+    "EngineStats": "serving.core.engine_interface",
+    "LLMEngine": "serving.core.engine",
+    "RequestOutput": "serving.core.engine_interface",
+    "SamplingParams": "serving.core.sampling_params",
+    "RequestMetrics": "serving.core.sequence",
+    "TokenLogprob": "serving.core.sequence",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -160,8 +160,8 @@ def _serve(args: argparse.Namespace) -> int:
 
     import uvicorn
 
-    from serving.fairness import TenantFairness
-    from serving.tenants import load_tenants
+    from serving.core.fairness import TenantFairness
+    from serving.http.tenants import load_tenants
 
     if args.max_waiting < 1:
         raise ValueError("--max-waiting must be at least 1")
@@ -177,7 +177,7 @@ def _serve(args: argparse.Namespace) -> int:
 
         torch.set_num_threads(args.threads)
     from serving import LLMEngine
-    from serving.server import build_app
+    from serving.http.server import build_app
 
     engine = LLMEngine.from_pretrained(
         args.model, device=args.device, dtype=args.dtype, scheduler=args.scheduler,
@@ -216,7 +216,7 @@ def _serve_on_main_thread(server, loop) -> None:
     import signal
     import threading
 
-    from serving.engine_loop import DRAIN_TIMEOUT_S
+    from serving.http.engine_loop import DRAIN_TIMEOUT_S
 
     def on_signal(signum, frame):
         if server.should_exit:
@@ -247,7 +247,7 @@ def _parallel_options(args: argparse.Namespace) -> dict:
 def _route(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from serving.router import build_router_app, load_router_config
+    from serving.routing.router import build_router_app, load_router_config
 
     config = load_router_config(args.config)
     app = build_router_app(config)

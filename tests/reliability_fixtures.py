@@ -15,8 +15,8 @@ from pathlib import Path
 
 import httpx
 
-from serving import serve_process as serve_process_
-from serving.serve_process import free_port  # noqa: F401 (the tests import it from here)
+from serving.http import serve_process as serve_process_
+from serving.http.serve_process import free_port  # noqa: F401 (the tests import it from here)
 
 RETRYABLE = (429, 503)
 
@@ -156,7 +156,12 @@ def openapi_schema(max_tokens_cap: int = 8) -> dict:
     """
     from pydantic.json_schema import models_json_schema
 
-    from serving.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+    from serving.http.protocol import (
+        ChatCompletionRequest,
+        CompletionRequest,
+        DetokenizeRequest,
+        TokenizeRequest,
+    )
 
     models = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,
               "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest}

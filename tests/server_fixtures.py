@@ -12,9 +12,9 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from serving import LLMEngine
-from serving.fairness import TenantFairness
-from serving.server import build_app
-from serving.server_thread import ServerThread
+from serving.core.fairness import TenantFairness
+from serving.http.server import build_app
+from serving.http.server_thread import ServerThread
 
 
 @contextlib.contextmanager

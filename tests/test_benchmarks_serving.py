@@ -107,7 +107,7 @@ def test_against_our_server(tiny_model_dir):
     """The real thing: quantgate's OpenAI server over the tiny model, completions and chat, streaming."""
     import torch
 
-    server_mod = pytest.importorskip("serving.server")
+    server_mod = pytest.importorskip("serving.http.server")
     from serving import LLMEngine
 
     threads = torch.get_num_threads()

@@ -97,7 +97,7 @@ def test_bitsandbytes_greedy_through_triton_follows_the_torch_path(variants, met
     from words_llama import word_prompts
 
     from serving import SamplingParams
-    from serving.cuda.graphs import CudaGraph, capture_blocker
+    from serving.model.cuda.graphs import CudaGraph, capture_blocker
 
     params = [SamplingParams(max_tokens=6, temperature=0, ignore_eos=True) for _ in range(4)]
     kwargs = dict(max_num_batched_tokens=8)

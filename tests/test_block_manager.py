@@ -1,6 +1,6 @@
-from serving.block_manager import BlockManager
-from serving.sampling_params import SamplingParams
-from serving.sequence import Sequence
+from serving.core.block_manager import BlockManager
+from serving.core.sampling_params import SamplingParams
+from serving.core.sequence import Sequence
 
 
 def seq(tokens: list[int], rid: str = "r", **params) -> Sequence:

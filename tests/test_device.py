@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from serving import LLMEngine
-from serving.device import DTYPE_ENV, cpu_flags, default_dtype, native_bf16, parse_dtype, resolve_dtype
+from serving.model.device import DTYPE_ENV, cpu_flags, default_dtype, native_bf16, parse_dtype, resolve_dtype
 
 
 def test_bf16_is_native_with_avx512_bf16_or_amx_only():

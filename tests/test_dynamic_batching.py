@@ -7,9 +7,9 @@ from engine_helpers import DEVICE, DTYPE, hf_greedy
 from test_engine import assert_no_leak, random_prompts
 
 from serving import LLMEngine, SamplingParams
-from serving.block_manager import BlockManager
-from serving.dynamic_batching import DynamicBatch, DynamicBatchScheduler
-from serving.sequence import Sequence
+from serving.core.block_manager import BlockManager
+from serving.core.dynamic_batching import DynamicBatch, DynamicBatchScheduler
+from serving.core.sequence import Sequence
 
 
 class FakeClock:

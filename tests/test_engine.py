@@ -65,7 +65,7 @@ def test_many_sequences_decode_in_length_groups_and_match_hf(tiny_model_dir, mon
     """40 sequences on the torch path (no compiled kernel, as on CUDA): decode rows are sorted by context
     length into several padded groups, while chunked prefills of late arrivals share the steps. Every
     output must still equal HF's. (tests/test_paged_kernel.py runs the same through the kernel.)"""
-    from serving.model_runner import DECODE_GROUP_SIZE
+    from serving.model.model_runner import DECODE_GROUP_SIZE
 
     monkeypatch.setenv("QUANTGATE_PAGED_KERNEL", "0")
     engine = engine_for(tiny_model_dir, max_num_seqs=40, max_num_batched_tokens=256)
@@ -268,8 +268,8 @@ def test_default_model_generate_api(default_model_dir):
 def test_non_finite_logits_fail_only_their_own_sequence(tiny_model_dir, monkeypatch):
     """A broken variant can give NaN logits for one input: that request ends with finish_reason 'error',
     every other sequence of the same steps finishes exactly as HF would, and no block leaks."""
-    import serving.model_runner as runner_module
-    from serving.sampler import NO_TOKEN, sample
+    import serving.model.model_runner as runner_module
+    from serving.model.sampler import NO_TOKEN, sample
 
     engine = engine_for(tiny_model_dir)
     prompts = random_prompts(3, engine.vocab_size, seed=11)

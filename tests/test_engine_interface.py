@@ -1,4 +1,4 @@
-"""The engine's and the scheduler's contracts (serving/engine_interface.py, serving/scheduler_interface.py):
+"""The engine's and the scheduler's contracts (serving/core/engine_interface.py, serving/core/scheduler_interface.py):
 every batching policy states it, the scheduler reports per-tenant load without callers walking its queues,
 options reach the engine at construction, and the light modules stay light. No model is loaded."""
 
@@ -10,11 +10,11 @@ import sys
 import pytest
 
 from serving import LLMEngine, SamplingParams
-from serving.block_manager import BlockManager
-from serving.fairness import TenantFairness
-from serving.scheduler_interface import SchedulerInterface
-from serving.schedulers import SCHEDULERS
-from serving.sequence import Sequence
+from serving.core.block_manager import BlockManager
+from serving.core.fairness import TenantFairness
+from serving.core.scheduler_interface import SchedulerInterface
+from serving.core.schedulers import SCHEDULERS
+from serving.core.sequence import Sequence
 
 
 def _seq(rid: str, tenant: str, prompt_len: int = 8) -> Sequence:
@@ -45,7 +45,7 @@ def test_batch_timeout_is_a_constructor_option_of_the_dynamic_scheduler_only():
 
 
 def test_the_contracts_and_the_fairness_import_no_torch_and_no_file_parsing():
-    code = ("import sys, serving.engine_interface, serving.scheduler, serving.fairness; "
-            "bad = [m for m in ('torch', 'pydantic', 'serving.tenants', 'serving.engine') if m in sys.modules]; "
+    code = ("import sys, serving.core.engine_interface, serving.core.scheduler, serving.core.fairness; "
+            "bad = [m for m in ('torch', 'pydantic', 'serving.http.tenants', 'serving.core.engine') if m in sys.modules]; "
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True)

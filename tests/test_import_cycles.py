@@ -92,7 +92,7 @@ def test_the_detector_finds_a_cycle():
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert cycles({"a": {"b"}, "b": set()}) == []
     graph = import_graph()
-    assert "serving.scheduler" in graph["serving.engine"] and "quantgate.models" in graph["flows.release"]
+    assert "serving.core.scheduler" in graph["serving.core.engine"] and "quantgate.models" in graph["flows.release"]
 
 
 def test_no_cycle_between_folders():

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from serving import LLMEngine, SamplingParams
-from serving.attention import SCALE_MIN, decode_fp8, encode_fp8, quantize_int8
-from serving.model_runner import KVCacheShape
+from serving.model.attention import SCALE_MIN, decode_fp8, encode_fp8, quantize_int8
+from serving.model.model_runner import KVCacheShape
 
 # tiny model: 2 layers, 2 KV heads, head_dim 16; tests pin fp32 (conftest)
 TINY = KVCacheShape(num_layers=2, kv_heads=2, head_dim=16, dtype=torch.float32)

@@ -1,4 +1,4 @@
-"""The direct Llama-family forward (serving/llama_forward.py), its fused ops and fused projections: the same
+"""The direct Llama-family forward (serving/model/llama_forward.py), its fused ops and fused projections: the same
 numbers as the model's own forward, taken only where it applies."""
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ from quantgate.kernels.decoder_ops import fused_ops
 from quantize.int4 import Int4WeightOnlyLinear
 from quantize.weight_only import Int8WeightOnlyLinear
 from serving import LLMEngine, SamplingParams
-from serving.fused_linear import fuse
-from serving.llama_forward import FAST_FORWARD_ENV, LlamaForward, supports
-from serving.packed_linear import PairPackedLinear, WoLinear
+from serving.model.fused_linear import fuse
+from serving.model.llama_forward import FAST_FORWARD_ENV, LlamaForward, supports
+from serving.model.packed_linear import PairPackedLinear, WoLinear
 
 OPS = fused_ops()
 OWN_PATHS = [i for i in (*isas.BF16_PATHS, *wo.PATHS) if i in isas.supported()]

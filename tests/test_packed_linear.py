@@ -11,7 +11,7 @@ from quantgate.kernels import isa as isas
 from quantgate.kernels import wo_linear as wo
 from quantgate.kernels import woq
 from serving import LLMEngine, SamplingParams
-from serving.packed_linear import (
+from serving.model.packed_linear import (
     PackedLinear,
     PairPackedEmbedding,
     PairPackedLinear,

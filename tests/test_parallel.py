@@ -15,9 +15,9 @@ from engine_helpers import DTYPE
 from test_engine import random_prompts
 
 from serving import LLMEngine, SamplingParams
-from serving.parallel import RankFailedError
-from serving.parallel.plan import split_microbatches
-from serving.parallel.sharding import STATS, check_shardable, split_evenly
+from serving.model.parallel import RankFailedError
+from serving.model.parallel.plan import split_microbatches
+from serving.model.parallel.sharding import STATS, check_shardable, split_evenly
 
 # a small cache (block size 4): the six sequences below cannot all fit, so one is preempted and recomputed
 ENGINE = dict(device="cpu", dtype=DTYPE, num_kv_blocks=20, block_size=4, max_num_batched_tokens=64)
@@ -92,7 +92,7 @@ def test_two_ranks_match_one_process_then_a_dead_rank_stops_all(tiny_model_dir, 
 
 def test_tensor_parallel_refuses_quantized_layers(tiny_model_dir):
     from quantize.weight_only import Int8WeightOnlyLinear
-    from serving.model_runner import load_model
+    from serving.model.model_runner import load_model
 
     model = load_model(tiny_model_dir, torch.device("cpu"), torch.float32)
     check_shardable(model, 2)
@@ -138,7 +138,7 @@ def _children(pid: int) -> list[tuple[int, str]]:
 def test_serve_tp2_answers_like_one_process_and_a_killed_rank_ends_it(tiny_qwen2_dir, tmp_path):
     import httpx
 
-    from serving.serve_process import spawn_serve, stop_serve, wait_serve_up
+    from serving.http.serve_process import spawn_serve, stop_serve, wait_serve_up
 
     prompt = "The capital of France is"
     want = LLMEngine.from_pretrained(str(tiny_qwen2_dir), device="cpu", dtype=DTYPE).generate(
@@ -193,7 +193,7 @@ def test_a_dead_rank_is_named_with_its_exit_code_while_two_threads_reap_it():
     import multiprocessing
     import threading
 
-    from serving.parallel.launcher import _exit_message
+    from serving.model.parallel.launcher import _exit_message
 
     context = multiprocessing.get_context("spawn")
     for _ in range(5):

@@ -193,7 +193,7 @@ def test_degenerate_sampling_values_neither_fail_nor_break_other_requests(http, 
 
 # ---- body size -----------------------------------------------------------------------------------------
 def test_oversized_bodies_get_413_before_they_are_read(server):
-    from serving.http_body import MAX_BODY_BYTES
+    from serving.http.http_body import MAX_BODY_BYTES
 
     big = b'{"prompt": "' + b"a" * (MAX_BODY_BYTES + 1) + b'"}'
     r = httpx.post(f"{server.url}/v1/completions", content=big, headers={"content-type": "application/json"},
@@ -253,7 +253,7 @@ KEYS = {"sk-tenant-a-0001": "a", "sk-tenant-b-0001": "b"}
 def test_every_tenant_endpoint_refuses_missing_or_wrong_keys(tiny_model_dir, tmp_path):
     path = tmp_path / "keys.yaml"
     path.write_text(yaml.safe_dump({"keys": KEYS}))
-    from serving.tenants import load_tenants
+    from serving.http.tenants import load_tenants
 
     kw = {"engine_kwargs": {"num_kv_blocks": 16, "max_model_len": 64}, "tenants": load_tenants(path)}
     with one_torch_thread(), running_server(tiny_model_dir, **kw) as srv:
@@ -289,10 +289,10 @@ ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
 
 @pytest.fixture(scope="module")
 def router_url():
-    router = pytest.importorskip("serving.router")  # the router module is still being written
+    router = pytest.importorskip("serving.routing.router")  # the router module is still being written
     from reliability_fixtures import free_port
 
-    from serving.server_thread import ServerThread
+    from serving.http.server_thread import ServerThread
 
     config = router.parse_router_config({
         "admin_key": ADMIN_KEY, "canary": "int8", "poll_interval_s": 5,
@@ -359,7 +359,7 @@ def test_router_admin_bad_bodies_get_400_and_move_nothing(router_url, body):
 
 
 def test_router_refuses_oversized_bodies_with_413(router_url):
-    from serving.http_body import MAX_BODY_BYTES
+    from serving.http.http_body import MAX_BODY_BYTES
 
     big = b'{"prompt": "' + b"a" * (MAX_BODY_BYTES + 1) + b'"}'
     for path in ("/v1/completions", "/admin/weights"):

@@ -11,8 +11,8 @@ import pytest
 from reliability_fixtures import spawn_serve, stop_serve, wait_serve_up
 from server_fixtures import metric, one_torch_thread, running_server, scrape, wait_for
 
-from serving.router import build_router_app, parse_router_config
-from serving.server_thread import ServerThread
+from serving.http.server_thread import ServerThread
+from serving.routing.router import build_router_app, parse_router_config
 
 ADMIN = {"Authorization": "Bearer admin-key-for-tests"}
 

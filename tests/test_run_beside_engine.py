@@ -9,8 +9,8 @@ import httpx
 import pytest
 from server_fixtures import tiny_engine
 
-from serving.server import build_app
-from serving.server_thread import ServerThread, run_beside_engine
+from serving.http.server import build_app
+from serving.http.server_thread import ServerThread, run_beside_engine
 
 
 def test_the_engine_steps_on_the_callers_thread_while_the_client_runs(tiny_model_dir):

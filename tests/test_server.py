@@ -329,8 +329,8 @@ def test_a_failure_outside_the_engine_step_fails_its_requests_and_the_loop_serve
 
 
 def test_non_finite_logits_fail_that_request_only(tiny_model_dir, monkeypatch):
-    import serving.model_runner as runner_module
-    from serving.sampler import sample
+    import serving.model.model_runner as runner_module
+    from serving.model.sampler import sample
 
     def poisoning_sample(logits, seqs, generators):
         for row, seq in enumerate(seqs):

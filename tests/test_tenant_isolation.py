@@ -13,9 +13,9 @@ from engine_helpers import hf_greedy
 from server_fixtures import one_torch_thread, running_server, tiny_engine
 
 from serving import LLMEngine, SamplingParams
-from serving.block_manager import BlockManager, block_digest, scope_root
-from serving.sequence import Sequence
-from serving.tenants import parse_tenants
+from serving.core.block_manager import BlockManager, block_digest, scope_root
+from serving.core.sequence import Sequence
+from serving.http.tenants import parse_tenants
 
 BLOCK = 4
 GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
@@ -120,7 +120,7 @@ def test_colliding_digests_never_reuse_kv_of_another_context(tiny_model_dir, mon
     """X = A + C, then Z = B + D, then Y = B + C: with a digest that ignores the parent, Y's first C block
     collides with X's (computed after A, not B). The parent check refuses it: Y reuses only Z's B blocks
     and its output stays HF's. A verification by token ids alone (the old scheme) takes X's block."""
-    monkeypatch.setattr("serving.block_manager.block_digest", digest)
+    monkeypatch.setattr("serving.core.block_manager.block_digest", digest)
     with one_torch_thread():
         engine = tiny_engine(tiny_model_dir, block_size=BLOCK)
     a, b, c, d = (tokens(8, seed=s) for s in (10, 11, 12, 13))
@@ -143,7 +143,7 @@ def test_colliding_digests_never_reuse_kv_of_another_context(tiny_model_dir, mon
 def test_token_only_verification_would_reuse_the_wrong_kv(tiny_model_dir, monkeypatch):
     """The hazard the parent check removes: with the same colliding digest and the old check (a block's own
     token ids only), Y takes X's C block and its output departs from HF's."""
-    monkeypatch.setattr("serving.block_manager.block_digest", parent_blind)
+    monkeypatch.setattr("serving.core.block_manager.block_digest", parent_blind)
 
     def token_only_hits(self, seq):
         count = (seq.num_tokens - 1) // self.block_size

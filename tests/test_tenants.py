@@ -10,8 +10,8 @@ import yaml
 from server_fixtures import metric, one_torch_thread, running_server, scrape, tiny_engine, wait_for
 
 from serving import LLMEngine, SamplingParams
-from serving.fairness import TenantFairness
-from serving.tenants import Tenant, load_tenants, parse_tenants
+from serving.core.fairness import TenantFairness
+from serving.http.tenants import Tenant, load_tenants, parse_tenants
 
 KEYS = {"sk-team-a-0001": "a", "sk-team-b-0001": "b"}
 

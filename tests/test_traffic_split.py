@@ -1,4 +1,4 @@
-"""The one traffic split (serving/traffic_split.py) and its two users: the canary router's state (config order,
+"""The one traffic split (serving/routing/traffic_split.py) and its two users: the canary router's state (config order,
 canary last; rollback takes the canary out) and the fleet ingress's (by name; rollback restores the previous
 state). No server, no engine."""
 
@@ -11,10 +11,17 @@ import sys
 import pytest
 
 from fleet.traffic import TrafficState
-from serving.protocol import APIError
-from serving.router_config import parse_router_config
-from serving.router_state import RouterState
-from serving.traffic_split import NoVersion, RollbackRule, TrafficError, TrafficSplit, pick, user_point
+from serving.http.protocol import APIError
+from serving.routing.router_config import parse_router_config
+from serving.routing.router_state import RouterState
+from serving.routing.traffic_split import (
+    NoVersion,
+    RollbackRule,
+    TrafficError,
+    TrafficSplit,
+    pick,
+    user_point,
+)
 
 
 def _router(tmp_path=None, **weights: float) -> RouterState:
@@ -109,7 +116,7 @@ def test_fleet_lays_versions_out_by_name():
 
 
 def test_the_split_and_the_router_state_import_neither_torch_nor_the_engine():
-    code = ("import sys, serving.router, fleet.traffic; "
-            "bad = [m for m in ('torch', 'serving.engine', 'serving.metrics') if m in sys.modules]; "
+    code = ("import sys, serving.routing.router, fleet.traffic; "
+            "bad = [m for m in ('torch', 'serving.core.engine', 'serving.http.metrics') if m in sys.modules]; "
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True)

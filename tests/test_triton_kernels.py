@@ -1,4 +1,4 @@
-"""serving/cuda's Triton kernels against the torch path (serving/attention.py): the K/V store, paged decode,
+"""serving/model/cuda's Triton kernels against the torch path (serving/model/attention.py): the K/V store, paged decode,
 prefill over cached context; then the engine through them, greedy token-identical to the torch path in fp32
 (chunked prefill, prefix hits, preemption, graph buckets), bf16 within tolerance.
 
@@ -19,10 +19,10 @@ pytest.importorskip("triton")
 
 from words_llama import VOCAB, build_words_llama, word_prompts  # noqa: E402
 
-from serving import attention  # noqa: E402
-from serving.attention import AttentionContext, DecodeGroup, PrefillChunk  # noqa: E402
-from serving.cuda.attention import attend as triton_attend  # noqa: E402
-from serving.cuda.step import PagedStep  # noqa: E402
+from serving.model import attention  # noqa: E402
+from serving.model.attention import AttentionContext, DecodeGroup, PrefillChunk  # noqa: E402
+from serving.model.cuda.attention import attend as triton_attend  # noqa: E402
+from serving.model.cuda.step import PagedStep  # noqa: E402
 
 KV_HEADS, HEADS, HEAD_DIM, BLOCK_SIZE, NUM_BLOCKS = 2, 6, 16, 4, 24
 
@@ -141,8 +141,8 @@ def test_bf16_engine_through_triton_agrees_with_the_torch_path(llama_dir):
 
 
 def test_graph_buckets_and_padding_rows_leave_the_cache_alone():
-    from serving.cuda.graphs import StaticDecodeBuffers, batch_buckets, bucket_for
-    from serving.cuda.store import store_kv
+    from serving.model.cuda.graphs import StaticDecodeBuffers, batch_buckets, bucket_for
+    from serving.model.cuda.store import store_kv
 
     assert batch_buckets(256) == [1, 2, 4, 8, *range(16, 257, 16)]
     assert batch_buckets(20) == [1, 2, 4, 8, 16, 20] and batch_buckets(1) == [1]
@@ -164,8 +164,8 @@ def test_graph_buckets_and_padding_rows_leave_the_cache_alone():
 def test_fused_ops_round_as_the_torch_ops(dtype):
     """RMSNorm sums its variance in another order (a float32 ulp of the scale); rotary rounds op by op as
     HF does, so it agrees to the bit in bf16; K/V land in their slots, a padding row's (-1) nowhere."""
-    from serving.cuda.fused_ops import TritonOps
-    from serving.cuda.torch_ops import TorchOps
+    from serving.model.cuda.fused_ops import TritonOps
+    from serving.model.cuda.torch_ops import TorchOps
 
     gen = torch.Generator().manual_seed(1)
     tokens, heads, kv_heads, dim, hidden = 5, 6, 2, 16, 40
@@ -202,7 +202,7 @@ def test_fused_ops_round_as_the_torch_ops(dtype):
 
 
 def test_attention_choice_is_checked_before_anything_is_built():
-    from serving.cuda import resolve_backend
+    from serving.model.cuda import resolve_backend
 
     assert resolve_backend("auto", "cpu") == "torch" and resolve_backend("triton", "cpu") == "triton"
     assert resolve_backend("auto", "cuda", "int8") == "torch"  # the Triton kernels read the model's dtype only
@@ -233,7 +233,7 @@ def test_models_own_forward_through_triton_attention(llama_dir, monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_int8_weight_only_gemm_matches_the_dequantized_matmul(dtype):
     from quantize.weight_only import quantize_per_channel
-    from serving.cuda.woq import int8_linear
+    from serving.model.cuda.woq import int8_linear
 
     gen = torch.Generator().manual_seed(2)
     codes, scales = quantize_per_channel(torch.randn(40, 150, generator=gen))  # N, K not multiples of the tiles
@@ -254,7 +254,7 @@ def test_weight_only_model_through_fused_triton_projections(llama_dir, group_siz
 
     from quantize.weight_only import replace_linears
     from serving import LLMEngine, SamplingParams
-    from serving.cuda.projections import fuse_projections
+    from serving.model.cuda.projections import fuse_projections
 
     engine = LLMEngine.from_pretrained(str(llama_dir), device=DEVICE, dtype="float32", attention="triton",
                                        cuda_graphs=False, block_size=4, isa="torch")
@@ -279,7 +279,7 @@ def test_weight_only_model_through_fused_triton_projections(llama_dir, group_siz
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_int4_weight_only_gemm_matches_the_dequantized_matmul(dtype):
     from quantize.int4 import dequantize_rows, quantize_groups
-    from serving.cuda.woq import int4_linear
+    from serving.model.cuda.woq import int4_linear
 
     gen = torch.Generator().manual_seed(3)
     codes, sz = quantize_groups(torch.randn(40, 192, generator=gen), 32)  # K spans tiles unevenly, N odd tiles

@@ -39,8 +39,8 @@ def cpu_signature() -> str:
 
 # the Python that decides which kernel serves a layer and how it is called changes a speed as much as the C++
 DISPATCH_FILES = ("quantize/kernel_path.py", "quantize/weight_only.py", "quantize/int4.py",
-                  "serving/packed_linear.py", "serving/fused_linear.py", "serving/llama_forward.py",
-                  "serving/decode_step.py")
+                  "serving/model/packed_linear.py", "serving/model/fused_linear.py", "serving/model/llama_forward.py",
+                  "serving/model/decode_step.py")
 
 
 def sources_hash() -> str:

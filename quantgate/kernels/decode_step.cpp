@@ -1,5 +1,5 @@
 // A Llama-family decode step's decoder stack in one call: the same ops the Python forward
-// (serving/llama_forward.py) calls for every layer, in the same order on the same tensors, called from C++.
+// (serving/model/llama_forward.py) calls for every layer, in the same order on the same tensors, called from C++.
 // At batch 1 a layer's dozen ops take ~100-200 us of Python and argument parsing around ~150 us of kernels;
 // here each op costs one boxed dispatcher call. The plan holds, per layer, the projection ops (whichever
 // kernel build serves each: woq_linear, wo_linear; looked up by name once) with their weights, the norms and

@@ -1,7 +1,7 @@
 // Paged-attention decode for CPU: one query token per sequence, its keys and values read in place from
 // the paged cache through the block table (no gathered copy of the context).
 //
-// Cache layout (serving/attention.py): per layer [kv_heads, num_blocks * block_size, head_dim], so slot
+// Cache layout (serving/model/attention.py): per layer [kv_heads, num_blocks * block_size, head_dim], so slot
 // `table[t / bs] * bs + t % bs` of head h is one contiguous row. Work items are (sequence, KV head): the
 // query heads sharing a KV head read each K/V row once. Scores and sums are fp32; int8 codes are scaled
 // per token (the scale folds into the score for K and into the probability for V); fp8 e4m3 codes are

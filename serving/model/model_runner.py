@@ -1,0 +1,265 @@
+"""Owns the model and the paged KV cache; turns a scheduled step into one forward pass."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from quantgate.kernels import isa as isas
+from quantgate.kernels.decoder_ops import paged_decode
+from quantgate.model_shape import kv_shape
+from serving.core.scheduler import ScheduledSeq
+from serving.core.sequence import Sequence, TokenLogprob
+from serving.model import attention
+from serving.model.attention import SCALE_DTYPE, AttentionContext, DecodeBatch, DecodeGroup, PrefillChunk
+from serving.model.llama_forward import LlamaForward, supports
+from serving.model.packed_linear import pack_linears, packing_wanted
+from serving.model.sampler import sample, token_logprobs
+
+DECODE_GROUP_SIZE = 16  # decode sequences per padded attention batch
+
+
+def _decode_first(scheduled: list[ScheduledSeq]) -> list[int]:
+    """Row order for a step: decode tokens by context length (so groups pad little), then prefill chunks."""
+    decodes = [i for i, item in enumerate(scheduled) if not item.is_prefill]
+    decodes.sort(key=lambda i: scheduled[i].seq.num_computed_tokens)
+    return decodes + [i for i, item in enumerate(scheduled) if item.is_prefill]
+
+
+def check_kv_cache_dtype(name: str) -> str:
+    if name not in attention.KV_FORMATS:
+        raise ValueError(f"unknown kv_cache_dtype {name!r}; choose one of {', '.join(attention.KV_FORMATS)}")
+    if name == "fp8" and not hasattr(torch, "float8_e4m3fn"):
+        raise ValueError("kv_cache_dtype fp8 needs torch.float8_e4m3fn, which this torch lacks")
+    return name
+
+
+@dataclass
+class KVCacheShape:
+    num_layers: int
+    kv_heads: int
+    head_dim: int
+    dtype: torch.dtype  # the model's dtype: what attention computes in (and stores, for "auto")
+    cache_dtype: str = "auto"  # auto | int8 | fp8
+
+    def __post_init__(self) -> None:
+        check_kv_cache_dtype(self.cache_dtype)
+
+    @property
+    def storage_dtype(self) -> torch.dtype:
+        return {"auto": self.dtype, "int8": torch.int8, "fp8": torch.uint8}[self.cache_dtype]
+
+    @property
+    def scale_bytes(self) -> int:
+        """Per token and KV head, for each of K and V."""
+        return attention.SCALE_DTYPE.itemsize if self.cache_dtype == "int8" else 0
+
+    def bytes_per_block(self, block_size: int) -> int:
+        per_head = self.head_dim * self.storage_dtype.itemsize + self.scale_bytes
+        return 2 * self.num_layers * block_size * self.kv_heads * per_head
+
+    @classmethod
+    def from_config(cls, config, dtype: torch.dtype, cache_dtype: str = "auto") -> KVCacheShape:
+        return cls(*kv_shape(config), dtype, cache_dtype)
+
+
+@dataclass
+class StepResult:
+    sampled: dict[int, int]  # index in the scheduled list -> next token
+    logprobs: dict[int, TokenLogprob]
+    prompt_logprobs: dict[int, list[TokenLogprob]]  # index -> logprobs of the prompt tokens scored this step
+
+
+def load_model(model_dir: Path, device: torch.device, dtype: torch.dtype, isa: str | None = None):
+    """A plain HF dir loads here; a quantized variant (it has a quantgate.json) is loaded by quantize/.
+    Its layers take kernel path `isa` (None: the process default, `quantgate.kernels.isa`)."""
+    with isas.using(isa) as path:
+        if (Path(model_dir) / "quantgate.json").is_file():
+            from quantize import load_model as load_variant
+
+            model = load_variant(Path(model_dir), str(device), dtype)
+        else:
+            from quantgate.loading import load_causal_lm
+
+            model = load_causal_lm(model_dir, dtype=dtype).to(device)
+    model.set_attn_implementation(attention.register())
+    if packing_wanted(torch.device(device), dtype, path):
+        pack_linears(model, path)
+    return model.eval()
+
+
+class ModelRunner:
+    def __init__(self, model, device: torch.device, block_size: int, num_blocks: int, kv_dtype: torch.dtype,
+                 kv_cache_dtype: str = "auto", isa: str | None = None, attention: str = "torch",
+                 graph_shape: tuple[int, int] | None = None):
+        """`attention`: "torch" (serving/model/attention.py, the compiled CPU kernel where it runs) or "triton"
+        (serving/model/cuda). `graph_shape` (max batch, max blocks a table): decode steps replayed from captured
+        graphs (serving/model/cuda/graphs.py; on CPU its eager stand-in), Triton attention only."""
+        self.model = model
+        self.device = device
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.shape = shape = KVCacheShape.from_config(model.config, kv_dtype, kv_cache_dtype)
+        slots = num_blocks * block_size
+        self.k_cache = [
+            torch.zeros(shape.kv_heads, slots, shape.head_dim, dtype=shape.storage_dtype, device=device)
+            for _ in range(shape.num_layers)
+        ]
+        self.v_cache = [torch.zeros_like(k) for k in self.k_cache]
+        self.k_scale = self.v_scale = None
+        if kv_cache_dtype == "int8":
+            self.k_scale = [torch.zeros(shape.kv_heads, slots, dtype=SCALE_DTYPE, device=device)
+                            for _ in range(shape.num_layers)]
+            self.v_scale = [torch.zeros_like(s) for s in self.k_scale]
+        self.generators: dict[str, torch.Generator] = {}
+        self.decode_kernel = paged_decode(device, isa)  # None: gathered groups and matmuls (CUDA, no compiler)
+        self.fast_forward = LlamaForward.of(model, torch.device(device), isa)  # None: the model's own forward
+        self.attention, self.graphs = attention, None
+        if attention == "triton":
+            from serving.model.cuda.fused_ops import TritonOps
+            from serving.model.cuda.projections import fuse_projections
+
+            self.decode_kernel = None
+            self.fast_forward = LlamaForward(model, TritonOps()) if supports(model) else None
+            if self.fast_forward is not None:
+                fuse_projections(self.fast_forward)
+        if graph_shape is not None:
+            if self.attention != "triton" or self.fast_forward is None:
+                raise ValueError("decode graphs need attention='triton' and a Llama-family model (llama_forward)")
+            from serving.model.cuda.graphs import DecodeGraphs
+
+            self.graphs = DecodeGraphs(self.fast_forward, self.k_cache, self.v_cache, block_size, *graph_shape, device)
+
+    def kv_cache_bytes(self) -> int:
+        """Bytes the cache tensors hold (codes and scales): what `bytes_per_block` promises."""
+        tensors = self.k_cache + self.v_cache + (self.k_scale or []) + (self.v_scale or [])
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    @torch.inference_mode()
+    def run(self, scheduled: list[ScheduledSeq]) -> StepResult:
+        input_ids, positions, slots = [], [], []
+        prefills: list[PrefillChunk] = []
+        prefill_tables: list[list[int]] = []
+        decode_seqs: list[Sequence] = []
+        sample_rows: list[int] = []  # (row of the last token) for sequences that get a new token
+        sample_idx: list[int] = []
+        prompt_rows: dict[int, list[int]] = {}  # index -> rows whose logits score the next prompt token
+        bs = self.block_size
+        for idx in _decode_first(scheduled):
+            seq, n = scheduled[idx].seq, scheduled[idx].num_new_tokens
+            start, end, row = seq.num_computed_tokens, seq.num_computed_tokens + n, len(input_ids)
+            input_ids.extend(seq.token_ids[start:end])
+            positions.extend(range(start, end))
+            table = seq.block_table
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            if not scheduled[idx].is_prefill:
+                decode_seqs.append(seq)
+            else:
+                context = None
+                prefill_tables.append(table)
+                if start > 0 and self.attention == "torch":
+                    context = torch.tensor(
+                        [table[p // bs] * bs + p % bs for p in range(end)], device=self.device
+                    )
+                prefills.append(PrefillChunk(row, n, end, context))
+            if seq.wants_prompt_logprobs:
+                last_scored = min(end, seq.num_prompt_tokens - 1)  # position p scores token p + 1
+                if last_scored > start:
+                    prompt_rows[idx] = list(range(row, row + last_scored - start))
+            if end == seq.num_tokens:
+                sample_rows.append(row + n - 1)
+                sample_idx.append(idx)
+
+        if self.graphs is not None and decode_seqs and not prefills and self.graphs.fits(
+                len(decode_seqs), max(len(s.block_table) for s in decode_seqs)):
+            logits = self.graphs.run(input_ids, positions, slots, [s.block_table for s in decode_seqs],
+                                     [s.num_computed_tokens + 1 for s in decode_seqs])
+            return self._postprocess(scheduled, logits.float(), sample_idx, prompt_rows)
+        ctx = AttentionContext(
+            self.k_cache,
+            self.v_cache,
+            bs,
+            torch.tensor(slots, device=self.device),
+            prefills,
+            self._decode_groups(decode_seqs) if self.decode_kernel is None and self.attention == "torch" else [],
+            kv_format=self.shape.cache_dtype,
+            k_scale=self.k_scale,
+            v_scale=self.v_scale,
+            decode_batch=self._decode_batch(decode_seqs),
+        )
+        if self.attention == "triton":
+            from serving.model.cuda.step import PagedStep
+
+            ctx.paged = PagedStep.build([s.block_table for s in decode_seqs],
+                                        [s.num_computed_tokens + 1 for s in decode_seqs], prefill_tables,
+                                        [(c.start, c.length, c.context_len) for c in prefills], self.device)
+        keep_rows = sample_rows + [r for rows in prompt_rows.values() for r in rows]
+        logits = self._forward(ctx, torch.tensor(input_ids, device=self.device),
+                               torch.tensor(positions, device=self.device),
+                               torch.tensor(keep_rows, dtype=torch.long, device=self.device))
+        return self._postprocess(scheduled, logits.float(), sample_idx, prompt_rows)
+
+    def _forward(self, ctx: AttentionContext, input_ids, positions, keep_rows) -> torch.Tensor:
+        if self.fast_forward is not None:
+            return self.fast_forward(ctx, input_ids, positions, keep_rows)
+        attention.set_context(ctx)
+        try:
+            return self.model(input_ids=input_ids[None], position_ids=positions[None], use_cache=False,
+                              logits_to_keep=keep_rows).logits[0]
+        finally:
+            attention.set_context(None)
+
+    def _decode_batch(self, seqs: list[Sequence]) -> DecodeBatch | None:
+        if self.decode_kernel is None or not seqs:
+            return None
+        width = max(len(s.block_table) for s in seqs)
+        tables = [b for s in seqs for b in (*s.block_table, *[0] * (width - len(s.block_table)))]
+        return DecodeBatch(
+            torch.tensor(tables, dtype=torch.long).view(len(seqs), width),
+            torch.tensor([s.num_computed_tokens + 1 for s in seqs], dtype=torch.long),
+            self.decode_kernel,
+        )
+
+    def _decode_groups(self, seqs: list[Sequence]) -> list[DecodeGroup]:
+        """Rows 0..len(seqs) hold the decode tokens, shortest context first; cut them into groups so that
+        padding to a group's longest context wastes little gather and attention work."""
+        groups = []
+        bs = self.block_size
+        for start in range(0, len(seqs), DECODE_GROUP_SIZE):
+            members = seqs[start : start + DECODE_GROUP_SIZE]
+            max_blocks = max(len(s.block_table) for s in members)
+            tables = torch.zeros(len(members), max_blocks, dtype=torch.long)
+            lengths = torch.empty(len(members), dtype=torch.long)
+            for i, s in enumerate(members):
+                tables[i, : len(s.block_table)] = torch.tensor(s.block_table)
+                lengths[i] = s.num_computed_tokens + 1
+            pad = torch.arange(max_blocks * bs)[None, :] >= lengths[:, None]
+            groups.append(DecodeGroup(start, tables.view(-1).to(self.device), pad[None, :, None, :].to(self.device),
+                                      lengths))
+        return groups
+
+    def _postprocess(self, scheduled, logits, sample_idx, prompt_rows) -> StepResult:
+        result = StepResult({}, {}, {})
+        sample_logits = logits[: len(sample_idx)]
+        seqs = [scheduled[i].seq for i in sample_idx]
+        if seqs:
+            tokens = sample(sample_logits, seqs, self.generators)
+            result.sampled = dict(zip(sample_idx, tokens, strict=True))
+            want = [k for k, s in enumerate(seqs) if s.params.logprobs is not None]
+            if want:
+                lps = torch.log_softmax(sample_logits[want], dim=-1)
+                top = max(seqs[k].params.logprobs for k in want)
+                for k, lp in zip(want, token_logprobs(lps, [tokens[k] for k in want], top), strict=True):
+                    lp.top = lp.top[: seqs[k].params.logprobs]
+                    result.logprobs[sample_idx[k]] = lp
+        offset = len(sample_idx)
+        for idx, rows in prompt_rows.items():
+            seq = scheduled[idx].seq
+            first = seq.num_computed_tokens  # position of the first scored row
+            targets = seq.token_ids[first + 1 : first + 1 + len(rows)]
+            lps = torch.log_softmax(logits[offset : offset + len(rows)], dim=-1)
+            result.prompt_logprobs[idx] = token_logprobs(lps, targets, seq.params.prompt_logprobs)
+            offset += len(rows)
+        return result
