@@ -1,5 +1,8 @@
 """quantgate's serving engine: paged KV cache, continuous batching, streaming. No MLflow, no Prefect.
 
+Four rooms (docs/layout.md): `core/` the engine and its schedulers, `model/` model execution, `http/` the
+OpenAI-compatible server, `routing/` the canary router; `cli.py` the `generate`, `serve` and `route` verbs.
+
 Names are imported on first use, so `quantgate --help` does not pay for importing torch.
 """
 
