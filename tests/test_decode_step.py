@@ -86,3 +86,13 @@ def test_no_plan_where_a_projection_is_not_a_compiled_call_or_when_switched_off(
     monkeypatch.setenv("QUANTGATE_DECODE_STEP", "0")
     engine = _engine(tiny_model_dir, PATHS[0], dtype="bfloat16")
     assert engine.runner.fast_forward.step is None
+
+
+def test_the_benchmark_pairs_plan_and_python_rounds(tiny_model_dir, tmp_path):
+    from benchmarks import decode_step as bench
+
+    report = bench.main(["--model", str(tiny_model_dir), "--variants", "baseline", "--dtype", "bfloat16",
+                         "--batches", "1,2", "--rounds", "2", "--tokens", "4", "--out-dir", str(tmp_path)])
+    row = report["rows"][0]
+    assert row["plan"] and row["b1"]["rounds"] == 2 and row["b2"]["ci_low"] <= row["b2"]["speedup"]
+    assert 0 < row["b1"]["plan_bandwidth_share"] and (tmp_path / "decode_step.json").is_file()
