@@ -42,9 +42,9 @@ def _generate(engine: LLMEngine):
     return [o.token_ids for o in outs], [[(lp.logprob, lp.top) for lp in o.logprobs] for o in outs]
 
 
-# fp32 weights stay torch's nn.Linear (no plan): the baseline, and int4wo's k_proj here (too narrow for int4),
-# are held in bf16 (fp32 math off the bf16 paths); int8wo quantizes every projection, so it runs in fp32 too
-VARIANTS = [("baseline", "bfloat16"), ("int8wo", "float32"), ("int8wo", "bfloat16"), ("int4wo", "bfloat16")]
+# fp32 weights stay torch's nn.Linear, called as aten::linear; int4wo leaves k_proj here (too narrow for int4)
+VARIANTS = [("baseline", "float32"), ("baseline", "bfloat16"), ("int8wo", "float32"), ("int8wo", "bfloat16"),
+            ("int4wo", "float32"), ("int4wo", "bfloat16")]
 
 
 @pytest.mark.parametrize("isa", PATHS)
@@ -82,6 +82,8 @@ def test_steps_with_prefill_rows_or_an_8bit_cache_keep_the_python_loop(tiny_mode
 
 def test_no_plan_where_a_projection_is_not_a_compiled_call_or_when_switched_off(tiny_model_dir, monkeypatch):
     engine = _engine(tiny_model_dir, "torch")
+    assert engine.runner.fast_forward is None or engine.runner.fast_forward.step is None
+    engine = _engine(tiny_model_dir, PATHS[0], dtype="float16")  # a half-precision nn.Linear: not a kernel call
     assert engine.runner.fast_forward is None or engine.runner.fast_forward.step is None
     monkeypatch.setenv("QUANTGATE_DECODE_STEP", "0")
     engine = _engine(tiny_model_dir, PATHS[0], dtype="bfloat16")

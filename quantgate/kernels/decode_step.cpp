@@ -83,6 +83,8 @@ class DecodePlan : public torch::CustomClassHolder {
       if (kind == c10::TypeKind::TensorType) {
         TORCH_CHECK(t < tensors.size(), op_name, ": too few tensors");
         p.fixed.emplace_back(tensors[t++]);
+      } else if (kind == c10::TypeKind::OptionalType) {  // aten::linear's bias: none
+        p.fixed.emplace_back();
       } else {
         TORCH_CHECK(i < ints.size(), op_name, ": too few ints");
         p.fixed.emplace_back(ints[i++]);

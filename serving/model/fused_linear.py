@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 from quantgate.kernels import wo_linear as wo
 from quantgate.kernels import woq
@@ -28,8 +29,8 @@ Projection = Callable[[torch.Tensor], torch.Tensor]
 @dataclass(frozen=True)
 class KernelCall:
     """One compiled linear op with its weights bound: `op(rows, *tensors, *ints)`. A woq_linear op (`bf16_rows`)
-    reads bf16 rows and writes `woq.out_dtype` of the input's dtype (its last int); a wo_linear op reads fp32
-    rows and writes fp32. Either way the caller gets its own dtype back. The decode-step plan
+    reads bf16 rows and writes `woq.out_dtype` of the input's dtype (its last int); a wo_linear op (or torch's
+    own linear over an fp32 weight) reads fp32 rows and writes fp32. Either way the caller gets its own dtype back. The decode-step plan
     (quantgate/kernels/decode_step.cpp) calls the same op with the same arguments."""
 
     op: torch._ops.OpOverload
@@ -55,6 +56,9 @@ def fuse(modules: list) -> KernelCall | None:
     if len(kinds) != 1 or any(getattr(m, "bias", None) is not None for m in modules):
         return None
     kind = kinds.pop()
+    if kind is nn.Linear:  # torch's fp32 GEMM, one module at a time (joined, MKL could block it otherwise)
+        fp32 = len(modules) == 1 and modules[0].weight.dtype == torch.float32
+        return KernelCall(torch.ops.aten.linear.default, (modules[0].weight,), (), False) if fp32 else None
     if kind is PairPackedLinear:
         if len({m.isa for m in modules}) != 1:
             return None
