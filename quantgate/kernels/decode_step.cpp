@@ -1,7 +1,7 @@
 // A Llama-family decode step's decoder stack in one call: the same ops the Python forward
 // (serving/model/llama_forward.py) calls for every layer, in the same order on the same tensors, called from C++.
-// At batch 1 a layer's dozen ops take ~100-200 us of Python and argument parsing around ~150 us of kernels;
-// here each op costs one boxed dispatcher call. The plan holds, per layer, the projection ops (whichever
+// At batch 1 the Python and argument parsing around a layer's dozen ops cost about as much as its kernels
+// (figures: benchmarks/decode_step.py); here each op costs one boxed dispatcher call. The plan holds, per layer, the projection ops (whichever
 // kernel build serves each: woq_linear, wo_linear; looked up by name once) with their weights, the norms and
 // the KV caches; `run` takes what changes per step. Results are bit-identical to the Python loop: the ops
 // are the same ones, and silu * up is ATen's, as F.silu(gate) * up is.

@@ -68,7 +68,7 @@ def tiled_rows(packed: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
 @cache
 def _op(isa: str, name: str):
     """The op's overload itself: calling it skips the per-call overload resolution of `torch.ops.ns.name`
-    (a decode step makes ~120 of these calls on matrices that take 10-40 us each)."""
+    (a decode step makes a hundred-odd of these calls on matrices small enough for that to show)."""
     return getattr(ops(isa), name).default
 
 

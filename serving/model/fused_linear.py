@@ -1,7 +1,7 @@
 """Projections that read the same input, run as one matmul: q/k/v, and the MLP's gate/up.
 
-At decode sizes every kernel call has a fixed cost (~8 us here: threads woken, output allocated) and the
-small k/v projections (192 x 576 for SmolLM2-135M) are too short to keep two cores streaming; one call over
+At decode sizes every kernel call has a fixed cost (threads woken, output allocated) and the small k/v
+projections (a third of q's width under GQA) are too short to keep every core streaming; one call over
 the concatenated weight does both jobs once. The modules keep working on their own: their weights become
 views into the fused tensor (slices along the output tiles are contiguous; int4's scales, laid out by
 group first, are strided views), so nothing is held twice and `resident_bytes` still counts every byte

@@ -1,7 +1,7 @@
 """The decoder stack of Llama-family models (Llama, Qwen2, Mistral), run directly over the model's modules.
 
-transformers' forward costs ~80 torch ops and a dozen Python module calls per layer (a 135M model's batch-1
-decode step made 5 700 ops and ~9 ms of Python around 12 ms of matmuls). Here a layer is ~12 ops: the
+transformers' forward makes several times more torch ops and Python module calls per layer than the math
+needs, and at batch 1 that Python costs as much as the matmuls. Here a layer is ~12 ops: the
 fused RMSNorm, residual-add + RMSNorm and in-place rotary of quantgate/kernels (which also writes K and V to
 their cache slots when the cache holds the model's dtype), the model's own projection modules (so quantized
 layers — ours, bitsandbytes, torchao — run unchanged), and paged attention called directly. The math is the model's, rounded where it rounds (fused_ops.cpp; only RMSNorm's variance is
