@@ -12,7 +12,8 @@ from test_engine import assert_no_leak, engine_for, random_prompts
 
 from quantgate.kernels import decoder_ops as kernels
 from quantgate.kernels import isa as isas
-from serving import SamplingParams, attention
+from serving import SamplingParams
+from serving.model import attention
 
 PATHS = [i for i in isas.ISAS if i in isas.supported() and i != "torch"]  # every build this CPU runs
 

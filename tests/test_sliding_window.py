@@ -11,7 +11,8 @@ from engine_helpers import hf_greedy
 from test_engine import assert_no_leak, engine_for, random_prompts
 
 from quantgate.kernels import decoder_ops as kernels
-from serving import SamplingParams, attention
+from serving import SamplingParams
+from serving.model import attention
 
 WINDOW = 8
 SLIDING, FULL = "sliding_attention", "full_attention"
