@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from evals.tasks import scoring
+from evals.tasks.real import REAL_TASKS, SAFETY_TASKS
 from evals.tasks.spec import DATA_DIR as DATA_DIR  # (imported from here)
 from evals.tasks.spec import TaskSpec, refusal_task
 
@@ -139,7 +140,6 @@ _OWN_TASKS: list[TaskSpec] = [
         ),
 ]
 
-from evals.tasks.real import REAL_TASKS, SAFETY_TASKS  # noqa: E402  (needs TaskSpec above)
 
 _ORDER = [*REAL_TASKS, *(t for t in _OWN_TASKS if t.suite == "accuracy"), *SAFETY_TASKS,
           *(t for t in _OWN_TASKS if t.suite == "safety")]  # registry order = report order
