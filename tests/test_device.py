@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from quantgate.kernels import isa as isas
 from serving import LLMEngine
 from serving.model.device import DTYPE_ENV, cpu_flags, default_dtype, native_bf16, parse_dtype, resolve_dtype
 
@@ -19,10 +20,24 @@ def test_bf16_is_native_with_avx512_bf16_or_amx_only():
 
 def test_auto_follows_this_cpu_and_cuda_is_bf16(monkeypatch):
     monkeypatch.delenv(DTYPE_ENV, raising=False)
-    expected = torch.bfloat16 if {"avx512_bf16", "amx_bf16"} & cpu_flags() else torch.float32
+    path = isas.resolve()
+    native = torch.bfloat16 if {"avx512_bf16", "amx_bf16"} & cpu_flags() else torch.float32
+    expected = native if path == "torch" else (torch.bfloat16 if path in isas.BF16_PATHS else torch.float32)
     assert default_dtype("cpu") == expected
     assert resolve_dtype("auto", "cpu") == expected and resolve_dtype(None, "cpu") == expected
     assert default_dtype("cuda") == torch.bfloat16
+
+
+@pytest.mark.parametrize("isa", isas.supported())
+def test_auto_follows_the_kernel_path_in_force(isa, monkeypatch):
+    """A forced fp32-row path (avx512, avx2, scalar) runs fp32 as a CPU without native bf16 does."""
+    monkeypatch.delenv(DTYPE_ENV, raising=False)
+    if isa == "torch":
+        expected = torch.bfloat16 if native_bf16() else torch.float32
+    else:
+        expected = torch.bfloat16 if isa in ("amx", "avx512bf16") else torch.float32
+    assert default_dtype("cpu", isa) == expected == resolve_dtype(None, "cpu", isa)
+    assert resolve_dtype("bfloat16", "cpu", isa) == torch.bfloat16
 
 
 def test_explicit_choices_win(monkeypatch):

@@ -18,17 +18,17 @@ struct F16 {
   static F16 zero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
   static F16 bcast(float v) { return {_mm256_set1_ps(v), _mm256_set1_ps(v)}; }
   static F16 load(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+  static __m128i low8(const void* p) { return _mm_loadl_epi64(static_cast<const __m128i*>(p)); }
   static F16 from_i8(const int8_t* p) {
-    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-    return {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8)))};
+    return {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(low8(p))), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(low8(p + 8)))};
   }
-  // 16 bytes of two codes each: the low nibbles (inputs 2j) and the high ones (inputs 2j + 1)
+  // 16 bytes of two codes each: the low nibbles (inputs 2j) and the high ones (inputs 2j + 1). Each half
+  // widened straight from memory to 8 x 32 bits, then split there (no 128-bit shuffles).
   static void from_u4(const uint8_t* p, F16& even, F16& odd) {
-    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-    const __m128i mask = _mm_set1_epi8(0x0F);
-    const __m128i lo = _mm_and_si128(b, mask), hi = _mm_and_si128(_mm_srli_epi16(b, 4), mask);
-    even = {_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)))};
-    odd = {_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)))};
+    const __m256i a = _mm256_cvtepu8_epi32(low8(p)), b = _mm256_cvtepu8_epi32(low8(p + 8));
+    const __m256i mask = _mm256_set1_epi32(0x0F);
+    even = {_mm256_cvtepi32_ps(_mm256_and_si256(a, mask)), _mm256_cvtepi32_ps(_mm256_and_si256(b, mask))};
+    odd = {_mm256_cvtepi32_ps(_mm256_srli_epi32(a, 4)), _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4))};
   }
   static F16 from_bf16(const uint16_t* p) {
     const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));

@@ -143,7 +143,7 @@ class LLMEngine:
         apply_defaults()
         model_dir = resolve_model(model)
         device = torch.device(device or default_device())
-        dtype = resolve_dtype(dtype, device)
+        dtype = resolve_dtype(dtype, device, isa)
         hf_model = load_model(model_dir, device, dtype, isa)
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
         kwargs.setdefault("model_name", str(model))

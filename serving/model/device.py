@@ -1,8 +1,9 @@
 """Which device and dtype the engine runs in when the caller does not say.
 
-On CPU, bf16 is chosen where the processor multiplies bf16 natively (AVX-512-BF16 or AMX-BF16): there
-bf16 matmuls beat fp32 and the weights and KV cache take half the bytes. Elsewhere fp32, whose bf16 path
-is emulated and slower. CUDA takes bf16. `QUANTGATE_DTYPE` overrides the choice for every engine
+On CPU, bf16 is chosen where the kernel path in force takes bf16 rows (amx, avx512bf16: the processor
+multiplies bf16 natively, and the weights and KV cache take half the bytes); the fp32-row paths (avx512,
+avx2, scalar) take fp32, so forcing one on any CPU runs what a CPU without native bf16 runs; the torch
+path follows the processor. CUDA takes bf16. `QUANTGATE_DTYPE` overrides the choice for every engine
 the process builds (tests pin float32 to compare token by token with HF in fp32).
 """
 
@@ -37,14 +38,17 @@ def parse_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
     return _NAMES[dtype]
 
 
-def default_dtype(device: torch.device | str) -> torch.dtype:
+def default_dtype(device: torch.device | str, isa: str | None = None) -> torch.dtype:
     override = settings.DTYPE.raw()
     if override and override != "auto":
         return parse_dtype(override)  # type: ignore[return-value]
     if torch.device(device).type != "cpu":
         return torch.bfloat16
+    path = isas.resolve(isa)
+    if path != "torch":
+        return torch.bfloat16 if path in isas.BF16_PATHS else torch.float32
     return torch.bfloat16 if native_bf16() else torch.float32
 
 
-def resolve_dtype(dtype: torch.dtype | str | None, device: torch.device | str) -> torch.dtype:
-    return parse_dtype(dtype) or default_dtype(device)
+def resolve_dtype(dtype: torch.dtype | str | None, device: torch.device | str, isa: str | None = None) -> torch.dtype:
+    return parse_dtype(dtype) or default_dtype(device, isa)

@@ -160,7 +160,7 @@ def launch(model: str | Path, config: ParallelConfig, *, engine_cls: type, devic
     apply_defaults()
     model_dir = resolve_model(model)
     device_ = torch.device(device or default_device())
-    dtype_ = resolve_dtype(dtype, device_)
+    dtype_ = resolve_dtype(dtype, device_, engine_kwargs.get("isa"))
     if dist.is_initialized():
         raise RuntimeError("a parallel engine is already running in this process (one process group each)")
     if config.threads_per_rank:
