@@ -30,7 +30,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     _which(p)
     p.set_defaults(func=_traffic, action="promote")
 
-    p = verbs.add_parser("rollback", help="back to the weights in force before the last change")
+    p = verbs.add_parser("rollback", help="the versions on trial to 0, the starting champion back")
     p.add_argument("--reason", required=True)
     _which(p)
     p.set_defaults(func=_traffic, action="rollback", version=None)

@@ -1,13 +1,13 @@
 """The fleet ingress's traffic split: weights, sticky per `user`, changed live and recorded.
 
 The split itself is serving/routing/traffic_split.py (shared with the canary router); the fleet's rules are that
-versions are laid out by name, weights are checked here (known versions, non-negative, a positive sum), and a
-rollback restores the weights and champion in force before the latest change.
+versions are laid out by name, weights are checked here (known versions, non-negative, a positive sum), and the
+versions on trial, the ones a rollback takes out, are every version but the champion the fleet started with.
 """
 
 from __future__ import annotations
 
-from serving.routing.traffic_split import Change, RollbackRule, TrafficSplit, user_point
+from serving.routing.traffic_split import Change, TrafficSplit, user_point
 
 __all__ = ["Change", "TrafficState", "user_point"]
 
@@ -15,7 +15,8 @@ __all__ = ["Change", "TrafficState", "user_point"]
 class TrafficState(TrafficSplit):
     def __init__(self, weights: dict[str, float], champion: str):
         _check(weights, champion)
-        super().__init__(weights, champion=champion, rollback=RollbackRule.PREVIOUS, order=sorted(weights))
+        super().__init__(weights, champion=champion, canaries=[n for n in weights if n != champion],
+                         order=sorted(weights))
         self.record("start", "fleet up")
 
     def set_weights(self, weights: dict[str, float], reason: str, action: str = "weights") -> Change:

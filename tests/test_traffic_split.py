@@ -1,6 +1,6 @@
 """The one traffic split (serving/routing/traffic_split.py) and its two users: the canary router's state (config order,
-canary last; rollback takes the canary out) and the fleet ingress's (by name; rollback restores the previous
-state). No server, no engine."""
+canary last) and the fleet ingress's (by name); both roll back by taking the versions on trial out. No server,
+no engine."""
 
 from __future__ import annotations
 
@@ -16,7 +16,6 @@ from serving.routing.router_config import parse_router_config
 from serving.routing.router_state import RouterState
 from serving.routing.traffic_split import (
     NoVersion,
-    RollbackRule,
     TrafficError,
     TrafficSplit,
     pick,
@@ -47,7 +46,7 @@ def test_user_point_is_stable_and_in_unit_interval():
 
 
 def test_changes_need_a_reason_and_leave_the_state_alone_without_one():
-    split = TrafficSplit({"a": 1.0, "b": 1.0}, champion="a", rollback=RollbackRule.PREVIOUS)
+    split = TrafficSplit({"a": 1.0, "b": 1.0}, champion="a", canaries=["b"])
     with pytest.raises(TrafficError, match="reason"):
         split.promote("b", " ")
     assert split.weights == {"a": 1.0, "b": 1.0} and split.champion == "a" and split.history == []
@@ -96,15 +95,18 @@ def test_router_errors_are_api_errors():
     assert no_other.value.status == 400
 
 
-def test_fleet_rollback_restores_the_previous_weights_and_champion():
+def test_fleet_rollback_takes_every_version_but_its_starting_champion_out():
     state = TrafficState({"champion": 0.7, "challenger": 0.3}, "champion")
     state.set_weights({"champion": 0.5, "challenger": 0.5}, reason="widen")
     state.promote("challenger", reason="gates passed")
     state.rollback(reason="regressed")
-    assert state.weights == {"champion": 0.5, "challenger": 0.5} and state.champion == "champion"
+    assert state.weights == {"champion": 0.7, "challenger": 0.0} and state.champion == "champion"
+    state.rollback(reason="again")  # the same rule, so a second rollback changes nothing
+    assert state.weights == {"champion": 0.7, "challenger": 0.0} and state.champion == "champion"
     with pytest.raises(ValueError, match="nothing to roll back"):
         TrafficState({"a": 1.0}, "a").rollback("x")
-    assert [c["action"] for c in state.snapshot()["history"]] == ["start", "weights", "promote", "rollback"]
+    assert [c["action"] for c in state.snapshot()["history"]] == ["start", "weights", "promote", "rollback",
+                                                                  "rollback"]
 
 
 def test_fleet_lays_versions_out_by_name():

@@ -15,7 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from serving.http.metric_buckets import LATENCY_BUCKETS
 from serving.http.protocol import APIError
 from serving.routing.router_config import RouterConfig
-from serving.routing.traffic_split import Change, NoVersion, RollbackRule, TrafficError, TrafficSplit
+from serving.routing.traffic_split import Change, NoVersion, TrafficError, TrafficSplit
 
 log = logging.getLogger("quantgate.router")
 
@@ -45,14 +45,13 @@ class Backend:
 
 class RouterState:
     """The router's versions and backends. Its traffic split (serving/routing/traffic_split.py) lays versions out in
-    the config's order, canary last, and rolls back by taking the canary out (CANARY_OFF)."""
+    the config's order, canary last; its one canary is the version a rollback takes out."""
 
     def __init__(self, config: RouterConfig):
         self.config = config
         names = [v.name for v in config.versions]
         champion = next((n for n in names if n != config.canary), config.canary)
-        self.split = TrafficSplit(config.weights, champion=champion, rollback=RollbackRule.CANARY_OFF,
-                                  order=names, canary=config.canary)
+        self.split = TrafficSplit(config.weights, champion=champion, canaries=[config.canary], order=names)
         self.backends = [Backend(url, v.name) for v in config.versions for url in v.backends]
 
     @property

@@ -2,14 +2,15 @@
 and the fleet ingress (fleet/traffic.py): weights, a pick sticky per user, promote and rollback, every change
 recorded with its time and reason. Imports neither torch nor the engine, so a proxy can use it.
 
-The two users differ in two rules, which are parameters here rather than two copies of the code:
+One rollback rule for both: a rollback takes the versions on trial (`canaries`) out. They get weight 0; the
+others keep their weights, or get their configured ones back when a promote left them at 0; the champion is
+the version that is not on trial. It needs no history, so it works before any promote (a canary whose
+backend died) and a second rollback changes nothing. docs/serving.md says why this rule and not "restore the
+previous weights".
 
-- pick order (`order`): the versions' slices of [0, 1) are laid out in this order. The router lays them out
-  in its config's order, canary last, so the canary's users stay in it as its weight grows; the fleet lays
-  them out by name.
-- rollback (`RollbackRule`): the router's rollback takes the canary out (weight 0, the others keep theirs,
-  or get their configured weights back after a promote), whatever came before; the fleet's restores the
-  weights and champion in force before the latest change. See docs/fleet.md.
+The two users differ only in pick order (`order`): the versions' slices of [0, 1) are laid out in this
+order. The router lays them out in its config's order, canary last, so the canary's users stay in it as its
+weight grows; the fleet lays them out by name.
 """
 
 from __future__ import annotations
@@ -18,9 +19,8 @@ import hashlib
 import random
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
-from enum import StrEnum
 
 
 class TrafficError(ValueError):
@@ -29,11 +29,6 @@ class TrafficError(ValueError):
 
 class NoVersion(TrafficError):
     """Every version has weight 0: no request can be placed."""
-
-
-class RollbackRule(StrEnum):
-    CANARY_OFF = "canary_off"  # the canary to 0; the others keep their weights (configured ones after a promote)
-    PREVIOUS = "previous"  # the weights and champion before the latest promote or weight change
 
 
 def user_point(user: str) -> float:
@@ -76,20 +71,21 @@ class Change:
 class TrafficSplit:
     """Weights over versions, replaced (never mutated) on each change, so a reader sees old or new, never half.
 
-    `canary` is the version CANARY_OFF takes out; `champion` the version serving 'everything else' (the one
-    a promote makes). Changes need a non-empty reason; `history` keeps every change in order."""
+    `canaries` are the versions on trial, the ones a rollback takes out; `champion` the version serving
+    'everything else' (the one a promote makes). Changes need a non-empty reason; `history` keeps every
+    change in order."""
 
-    def __init__(self, weights: dict[str, float], *, champion: str, rollback: RollbackRule,
-                 order: Sequence[str] | None = None, canary: str | None = None):
+    def __init__(self, weights: dict[str, float], *, champion: str, canaries: Collection[str],
+                 order: Sequence[str] | None = None):
         if champion not in weights:
             raise TrafficError(f"champion {champion!r} is not one of {sorted(weights)}")
-        if rollback is RollbackRule.CANARY_OFF and canary not in weights:
-            raise TrafficError(f"rollback {rollback} needs a canary among {sorted(weights)}, got {canary!r}")
+        unknown = set(canaries) - set(weights)
+        if unknown:
+            raise TrafficError(f"canaries {sorted(unknown)} are not among {sorted(weights)}")
         self.weights = dict(weights)
         self.configured = dict(weights)
         self.champion = champion
-        self.canary = canary
-        self.rollback_rule = rollback
+        self.canaries = frozenset(canaries)
         self.order = list(order) if order is not None else list(weights)
         self.history: list[Change] = []
         self.lock = threading.Lock()
@@ -112,11 +108,9 @@ class TrafficSplit:
                                  "promote", reason)
 
     def rollback(self, reason: str) -> Change:
+        """The versions on trial to 0 (the module docstring states the rule)."""
         with self.lock:
-            if self.rollback_rule is RollbackRule.CANARY_OFF:
-                weights, champion = self._canary_off()
-            else:
-                weights, champion = self._previous()
+            weights, champion = self._canaries_off()
             return self._replace(weights, champion, "rollback", reason)
 
     def record(self, action: str, reason: str) -> Change:
@@ -124,27 +118,19 @@ class TrafficSplit:
         with self.lock:
             return self._replace(dict(self.weights), self.champion, action, reason)
 
-    # ---- the rules -----------------------------------------------------------------------------
-    def _canary_off(self) -> tuple[dict[str, float], str]:
-        others = {n: self.weights.get(n, 0.0) for n in self.order if n != self.canary}
+    # ---- the rule ------------------------------------------------------------------------------
+    def _canaries_off(self) -> tuple[dict[str, float], str]:
+        if not self.canaries:
+            raise TrafficError("nothing to roll back: no version is on trial")
+        others = {n: self.weights.get(n, 0.0) for n in self.order if n not in self.canaries}
         if not others:
             raise TrafficError("rollback needs a version other than the canary")
         if sum(others.values()) <= 0:  # after a promote: back to the configured weights
             others = {n: self.configured.get(n, 0.0) for n in others}
         if sum(others.values()) <= 0:
             others = dict.fromkeys(others, 1.0)
-        champion = self.champion if self.champion != self.canary else max(others, key=others.__getitem__)
-        return {**others, self.canary: 0.0}, champion
-
-    def _previous(self) -> tuple[dict[str, float], str]:
-        if len(self.history) < 2:
-            raise TrafficError("nothing to roll back: no promote or weight change since the fleet started")
-        current = self.history[-1]
-        previous = next((c for c in reversed(self.history[:-1])
-                         if (c.weights, c.champion) != (current.weights, current.champion)), None)
-        if previous is None:
-            raise TrafficError("nothing to roll back: every recorded state is the current one")
-        return dict(previous.weights), previous.champion
+        champion = self.champion if self.champion in others else max(others, key=others.__getitem__)
+        return {**others, **dict.fromkeys(sorted(self.canaries), 0.0)}, champion
 
     def _replace(self, weights: dict[str, float], champion: str, action: str, reason: str) -> Change:
         if not reason or not reason.strip():
