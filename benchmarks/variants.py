@@ -13,7 +13,11 @@ to the baseline side by side, writes JSON and a PNG bar chart.
         [--dtype auto] [--memory-gb 2] [--decode-tokens 32] [--batches 1,16,32] [--repeats 3] [--threads N]
 
 All variants are loaded first and timed in interleaved rounds (each round times every variant once), so a
-change in the machine's speed during the run falls on all of them alike; each figure is the best round.
+change in the machine's speed during the run falls on all of them alike; each figure is the best round, and
+each speed ratio to the baseline is also given as the geometric mean of the rounds' paired ratios with its
+95 % t interval (`gates.speed.ratio_ci`, as the release's speed gates compute it). Batch-1 decode is set
+against the machine's read bandwidth measured in the same run (weight bytes x tokens/s / GB/s: the share
+of the bound a step that reads every weight once can reach).
 """
 
 from __future__ import annotations
@@ -162,7 +166,7 @@ def finish_variant(name: str, engine, load_s: float, speeds: list[tuple[float, d
     return result, top1
 
 
-def run_all(names: list[str], args, text_ids: list[int]) -> list[VariantResult]:
+def run_all(names: list[str], args, text_ids: list[int]) -> tuple[list[VariantResult], dict[str, list]]:
     """Load every variant, then time them in interleaved rounds (baseline, a, b, baseline, a, b, ...), so
     that a change in the machine's speed during the run falls on every variant alike; best of the rounds."""
     engines = {}
@@ -182,7 +186,38 @@ def run_all(names: list[str], args, text_ids: list[int]) -> list[VariantResult]:
         results.append(result)
         del engine
         gc.collect()
-    return results
+    return results, speeds
+
+
+def paired_ratios(speeds: dict[str, list], batches: list[int]) -> dict[str, dict[str, dict[str, float]]]:
+    """Per variant and speed: the rounds' variant/baseline ratios, geometric mean and 95 % t interval."""
+    from gates.speed import ratio_ci
+
+    base = speeds["baseline"]
+    if len(base) < 2:
+        return {}
+    out: dict[str, dict[str, dict[str, float]]] = {}
+    for name, rounds in speeds.items():
+        if name == "baseline":
+            continue
+        columns = {"prefill": [r[0] / b[0] for r, b in zip(rounds, base, strict=True)]}
+        columns |= {f"decode_b{n}": [r[1][n] / b[1][n] for r, b in zip(rounds, base, strict=True)] for n in batches}
+        out[name] = {}
+        for column, ratios in columns.items():
+            ci = ratio_ci(ratios)
+            out[name][column] = {"ratio": ci.estimate, "low": ci.low, "high": ci.high, "rounds": ci.n}
+    return out
+
+
+def print_paired(paired: dict, bandwidth: float, results: list[VariantResult]) -> None:
+    for name, columns in paired.items():
+        cells = [f"{c} {v['ratio']:.2f}x [{v['low']:.2f}, {v['high']:.2f}]" for c, v in columns.items()]
+        print(f"{name:<15}paired, {next(iter(columns.values()))['rounds']} rounds: " + "  ".join(cells))
+    for r in results:
+        if 1 in r.decode_tokens_per_s:
+            share = r.weight_bytes * r.decode_tokens_per_s[1] / 1e9 / bandwidth
+            print(f"{r.variant:<15}b1 reads {r.weight_bytes * r.decode_tokens_per_s[1] / 1e9:.1f} GB/s of weights: "
+                  f"{share:.0%} of the {bandwidth:.1f} GB/s read bandwidth")
 
 
 def plot(results: list[VariantResult], batches: list[int], path: Path) -> Path:
@@ -241,7 +276,11 @@ def main(argv: list[str] | None = None) -> dict:
     from quantgate.models import resolve_model
 
     text_ids = AutoTokenizer.from_pretrained(resolve_model(args.model))(FIXED_TEXT).input_ids
-    results = run_all(names, args, text_ids)
+    from benchmarks.isa_paths import read_bandwidth_gbs
+
+    bandwidth = read_bandwidth_gbs()
+    results, speeds = run_all(names, args, text_ids)
+    paired = paired_ratios(speeds, args.batches)
     base = results[0]
     header = f"{'variant':<15}{'MiB':>8}{'load s':>8}{'prefill t/s':>13}" + "".join(
         f"{f'decode b{b} t/s':>16}" for b in args.batches) + f"{'top-1':>8}{'bpb':>7}{'KV B/blk':>10}{'max seqs':>11}"
@@ -259,6 +298,7 @@ def main(argv: list[str] | None = None) -> dict:
         cells += [f"{fmt(r.top1_agreement):>8}", f"{r.bits_per_byte:>7.3f}", f"{r.kv_bytes_per_block:>10}",
                   f"{r.max_seqs:>6} {r.max_seqs / max(base.max_seqs, 1):>3.2f}x"]
         print(f"{r.variant:<15}" + "".join(cells))
+    print_paired(paired, bandwidth, results)
 
     out = output_dir(args.out_dir, "variants")
     report = {"model": args.model, "device": args.device, "machine": machine(), "args": vars(args),
@@ -268,7 +308,10 @@ def main(argv: list[str] | None = None) -> dict:
                   "prefill": r.prefill_tokens_per_s / base.prefill_tokens_per_s,
                   **{f"decode_b{b}": r.decode_tokens_per_s[b] / base.decode_tokens_per_s[b] for b in args.batches},
                   "max_seqs": r.max_seqs / max(base.max_seqs, 1),
-                  "bits_per_byte_delta": r.bits_per_byte - base.bits_per_byte} for r in results}}
+                  "bits_per_byte_delta": r.bits_per_byte - base.bits_per_byte} for r in results},
+              "paired_ratios": paired, "read_bandwidth_gbs": bandwidth,
+              "b1_bandwidth_share": {r.variant: r.weight_bytes * r.decode_tokens_per_s[1] / 1e9 / bandwidth
+                                     for r in results if 1 in r.decode_tokens_per_s}}
     print(f"\nwrote {write_json(out / 'variants.json', report)} and {plot(results, args.batches, out / 'variants.png')}")
     return report
 
