@@ -15,6 +15,7 @@ from quantgate.kernels import isa as isas
 from serving.core.block_manager import BlockManager
 from serving.core.engine_interface import EngineConfig, EngineStats, RequestOutput
 from serving.core.fairness import TenantFairness
+from serving.core.request_text import Finisher, eos_token_ids, request_output, tokenize_prompt
 from serving.core.sampling_params import SamplingParams
 from serving.core.scheduler import MAX_NUM_BATCHED_TOKENS
 from serving.core.schedulers import SCHEDULERS
@@ -106,7 +107,8 @@ class LLMEngine:
             model_name, str(self.device), block_size, num_kv_blocks, self.max_model_len, scheduler, max_num_seqs,
             max_num_batched_tokens, enable_prefix_caching, prefix_cache_scope, kv_cache_dtype, self.attention,
             self.kernel_isa, bool(cuda_graphs), getattr(self.scheduler, "batch_timeout_s", None))
-        self.eos_token_ids = _eos_token_ids(model, tokenizer)
+        self.eos_token_ids = eos_token_ids(model, tokenizer)
+        self.finisher = Finisher(tokenizer, self.eos_token_ids, self.max_model_len)
         self.sequences: dict[str, Sequence] = {}
         self._inbox: list[Sequence] = []
         self._aborts: list[str] = []
@@ -164,7 +166,7 @@ class LLMEngine:
         """Validate and queue a request; thread-safe. Raises ValueError naming what is wrong."""
         params = params or SamplingParams()
         params.validate()
-        text, token_ids = self._tokenize(prompt)
+        text, token_ids = tokenize_prompt(self.tokenizer, self.vocab_size, prompt)
         self._check_fits(len(token_ids), params.max_tokens, tenant)
         with self._lock:
             request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
@@ -217,7 +219,7 @@ class LLMEngine:
             token = result.sampled[idx]
             new_tokens = []
             if token == NO_TOKEN:  # its logits were not finite: this sequence alone ends
-                self._finish(seq, "error")
+                self.finisher.finish(seq, "error")
             else:
                 new_tokens.append(token)
                 seq.token_ids.append(token)
@@ -227,11 +229,11 @@ class LLMEngine:
                 seq.metrics.token_times.append(now)
                 if idx in result.logprobs:
                     seq.logprobs.append(result.logprobs[idx])
-                self._check_finished(seq, token)
+                self.finisher.check(seq, token)
             if seq.is_finished:
                 seq.metrics.finished_time = now
                 self.scheduler.finish(seq)
-            outputs.append(self._output(seq, new_tokens))
+            outputs.append(request_output(seq, new_tokens))
         for seq in list(self.sequences.values()):
             if seq.is_finished:
                 del self.sequences[seq.request_id]
@@ -330,20 +332,8 @@ class LLMEngine:
             seq.metrics.finished_time = time.perf_counter()
             self.sequences.pop(request_id, None)
             self.runner.generators.pop(request_id, None)
-            outputs.append(self._output(seq, []))
+            outputs.append(request_output(seq, []))
         return outputs
-
-    def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("prompt is empty")
-            return prompt, self.tokenizer.encode(prompt)
-        if not isinstance(prompt, list | tuple) or not prompt:
-            raise ValueError("prompt must be a non-empty string or a non-empty list of token ids")
-        for t in prompt:
-            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size:
-                raise ValueError(f"token id {t!r} is not in the vocabulary (0..{self.vocab_size - 1})")
-        return None, list(prompt)
 
     def _check_fits(self, prompt_len: int, max_tokens: int, tenant: str = "default") -> None:
         if prompt_len + max_tokens > self.max_model_len:
@@ -364,48 +354,6 @@ class LLMEngine:
                 f"tenant {tenant!r} may hold at most {quota} blocks of {self.block_size} tokens"
             )
 
-    def _check_finished(self, seq: Sequence, token: int) -> None:
-        p = seq.params
-        if seq.stream_text or p.stop:
-            previous = len(seq.text)
-            seq.text = self._decode(seq)
-            if p.stop:
-                window = max(0, previous - max(len(s) for s in p.stop))
-                hits = [i for s in p.stop if (i := seq.text.find(s, window)) != -1]
-                if hits:  # the stop string itself is not part of the output, as in OpenAI's API
-                    return self._finish(seq, "stop", seq.text[: min(hits)])
-        if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
-            return self._finish(seq, "stop")
-        if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
-            return self._finish(seq, "length")
-
-    def _finish(self, seq: Sequence, reason: str, text: str | None = None) -> None:
-        seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
-        seq.text = text if text is not None else self._decode(seq)
-
-    def _decode(self, seq: Sequence) -> str:
-        ids = seq.output_token_ids
-        if ids and not seq.params.ignore_eos and ids[-1] in self.eos_token_ids:
-            ids = ids[:-1]
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
-
-    def _output(self, seq: Sequence, new_tokens: list[int]) -> RequestOutput:
-        return RequestOutput(
-            request_id=seq.request_id,
-            prompt=seq.prompt,
-            prompt_token_ids=seq.prompt_token_ids,
-            text=seq.text,
-            token_ids=seq.output_token_ids,
-            new_token_ids=new_tokens,
-            finished=seq.is_finished,
-            finish_reason=seq.finish_reason,
-            logprobs=seq.logprobs,
-            prompt_logprobs=seq.prompt_logprobs,
-            metrics=seq.metrics,
-            num_cached_tokens=seq.num_cached_tokens,
-            tenant=seq.tenant,
-        )
-
     def _blocks_for_budget(self, shape: KVCacheShape, memory_gb: float | None) -> int:
         per_block = shape.bytes_per_block(self.block_size)
         if memory_gb is None:
@@ -418,15 +366,4 @@ class LLMEngine:
         if blocks < 1:
             raise ValueError(f"a KV budget of {memory_gb:.3f} GB holds no block of {per_block} bytes")
         return blocks
-
-
-def _eos_token_ids(model, tokenizer) -> set[int]:
-    ids: set[int] = set()
-    for source in (getattr(model, "generation_config", None), model.config, tokenizer):
-        value = getattr(source, "eos_token_id", None)
-        if isinstance(value, int):
-            ids.add(value)
-        elif isinstance(value, list | tuple):
-            ids.update(v for v in value if isinstance(v, int))
-    return ids
 
