@@ -139,7 +139,7 @@ UNINFORMATIVE_BANNER = ("> **Some gates could not have failed** at this baseline
 
 def form_description(report_markdown: str) -> str:
     """The resume form's text: the gate report, led by a warning when any gate was uninformative."""
-    from gates.evaluate import UNINFORMATIVE
+    from gates.verdicts import UNINFORMATIVE
 
     if f"**{UNINFORMATIVE.upper()}**" in report_markdown or f"{UNINFORMATIVE} (reported)" in report_markdown:
         return UNINFORMATIVE_BANNER + report_markdown

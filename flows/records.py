@@ -40,7 +40,8 @@ def log_comparison(release_run_id: str) -> None:
 
 def approval_report(summary: ReleaseSummary) -> str:
     """The Markdown the release manager sees on the paused run: every variant's gates, then the ask."""
-    from gates.evaluate import read_evaluation, render_markdown
+    from gates.evaluate import read_evaluation
+    from gates.report import render_markdown
 
     parts = [
         f"# Release of `{summary.model}` waits for a decision",

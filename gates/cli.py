@@ -67,10 +67,11 @@ def _console():
 def _show(args: argparse.Namespace) -> int:
     from rich.table import Table
 
-    from gates.evaluate import NOT_MEASURED, UNINFORMATIVE, read_evaluation
+    from gates.evaluate import read_evaluation
     from gates.power import family_line, power_cell
     from gates.registry import _version, read_approval, resolve_registered_model
     from gates.tracking import get_client
+    from gates.verdicts import NOT_MEASURED, UNINFORMATIVE
 
     client = get_client()
     name = resolve_registered_model(args.model, client)
@@ -125,7 +126,8 @@ def _show(args: argparse.Namespace) -> int:
 
 
 def _evaluate(args: argparse.Namespace) -> int:
-    from gates.evaluate import UNINFORMATIVE, evaluate_run
+    from gates.evaluate import evaluate_run
+    from gates.verdicts import UNINFORMATIVE
 
     evaluation = evaluate_run(args.run_id, args.policy, stage=args.stage)
     for r in evaluation.results:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import datetime as dt
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, replace
 from typing import TYPE_CHECKING
 
 from gates import fidelity_gates, speed
@@ -23,57 +23,14 @@ from gates import metrics as M
 from gates import power as P
 from gates import sensitivity as S
 from gates.policy import Policy, load_policy
+from gates.report import render_markdown
 from gates.tracking import BASELINE, TAG_KIND, TAG_ROLE, _log_batch, baseline_run, get_client, get_run
+from gates.verdicts import NOT_MEASURED, UNINFORMATIVE, Evaluation, GateResult
 
 if TYPE_CHECKING:
     from mlflow import MlflowClient
 
-NOT_MEASURED = "not measured"
-UNINFORMATIVE = "uninformative"
 _EPS = 1e-9  # float slack so that e.g. 1 - 0.6 / 1.0 meets a 0.4 threshold
-
-
-@dataclass(frozen=True)
-class GateResult:
-    name: str
-    stage: str
-    rule: str  # "observed >= threshold" in words, e.g. "delta CI low >= -max_drop"
-    threshold: float
-    observed: float | None
-    passed: bool  # does not stop the variant (an uninformative gate passes only if the policy lets it)
-    reason: str
-    verdict: str = ""  # "pass" | "fail" | "uninformative"; empty: from `passed`
-    harmless_pass: float | None = None  # task gates (gates.power): P(a variant equal to the baseline passes)
-    refusal80_drop: float | None = None  # the drop this gate refuses with 80 % probability
-    underpowered: bool = False  # harmless_pass below the policy's min_harmless_pass; never changes the verdict
-
-    def __post_init__(self) -> None:
-        if not self.verdict:
-            object.__setattr__(self, "verdict", "pass" if self.passed else "fail")
-
-
-@dataclass
-class Evaluation:
-    run_id: str
-    stage: str
-    results: list[GateResult]
-    evaluated_at: str = ""
-    policy_sha256: str = ""
-    policy_source: str = ""
-    baseline_run_id: str = ""
-    extra: dict = field(default_factory=dict)
-
-    @property
-    def passed(self) -> bool:
-        return all(r.passed for r in self.results)
-
-    @property
-    def failed(self) -> list[GateResult]:
-        return [r for r in self.results if not r.passed]
-
-    @property
-    def uninformative(self) -> list[GateResult]:
-        return [r for r in self.results if r.verdict == UNINFORMATIVE]
 
 
 def _with_sensitivity(result: GateResult, policy: Policy, sens: S.Sensitivity, family: str) -> GateResult:
@@ -371,40 +328,3 @@ def read_evaluation(run_id: str, stage: str = "release", client: MlflowClient | 
         baseline_run_id=tags.get(M.stage_tag(stage, "baseline_run_id"), ""),
         extra={"verdict": tags[M.stage_tag(stage, "verdict")], "machine": tags.get(M.MACHINE_TAG, "")},
     )
-
-
-def render_markdown(evaluation: Evaluation, title: str) -> str:
-    verdict = "PASS" if evaluation.passed else "FAIL"
-    lines = [
-        f"# Gates ({evaluation.stage}): {title} — {verdict}",
-        "",
-        f"- run: `{evaluation.run_id}`; baseline run: `{evaluation.baseline_run_id or 'none'}`",
-        f"- policy: `{evaluation.policy_source}` (sha256 `{evaluation.policy_sha256[:12]}`)",
-        f"- evaluated at {evaluation.evaluated_at}; a metric that was not recorded fails its gate",
-        f"- {_uninformative_line(evaluation)}",
-        f"- measured on: {evaluation.extra.get('machine') or 'not recorded'}",
-        f"- {P.family_line(evaluation.results)}",
-        "",
-        "| gate | rule | threshold | observed | verdict | reason | power |",
-        "| --- | --- | ---: | ---: | --- | --- | --- |",
-    ]
-    for r in evaluation.results:
-        observed = NOT_MEASURED if r.observed is None else f"{r.observed:.4g}"
-        lines.append(f"| `{r.name}` | {r.rule} | {r.threshold:.4g} | {observed} | {verdict_label(r)} | {r.reason} | {P.power_cell(r)} |")
-    if not evaluation.results:
-        lines.append("| (no gates configured for this stage) | | | | pass | | |")
-    return "\n".join(lines) + "\n"
-
-
-def verdict_label(r: GateResult) -> str:
-    if r.verdict == UNINFORMATIVE:
-        return "**UNINFORMATIVE** (blocks)" if not r.passed else "uninformative (reported)"
-    return "pass" if r.passed else "**FAIL**"
-
-
-def _uninformative_line(evaluation: Evaluation) -> str:
-    names = [f"`{r.name}`" for r in evaluation.uninformative]
-    if not names:
-        return "every gate could have failed at this baseline and sample size"
-    return (f"uninformative (could not have failed at this baseline and sample size; a person must judge "
-            f"them): {', '.join(names)}")

@@ -131,7 +131,8 @@ def test_underpowered_is_reported_beside_the_verdict_never_instead() -> None:
 
 
 def test_power_is_recorded_in_mlflow_and_shown(store, tmp_path, capsys) -> None:
-    from gates.evaluate import evaluate_run, read_evaluation, render_markdown
+    from gates.evaluate import evaluate_run, read_evaluation
+    from gates.report import render_markdown
     from gates.tracking import get_client
 
     variant = {**M.task_metrics("arc_easy", 0.60, delta=0.0, ci_low=-0.05, ci_high=0.05, n=100),

@@ -10,8 +10,9 @@ import pytest
 from gates_fixtures import make_release
 
 from gates import metrics as M
-from gates.evaluate import UNINFORMATIVE, judge
+from gates.evaluate import judge
 from gates.policy import PolicyError, parse_policy
+from gates.verdicts import UNINFORMATIVE
 
 BASE_POLICY = {"tasks": {"max_drop": 0.05}, "safety": {"refusal_rate_max_fall": 0.05}}
 
@@ -94,7 +95,8 @@ def test_sensitivity_policy_is_parsed_strictly() -> None:
 
 
 def test_uninformative_verdict_is_recorded_in_mlflow_and_shown(store, tmp_path, capsys, monkeypatch) -> None:
-    from gates.evaluate import evaluate_run, read_evaluation, render_markdown
+    from gates.evaluate import evaluate_run, read_evaluation
+    from gates.report import render_markdown
     from gates.tracking import get_client
 
     base = {**BLIND_BASE, M.WEIGHTS_BYTES: 538e6}

@@ -120,7 +120,8 @@ def test_failing_task_gate_is_refused_with_the_reason(store, policy_file):
 
 
 def test_missing_metric_fails_its_gate(store, policy_file):
-    from gates.evaluate import NOT_MEASURED, evaluate_run, read_evaluation
+    from gates.evaluate import evaluate_run, read_evaluation
+    from gates.verdicts import NOT_MEASURED
 
     run_id, _ = make_release("m-missing", {"nf4": NO_TPOT})["nf4"]
     evaluation = evaluate_run(run_id, str(policy_file))

@@ -6,8 +6,9 @@ import pytest
 from gates_fixtures import BAD_ARC, BASELINE, GOOD, POLICY_YAML
 
 from gates import metrics as M
-from gates.evaluate import NOT_MEASURED, judge
+from gates.evaluate import judge
 from gates.policy import DEFAULT_POLICY, PolicyError, load_policy, parse_policy
+from gates.verdicts import NOT_MEASURED
 
 
 def _policy(tmp_path, text: str = POLICY_YAML):

@@ -11,9 +11,10 @@ import pytest
 from flows.data import SpeedPlan, Variant
 from flows.speed import paired_rounds, speed_metrics
 from gates import metrics as M
-from gates.evaluate import UNINFORMATIVE, judge
+from gates.evaluate import judge
 from gates.policy import parse_policy
 from gates.speed import FAIL, PASS, outcome, ratio_ci
+from gates.verdicts import UNINFORMATIVE
 
 NAMES = ["baseline", "fast", "slow"]
 POINTS = SpeedPlan().points()  # prefill, decode_b1, decode_b4, decode_b16
@@ -260,7 +261,8 @@ def test_the_machine_line_names_cpu_flags_kernel_path_and_threads(machine_of):
 def test_speed_verdicts_are_recorded_with_their_ci_and_the_machine(store, tmp_path):
     from gates_fixtures import make_release
 
-    from gates.evaluate import evaluate_run, read_evaluation, render_markdown
+    from gates.evaluate import evaluate_run, read_evaluation
+    from gates.report import render_markdown
     from gates.tracking import get_client
 
     timer, _ = crafted({"baseline": 20.0, "int4wo": 30.0}, wobble={"int4wo": [0.6, 0.8, 0.62, 0.9, 1.0]})

@@ -210,8 +210,8 @@ def test_a_held_out_failure_moves_on_to_the_next_candidate(first_tune, tiny_mode
 
     from flows import release
     from flows.tune_report import render
-    from gates.evaluate import GateResult
     from gates.tracking import get_run
+    from gates.verdicts import GateResult
 
     real = release.evaluate_gates.fn
 
