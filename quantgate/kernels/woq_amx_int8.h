@@ -112,6 +112,7 @@ void vnni_block(const Problem& p, const ByteRows& b, const float* row_scale, int
   for (int64_t j = 0; j < quads; ++j) {
     __m512i wq[TILES];
     for (int t = 0; t < TILES; ++t) {
+      prefetch_ahead(w + ((tile0 + t) * quads + j) * 64);
       wq[t] = _mm512_loadu_si512(w + ((tile0 + t) * quads + j) * 64);
       w_sum[t] = _mm512_dpbusd_epi32(w_sum[t], ones, wq[t]);
     }

@@ -84,8 +84,11 @@ void int8_rows(const Problem& p, const Int16Rows& xq, int64_t row0, int64_t tile
       for (int t = 0; t < TILES; ++t) sum[r][t] = _mm512_setzero_si512();
     for (int64_t kp = k0; kp < std::min(pairs, k0 + kFlushPairs); ++kp) {
       __m512i w[TILES];
-      for (int t = 0; t < TILES; ++t)
-        w[t] = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(base + ((tile0 + t) * pairs + kp) * 32)));
+      for (int t = 0; t < TILES; ++t) {
+        const int8_t* at = base + ((tile0 + t) * pairs + kp) * 32;
+        if (kp % 2 == 0) prefetch_ahead(at);
+        w[t] = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(at)));
+      }
       for (int r = 0; r < ROWS; ++r) {
         const __m512i xr = _mm512_set1_epi32(x[r * pairs + kp]);
         for (int t = 0; t < TILES; ++t) sum[r][t] = _mm512_dpwssd_epi32(sum[r][t], xr, w[t]);
@@ -117,6 +120,7 @@ void int4_rows(const Problem& p, const Int16Rows& xq, int64_t row0, int64_t tile
   __m512 acc[ROWS][TILES];
   for (int r = 0; r < ROWS; ++r)
     for (int t = 0; t < TILES; ++t) acc[r][t] = _mm512_setzero_ps();
+  if (row0 == 0) prefetch_scales(p, tile0 + TILES, TILES);
   for (int64_t g = 0; g < groups; ++g) {
     __m512i part[ROWS][TILES];
     for (int r = 0; r < ROWS; ++r)
@@ -124,7 +128,11 @@ void int4_rows(const Problem& p, const Int16Rows& xq, int64_t row0, int64_t tile
     for (int64_t qd = g * quads_per_group; qd < (g + 1) * quads_per_group; ++qd) {
       __m512i word[TILES];
       if (!widened)
-        for (int t = 0; t < TILES; ++t) word[t] = _mm512_loadu_si512(codes + ((tile0 + t) * quads + qd) * 32);
+        for (int t = 0; t < TILES; ++t) {
+          const uint16_t* at = codes + ((tile0 + t) * quads + qd) * 32;
+          prefetch_ahead(at);
+          word[t] = _mm512_loadu_si512(at);
+        }
       for (int i = 0; i < 4; ++i) {
         const int64_t kp = qd * 4 + i;
         __m512i w[TILES];
@@ -179,6 +187,7 @@ void widen_int4(const Problem& p, int64_t tile0, int tiles, __m512i* panel) {
   const uint16_t* codes = static_cast<const uint16_t*>(p.weight);
   for (int t = 0; t < tiles; ++t)
     for (int64_t qd = 0; qd < quads; ++qd) {
+      prefetch_ahead(codes + ((tile0 + t) * quads + qd) * 32);
       const __m512i word = _mm512_loadu_si512(codes + ((tile0 + t) * quads + qd) * 32);
       for (int i = 0; i < 4; ++i)
         panel[(qd * 4 + i) * tiles + t] = nibble_codes(word, i);

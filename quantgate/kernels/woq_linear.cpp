@@ -165,12 +165,14 @@ void dequant_int4(const Problem& p, int64_t tile0, int tiles, __m512i table, __m
   alignas(64) int16_t order[32];  // cvtne2ps_pbh(hi, lo) gives [lo0..lo15, hi0..hi15]; dpbf16 wants pairs
   for (int i = 0; i < 16; ++i) order[2 * i] = static_cast<int16_t>(i), order[2 * i + 1] = static_cast<int16_t>(16 + i);
   const __m512i interleave = _mm512_load_si512(order);
+  prefetch_scales(p, tile0 + tiles, tiles);
   for (int t = 0; t < tiles; ++t) {
     for (int64_t g = 0; g < groups; ++g) {
       const __m512i pair = _mm512_loadu_si512(p.scale_zero + g * p.n + (tile0 + t) * kTile);
       const __m512 scale = _mm512_castsi512_ps(_mm512_slli_epi32(pair, 16));
       const __m512 zero = _mm512_castsi512_ps(_mm512_and_si512(pair, high));
       for (int64_t qd = g * quads_per_group; qd < (g + 1) * quads_per_group; ++qd) {
+        prefetch_ahead(codes + ((tile0 + t) * quads + qd) * 32);
         const __m512i word = _mm512_loadu_si512(codes + ((tile0 + t) * quads + qd) * 32);
         for (int i = 0; i < 4; ++i) {
           const __m512i q = _mm512_permutexvar_epi16(_mm512_srli_epi16(word, 4 * i), table);
