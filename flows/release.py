@@ -21,7 +21,7 @@ from prefect.cache_policies import NO_CACHE  # noqa: E402
 
 from flows import canary as canary_stage  # noqa: E402
 from flows import fidelity_stage, measuring, records  # noqa: E402
-from flows.approval import APPROVE_MODES, Decision, auto_decision, offers, undecided, wait_for_decision  # noqa: E402
+from flows.approval import APPROVE_MODES  # noqa: E402
 from flows.data import (  # noqa: E402
     BASELINE,
     MeasureConfig,
@@ -33,6 +33,7 @@ from flows.data import (  # noqa: E402
     Variant,
     VariantResult,
 )
+from flows.decision import approve_variants, choose  # noqa: E402
 from flows.machine import DEVICE  # noqa: E402
 from flows.progress import note, stage  # noqa: E402
 from quantgate.models import DEFAULT_MODEL, is_default_model  # noqa: E402
@@ -290,8 +291,8 @@ def release_flow(
         champion = records.champion_or_baseline(summary, source)  # the first release makes the baseline champion
 
         candidates = [r.name for r in summary.rows if r.gates_passed]
-        decision = _approval(summary, candidates, approve, approval_timeout_s)
-        chosen = _choose(summary, decision)
+        decision = approve_variants(summary, candidates, approve, approval_timeout_s)
+        chosen = choose(summary, decision)
         if chosen is None:
             summary.outcome = "nothing promoted: no variant passed its gates and was approved"
         else:
@@ -347,39 +348,6 @@ def _measure(variant: Variant, config: MeasureConfig, fresh: bool) -> Measured:
         note(f"the cached measurement of {variant.name} lost its files ({result.eval_dir}): measuring again")
         result = measure.with_options(refresh_cache=True)(variant, config)
     return result
-
-
-def _approval(summary: ReleaseSummary, candidates: list[str], mode: str, timeout_s: int) -> Decision:
-    rows = {r.name: r for r in summary.rows}
-    offered = offers(summary.rows[1:]) if mode == "manual" else []  # blocked only by blind gates: a person decides
-    if not candidates and not offered:
-        for r in summary.rows[1:]:
-            r.decision = undecided(r)
-        return Decision({}, "", "")
-    if mode == "auto":
-        decision = auto_decision(candidates)
-    else:
-        with stage(f"waiting for approval of {', '.join(candidates + [o.variant for o in offered])}"):
-            report = records.approval_report(summary)
-            note(f"paused for approval: quantgate approve {summary.flow_run_id} [--reject] --comment '...'")
-            decision = wait_for_decision(report, candidates, timeout_s, offered=offered)
-    for name, approved in decision.approved.items():
-        verdict = "approved" if approved else "rejected"
-        records.record_approval(summary.model, rows[name].version, decision.by, verdict, decision.comment)
-        rows[name].decision = f"{verdict} by {decision.by}"
-    for r in summary.rows[1:]:
-        if not r.decision:
-            r.decision = undecided(r)
-    records.tag_release(summary.release_run_id, {"approval.mode": mode, "approval.by": decision.by,
-                                                "approval.comment": decision.comment[:5000]})
-    return decision
-
-
-def _choose(summary: ReleaseSummary, decision: Decision) -> VariantResult | None:
-    approved = [r for r in summary.rows if decision.approved.get(r.name)]
-    if not approved:
-        return None
-    return min(approved, key=lambda r: (r.weight_bytes if r.weight_bytes is not None else float("inf"), r.name))
 
 
 def _canary_stage(summary: ReleaseSummary, source: Source, chosen: VariantResult, champion: tuple[str, Path],

@@ -75,11 +75,11 @@ def test_the_offered_variant_is_approved_only_when_named(summary) -> None:
 
 
 def test_auto_approval_never_takes_it_and_says_a_person_must_decide(summary) -> None:
-    from flows.release import _approval
+    from flows.decision import approve_variants
 
     for row in summary.rows[1:]:
         row.decision = ""
-    decision = _approval(summary, [], "auto", timeout_s=1)
+    decision = approve_variants(summary, [], "auto", timeout_s=1)
     assert decision.approved == {}
     int4, int8 = summary.rows[1], summary.rows[2]
     assert "not auto-approved" in int4.decision and "--approve manual" in int4.decision
