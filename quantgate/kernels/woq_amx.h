@@ -2,9 +2,9 @@
 //
 // The pair layout is what an AMX B tile holds: 16 k-pairs x 16 channels x 2 inputs, 64 bytes a row, so a
 // bf16 weight packed for dpbf16 (or a dequantized int8/int4 panel) is loaded into tiles in place, with a
-// stride. One TDPBF16PS makes 16 x 16 x 32 products. SmolLM2-135M's projections as a decode step streams
-// them (2-core Xeon, 2 threads): as fast as dpbf16 at 1 row, 1.25x at 4, 1.5x at 8, 2.3x at 16, 3.4x at 64
-// (zero-padded to 16 rows, a few rows still cost only the weight reads). Used for every call of a panel
+// stride. One TDPBF16PS makes 16 x 16 x 32 products, so tiles win from a few rows up; zero-padded to 16
+// rows, a call of a few rows still costs only the weight reads (the figures against dpbf16 per row count:
+// docs/results/design-figures.md, `quantgate bench woq`). Used for every call of a panel
 // path when K is a multiple of 32 and the process was allowed the tile state (arch_prctl), so a bf16
 // weight's rows are summed the same way at every batch size.
 #pragma once

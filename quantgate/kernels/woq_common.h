@@ -13,7 +13,7 @@ constexpr int kTilesPerBlock = 3;  // 48 channels per panel
 constexpr int kRound = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
 constexpr int kRows = 8;         // rows of x per register block: 8 x 3 accumulators + 3 weights + 1 broadcast
 // Rows per chunk of a large call, so a chunk of x stays in L2 beside a block's weights: looping every block over
-// all 2048 rows of a prefill re-read x from memory per 48 channels (oneDNN ran such a chunk 1.5-2.2x faster).
+// all 2048 rows of a prefill re-read x from memory per 48 channels (what that cost: docs/results/design-figures.md).
 constexpr int64_t kChunkRows = 256;
 
 struct Problem {

@@ -22,7 +22,8 @@ struct Int16Rows {
   std::vector<float> xsum;  // int4: [M, K/g] sums of x16 over each group (exact in fp32: < 2^24)
 };
 
-// Vectorized: a scalar loop here cost ~10 us per call at 4 rows x 1536 inputs, more than the product.
+// Vectorized: as a scalar loop this rounding cost more than the product it feeds at a few rows
+// (docs/results/design-figures.md).
 // K is even; a K that is not a multiple of 16 ends in a masked vector.
 Int16Rows round_rows(const Problem& p) {
   const int64_t groups = p.group_size ? p.k / p.group_size : 0;
@@ -58,16 +59,14 @@ Int16Rows round_rows(const Problem& p) {
 }
 
 // Calls under this many rows take the int16 rows (where AMX does not take them). On Intel cores VPDPWSSD issues
-// on two ports and VDPBF16PS on one, so the exact int16 sums beat the dpbf16 panel at every row count (on a
-// Xeon with AVX-512-BF16 and no AMX, x our bf16 kernel: int8 1.4-2.5x, int4 1.6-2.2x at 1-128 rows over the
-// model's layers, `quantgate bench woq`; 1.8-3.5x at 256-2048 rows on one layer); on AMD Zen 4 the panel
-// paths won from 24 rows (int8) and 8 (int4).
+// on two ports and VDPBF16PS on one, so the exact int16 sums beat the dpbf16 panel at every row count; on AMD
+// Zen 4 the panel paths win from the row counts below. The figures: docs/results/design-figures.md.
 int64_t int16_rows_below(bool int4) {
   static const bool intel = __builtin_cpu_is("intel");
   return intel ? INT64_MAX : int4 ? 8 : 24;
 }
 
-constexpr int kSmallRows = 4;  // rows per register block on the int16 paths (8 would spill registers: measured 2x slower)
+constexpr int kSmallRows = 4;  // rows per register block on the int16 paths (8 would spill registers)
 constexpr int64_t kFlushPairs = 128;  // int8: k-pairs per exact int32 sum
 
 template <int ROWS, int TILES>
