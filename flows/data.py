@@ -70,7 +70,8 @@ class MeasureConfig:
 @dataclass(frozen=True)
 class SpeedPlan:
     """The paired speed measurement (flows.speed): every model at every operating point in each round.
-    Small token counts: each round is ~1-3 s a model for SmolLM2-135M on 2 cores, the rounds ~30-50 s."""
+    Small token counts, so that every round of every model fits in a release's time on a small CPU (how long
+    they took: docs/results/design-figures.md)."""
 
     decode_batches: tuple[int, ...] = (1, 4, 16)  # the policy's decode operating points
     decode_tokens: int = 8  # timed decode steps per sequence
