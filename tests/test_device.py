@@ -18,11 +18,17 @@ def test_bf16_is_native_with_avx512_bf16_or_amx_only():
     assert not native_bf16(frozenset())
 
 
+def auto_dtype(path: str) -> torch.dtype:
+    """What "auto" means on kernel path `path`: bf16 on the bf16-row paths, fp32 on the fp32-row ones, the
+    CPU's own choice on torch's."""
+    if path == "torch":
+        return torch.bfloat16 if {"avx512_bf16", "amx_bf16"} & cpu_flags() else torch.float32
+    return torch.bfloat16 if path in ("amx", "avx512bf16") else torch.float32
+
+
 def test_auto_follows_this_cpu_and_cuda_is_bf16(monkeypatch):
     monkeypatch.delenv(DTYPE_ENV, raising=False)
-    path = isas.resolve()
-    native = torch.bfloat16 if {"avx512_bf16", "amx_bf16"} & cpu_flags() else torch.float32
-    expected = native if path == "torch" else (torch.bfloat16 if path in isas.BF16_PATHS else torch.float32)
+    expected = auto_dtype(isas.resolve())
     assert default_dtype("cpu") == expected
     assert resolve_dtype("auto", "cpu") == expected and resolve_dtype(None, "cpu") == expected
     assert default_dtype("cuda") == torch.bfloat16
@@ -32,10 +38,7 @@ def test_auto_follows_this_cpu_and_cuda_is_bf16(monkeypatch):
 def test_auto_follows_the_kernel_path_in_force(isa, monkeypatch):
     """A forced fp32-row path (avx512, avx2, scalar) runs fp32 as a CPU without native bf16 does."""
     monkeypatch.delenv(DTYPE_ENV, raising=False)
-    if isa == "torch":
-        expected = torch.bfloat16 if native_bf16() else torch.float32
-    else:
-        expected = torch.bfloat16 if isa in ("amx", "avx512bf16") else torch.float32
+    expected = auto_dtype(isa)
     assert default_dtype("cpu", isa) == expected == resolve_dtype(None, "cpu", isa)
     assert resolve_dtype("bfloat16", "cpu", isa) == torch.bfloat16
 
@@ -45,7 +48,7 @@ def test_explicit_choices_win(monkeypatch):
     assert default_dtype("cpu") == torch.bfloat16
     assert resolve_dtype("float32", "cpu") == torch.float32
     monkeypatch.setenv(DTYPE_ENV, "auto")
-    assert default_dtype("cpu") == (torch.bfloat16 if native_bf16() else torch.float32)
+    assert default_dtype("cpu") == auto_dtype(isas.resolve())
     with pytest.raises(ValueError, match="unknown dtype 'int3'"):
         parse_dtype("int3")
 
