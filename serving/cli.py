@@ -11,7 +11,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--model", default="smollm2-135m", help="model reference or variant directory")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--dtype", default="auto",
-                   help="auto (bf16 where the CPU has AVX-512-BF16/AMX or on CUDA, else fp32), float32, bfloat16, float16")
+                   help="auto (bf16 on CUDA and on the amx/avx512bf16 kernel paths, else fp32), float32, bfloat16, float16")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
@@ -123,7 +123,7 @@ def _register_serve(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--model-version", default=None, help="the `version` label of every metric (default: the name)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--dtype", default="auto",
-                   help="auto (bf16 where the CPU has AVX-512-BF16/AMX or on CUDA, else fp32), float32, bfloat16, float16")
+                   help="auto (bf16 on CUDA and on the amx/avx512bf16 kernel paths, else fp32), float32, bfloat16, float16")
     p.add_argument("--kv-cache-dtype", choices=["auto", "int8", "fp8"], default="auto",
                    help="KV cache storage: auto (the model's dtype), int8 (codes + a scale per token and head), fp8 e4m3")
     p.add_argument("--scheduler", choices=["continuous", "static", "dynamic"], default="continuous")

@@ -1,5 +1,5 @@
-"""The engine's automatic dtype: bf16 where the CPU multiplies bf16 natively, fp32 elsewhere, and
-every explicit choice (argument, QUANTGATE_DTYPE) wins over it."""
+"""The engine's automatic dtype: bf16 where the kernel path in force takes bf16 rows (the CPU multiplies
+bf16 natively), fp32 elsewhere, and every explicit choice (argument, QUANTGATE_DTYPE) wins over it."""
 
 from __future__ import annotations
 
