@@ -30,8 +30,9 @@ namespace {
 using qg::F16;
 
 // How far ahead of the weight stream each thread asks for lines. A one-row call spends several cycles per
-// cache line widening codes, and the hardware prefetchers of the CPUs measured (docs/results) do not run
-// far enough ahead for that: without this an int4 decode step reads a third of the bandwidth it could.
+// cache line widening codes, and the hardware prefetchers of the CPUs measured do not run far enough ahead
+// for that: without this a one-row call is bound by memory latency, not bandwidth
+// (docs/results/2026-12-03-amx-xeon.md, "AVX2 kernels").
 constexpr int64_t kPrefetchBytes = 4096;
 
 inline void prefetch_ahead(const void* p, int64_t bytes) {
