@@ -64,25 +64,26 @@ struct Int4Tiles {
   const uint8_t* w;
   const uint16_t* scales_zeros;  // [K/g, N, 2] bf16
   int64_t k, n, group;           // group % 4 == 0
-  const float* x_sums = nullptr;  // [M, K/g]: each row's inputs summed per group (for codes_then_groups)
+  const float* x_sums = nullptr;  // [M, K/g]: each row's inputs summed per group (few-row calls)
 
-  // Tile t group by group: codes(i, q) with q[u] the 16 channels' raw codes (0..15) at input i + u, then
-  // group_done(g, scale, offset) once the group's codes are through: w = q * scale + offset.
+  // Tile t group by group: codes(i, q, scale, offset) with q[u] the 16 channels' raw codes (0..15) at input
+  // i + u and the group's w = q * scale + offset, then group_done(g, scale, offset).
   template <class Codes, class GroupDone>
-  void codes_then_groups(int64_t t, Codes&& codes, GroupDone&& group_done) const {
+  void groups(int64_t t, Codes&& codes, GroupDone&& group_done) const {
     prefetch_scales(t + 1);
     const uint8_t* p = w + t * (k / 2) * 16;
     for (int64_t g = 0; g < k / group; ++g) {
+      F16 scale, zero;
+      F16::from_bf16_pairs(scales_zeros + (g * n + t * 16) * 2, scale, zero);
+      const F16 offset = fma(scale, -8.0f, zero);  // (q - 8) * s + z = q * s + (z - 8 s)
       for (int64_t i = g * group; i < (g + 1) * group; i += 4, p += 32) {
         prefetch_ahead(p, 32);
         F16 q[4];
         F16::from_u4(p, q[0], q[1]);
         F16::from_u4(p + 16, q[2], q[3]);
-        codes(i, q);
+        codes(i, q, scale, offset);
       }
-      F16 scale, zero;
-      F16::from_bf16_pairs(scales_zeros + (g * n + t * 16) * 2, scale, zero);
-      group_done(g, scale, fma(scale, -8.0f, zero));  // (q - 8) * s + z = q * s + (z - 8 s)
+      group_done(g, scale, offset);
     }
   }
 
@@ -95,21 +96,13 @@ struct Int4Tiles {
 
   template <class Fn>
   void stream(int64_t t, Fn&& fn) const {
-    prefetch_scales(t + 1);
-    const uint8_t* p = w + t * (k / 2) * 16;
-    for (int64_t g = 0; g < k / group; ++g) {
-      F16 scale, zero;
-      F16::from_bf16_pairs(scales_zeros + (g * n + t * 16) * 2, scale, zero);
-      const F16 offset = fma(scale, -8.0f, zero);
-      for (int64_t i = g * group; i < (g + 1) * group; i += 4, p += 32) {
-        prefetch_ahead(p, 32);
-        F16 q[4];
-        F16::from_u4(p, q[0], q[1]);
-        F16::from_u4(p + 16, q[2], q[3]);
-        for (F16& v : q) v = fma(v, scale, offset);
-        fn(i, q);
-      }
-    }
+    groups(
+        t,
+        [&](int64_t i, F16* q, const F16& scale, const F16& offset) {
+          for (int u = 0; u < 4; ++u) q[u] = fma(q[u], scale, offset);
+          fn(i, q);
+        },
+        [](int64_t, const F16&, const F16&) {});
   }
 };
 
@@ -152,9 +145,9 @@ void rows_of_tile(const Int4Tiles& tiles, int64_t t, const float* x, int64_t k, 
   }
   const float* xr = x + row0 * k;
   const float* sums = tiles.x_sums + row0 * groups;
-  tiles.codes_then_groups(
+  tiles.groups(
       t,
-      [&](int64_t i, const F16* q) {
+      [&](int64_t i, const F16* q, const F16&, const F16&) {
         for (int u = 0; u < 4; ++u)
           for (int r = 0; r < R; ++r) dot[u % C][r] = fma(q[u], xr[r * k + i + u], dot[u % C][r]);
       },
@@ -287,6 +280,20 @@ at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& w, const at::Tenso
   return y;
 }
 
+// Each row's inputs summed per group of `group`: [M, K/g].
+std::vector<float> group_sums(const at::Tensor& x, int64_t group) {
+  const int64_t m = x.size(0), k = x.size(1), groups = k / group;
+  const float* xp = x.data_ptr<float>();
+  std::vector<float> sums(static_cast<size_t>(m * groups));
+  for (int64_t r = 0; r < m; ++r)
+    for (int64_t g = 0; g < groups; ++g) {
+      float total = 0.0f;  // in a register: summing into the vector would be a store-load chain
+      for (int64_t i = g * group; i < (g + 1) * group; ++i) total += xp[r * k + i];
+      sums[r * groups + g] = total;
+    }
+  return sums;
+}
+
 at::Tensor linear_int4(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales_zeros, int64_t group) {
   TORCH_CHECK(w.dim() == 3 && w.size(2) == 16 && w.scalar_type() == at::kByte && w.is_contiguous());
   const int64_t k = w.size(1) * 2, n = w.size(0) * 16;
@@ -299,17 +306,9 @@ at::Tensor linear_int4(const at::Tensor& x, const at::Tensor& w, const at::Tenso
   at::Tensor y = output(x, n);
   const auto* sz = reinterpret_cast<const uint16_t*>(scales_zeros.data_ptr<at::BFloat16>());
   Int4Tiles tiles{w.data_ptr<uint8_t>(), sz, k, n, group};
-  const int64_t m = x.size(0), groups = k / group;
   std::vector<float> sums;
-  if (m <= F16::kDirectRows) {
-    sums.resize(static_cast<size_t>(m * groups));
-    const float* xp = x.data_ptr<float>();
-    for (int64_t r = 0; r < m; ++r)
-      for (int64_t g = 0; g < groups; ++g) {
-        float total = 0.0f;
-        for (int64_t i = g * group; i < (g + 1) * group; ++i) total += xp[r * k + i];
-        sums[r * groups + g] = total;
-      }
+  if (x.size(0) <= F16::kDirectRows) {
+    sums = group_sums(x, group);
     tiles.x_sums = sums.data();
   }
   run(tiles, true, x, y, nullptr);
