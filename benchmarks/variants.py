@@ -209,15 +209,18 @@ def paired_ratios(speeds: dict[str, list], batches: list[int]) -> dict[str, dict
     return out
 
 
-def print_paired(paired: dict, bandwidth: float, results: list[VariantResult]) -> None:
+def b1_weight_rates(results: list[VariantResult]) -> dict[str, float]:
+    """Per variant, the weight bytes a batch-1 decode step streams per second (GB/s)."""
+    return {r.variant: r.weight_bytes * r.decode_tokens_per_s[1] / 1e9 for r in results if 1 in r.decode_tokens_per_s}
+
+
+def print_paired(paired: dict, bandwidth: float, rates: dict[str, float]) -> None:
     for name, columns in paired.items():
         cells = [f"{c} {v['ratio']:.2f}x [{v['low']:.2f}, {v['high']:.2f}]" for c, v in columns.items()]
         print(f"{name:<15}paired, {next(iter(columns.values()))['rounds']} rounds: " + "  ".join(cells))
-    for r in results:
-        if 1 in r.decode_tokens_per_s:
-            share = r.weight_bytes * r.decode_tokens_per_s[1] / 1e9 / bandwidth
-            print(f"{r.variant:<15}b1 reads {r.weight_bytes * r.decode_tokens_per_s[1] / 1e9:.1f} GB/s of weights: "
-                  f"{share:.0%} of the {bandwidth:.1f} GB/s read bandwidth")
+    for name, rate in rates.items():
+        print(f"{name:<15}b1 reads {rate:.1f} GB/s of weights: {rate / bandwidth:.0%} of the {bandwidth:.1f} GB/s "
+              "read bandwidth")
 
 
 def plot(results: list[VariantResult], batches: list[int], path: Path) -> Path:
@@ -298,7 +301,8 @@ def main(argv: list[str] | None = None) -> dict:
         cells += [f"{fmt(r.top1_agreement):>8}", f"{r.bits_per_byte:>7.3f}", f"{r.kv_bytes_per_block:>10}",
                   f"{r.max_seqs:>6} {r.max_seqs / max(base.max_seqs, 1):>3.2f}x"]
         print(f"{r.variant:<15}" + "".join(cells))
-    print_paired(paired, bandwidth, results)
+    rates = b1_weight_rates(results)
+    print_paired(paired, bandwidth, rates)
 
     out = output_dir(args.out_dir, "variants")
     report = {"model": args.model, "device": args.device, "machine": machine(), "args": vars(args),
@@ -310,8 +314,7 @@ def main(argv: list[str] | None = None) -> dict:
                   "max_seqs": r.max_seqs / max(base.max_seqs, 1),
                   "bits_per_byte_delta": r.bits_per_byte - base.bits_per_byte} for r in results},
               "paired_ratios": paired, "read_bandwidth_gbs": bandwidth,
-              "b1_bandwidth_share": {r.variant: r.weight_bytes * r.decode_tokens_per_s[1] / 1e9 / bandwidth
-                                     for r in results if 1 in r.decode_tokens_per_s}}
+              "b1_bandwidth_share": {name: rate / bandwidth for name, rate in rates.items()}}
     print(f"\nwrote {write_json(out / 'variants.json', report)} and {plot(results, args.batches, out / 'variants.png')}")
     return report
 
