@@ -174,4 +174,11 @@ def test_variants_benchmark_times_interleaved_rounds_on_tiny_model(tiny_model_di
     ratios = report["ratios_to_baseline"]
     assert ratios["int4wo"]["weight_bytes"] < ratios["int8wo"]["weight_bytes"] < 0.6
     assert report["results"][1]["top1_agreement"] > 0.5
+    paired = report["paired_ratios"]  # 2 rounds: each column's paired ratio with its interval
+    assert set(paired) == {"int8wo", "int4wo"}
+    for columns in paired.values():
+        assert set(columns) == {"prefill", "decode_b1", "decode_b3"}
+        assert all(c["rounds"] == 2 and c["low"] <= c["ratio"] <= c["high"] for c in columns.values())
+    shares = report["b1_bandwidth_share"]
+    assert set(shares) == set(names) and all(v > 0 for v in shares.values())
     assert (tmp_path / "variants.json").is_file() and (tmp_path / "variants.png").is_file()
