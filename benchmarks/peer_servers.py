@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from benchmarks.llama_peer import llama_binary, llama_version
+from benchmarks.peer_isa import forced_env
 from quantgate.ports import free_port
 from quantgate.services import healthy
 
@@ -57,9 +58,11 @@ class ServerSpec:
 
 @dataclass
 class PeerPaths:
-    """Where the peers live, each outside the project's venv (default: under $QUANTGATE_HOME/peers)."""
+    """Where the peers live, each outside the project's venv (default: under $QUANTGATE_HOME/peers), and
+    the instruction set every server is forced onto (None: each its own pick; benchmarks/peer_isa.py)."""
     vllm_venv: Path
     llama_dir: Path
+    isa: str | None = None
 
 
 @dataclass
@@ -179,7 +182,7 @@ def started(spec: ServerSpec, *, weights: Path, served_name: str, peers: PeerPat
         return
     port = free_port()
     cmd = command(spec, port, weights, served_name, peers)
-    env = vllm_env(peers.vllm_venv) if spec.kind == "vllm" else dict(os.environ)
+    env = forced_env(vllm_env(peers.vllm_venv) if spec.kind == "vllm" else dict(os.environ), spec.kind, peers.isa)
     log_dir.mkdir(parents=True, exist_ok=True)
     log = log_dir / f"{spec.kind}-{port}.log"
     with log.open("w") as out:

@@ -37,6 +37,8 @@ if __package__ in (None, ""):  # run as a script: import the repo's packages
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 from benchmarks.common import fmt, output_dir, pyplot, save_figure, token_range  # noqa: E402
+from benchmarks.peer_isa import ISAS, llama_dir_name  # noqa: E402
+from benchmarks.peer_isa import check as check_isa  # noqa: E402
 from benchmarks.peer_runs import Workload, run_one, run_rounds  # noqa: E402
 from benchmarks.peer_servers import PeerPaths, ServerSpec, parse_serve  # noqa: E402
 from quantgate.env import apply_defaults, home  # noqa: E402
@@ -87,9 +89,14 @@ def add_ratios(rows: list[dict[str, Any]], ref: int | None) -> None:
             row["ratios"] = {key: ratio(row[key], base.get(key)) for key, _, _ in METRICS}
 
 
+def forced(report: dict[str, Any]) -> str:
+    isa = report.get("forced_isa")
+    return f" (every server forced onto {isa})" if isa else ""
+
+
 def markdown(report: dict[str, Any]) -> str:
     cpu = report["cpu"]
-    lines = [f"CPU: {cpu['model_name']}, {cpu['cpus']} CPUs, flags: {', '.join(cpu['flags']) or 'none'}; "
+    lines = [f"CPU: {cpu['model_name']}, {cpu['cpus']} CPUs, flags: {', '.join(cpu['flags']) or 'none'}{forced(report)}; "
              f"model: {report['model']}; {Workload(**report['workload']).describe()}; "
              f"reference: {report['reference']}", "",
              "| server | output tok/s | × ref | TTFT p50 | TTFT p99 | × ref | TPOT p50 | × ref | tok/s per stream "
@@ -114,7 +121,8 @@ def print_report(report: dict[str, Any]) -> None:
 
     console = Console(width=None if sys.stdout.isatty() else 160)  # a log file gets the whole table
     cpu, work = report["cpu"], report["workload"]
-    console.print(f"[bold]{cpu['model_name']}[/bold], {cpu['cpus']} CPUs, flags: {' '.join(cpu['flags']) or 'none'}")
+    console.print(f"[bold]{cpu['model_name']}[/bold], {cpu['cpus']} CPUs, flags: {' '.join(cpu['flags']) or 'none'}"
+                  f"{forced(report)}")
     console.print(f"model {report['model']}; {Workload(**work).describe()}; reference: {report['reference']}")
     table = Table("server", "output tok/s", "×", "TTFT p50 s", "TTFT p99 s", "×", "TPOT p50 ms", "×",
                   "tok/s per stream", "exact", "start s", "load 1m")
@@ -151,7 +159,8 @@ def plot(report: dict[str, Any], path: Path) -> Path:
         ax.set_title(title, fontsize=10)
         ax.invert_yaxis()
     cpu = report["cpu"]
-    fig.suptitle(f"{report['model']} on {cpu['model_name']} ({cpu['cpus']} CPUs; {' '.join(cpu['flags'])})",
+    fig.suptitle(f"{report['model']} on {cpu['model_name']} ({cpu['cpus']} CPUs; {' '.join(cpu['flags'])})"
+                 f"{forced(report)}",
                  fontsize=10)
     return save_figure(fig, path)
 
@@ -160,9 +169,10 @@ def run_peers(specs: list[ServerSpec], *, model: str = "smollm2-135m", served_na
               vllm_venv: str | Path | None = None, llama_dir: str | Path | None = None,
               work: Workload | None = None, reference: str | None = None,
               out_dir: str | Path | None = None, startup_timeout_s: float = 900.0, timeout_s: float = 3600.0,
-              plots: bool = True, progress: bool = False, rounds: int = 1) -> dict[str, Any]:
+              plots: bool = True, progress: bool = False, rounds: int = 1, isa: str | None = None
+              ) -> dict[str, Any]:
     """Each server alone, one after the other (rounds=1), or all up at once and measured in `rounds`
-    interleaved rounds (the median of each figure)."""
+    interleaved rounds (the median of each figure); `isa` forces every server onto that instruction set."""
     if not specs:
         raise ValueError("name at least one server with --serve")
     from quantize.methods import get_method
@@ -176,10 +186,12 @@ def run_peers(specs: list[ServerSpec], *, model: str = "smollm2-135m", served_na
     if rounds < 1:
         raise ValueError(f"--rounds must be at least 1, got {rounds}")
     out = output_dir(out_dir, "peers")
+    check_isa(isa)
     peers = PeerPaths(Path(vllm_venv) if vllm_venv else home() / "peers" / "vllm",
-                      Path(llama_dir) if llama_dir else home() / "peers" / "llama.cpp")
+                      Path(llama_dir) if llama_dir else home() / "peers" / llama_dir_name(isa), isa)
     report: dict[str, Any] = {"benchmark": "peers", "model": model, "workload": asdict(work), "rounds": rounds,
-                              "cpu": cpu_info(), "machine": machine(), "rows": [], "reference": None}
+                              "cpu": cpu_info(), "forced_isa": isa, "machine": machine(), "rows": [],
+                              "reference": None}
     common = dict(model=model, served_name=served_name or model, peers=peers, work=work, out=out,
                   startup_timeout_s=startup_timeout_s, timeout_s=timeout_s, progress=progress)
     if rounds > 1:
@@ -210,7 +222,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--model", default="smollm2-135m", help="model reference (vLLM gets its plain HF dir)")
     p.add_argument("--served-model-name", default=None, help="the `model` requested (default: --model)")
     p.add_argument("--vllm-venv", default=None, help="default: $QUANTGATE_HOME/peers/vllm")
-    p.add_argument("--llama-dir", default=None, help="llama.cpp build (default: $QUANTGATE_HOME/peers/llama.cpp)")
+    p.add_argument("--llama-dir", default=None,
+                   help="llama.cpp build (default: $QUANTGATE_HOME/peers/llama.cpp, or llama.cpp-ISA with --isa)")
+    p.add_argument("--isa", default=None, choices=ISAS,
+                   help="force every server (torch, quantgate's kernels, vLLM's kernel library; llama.cpp as built) "
+                        "onto this instruction set: what a CPU with only it runs (benchmarks/peer_isa.py)")
     p.add_argument("--reference", default=None, help="row number or label substring (default: first vLLM row)")
     p.add_argument("--num-requests", type=int, default=64)
     p.add_argument("--rounds", type=int, default=1,
@@ -240,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
                        llama_dir=args.llama_dir,
                        work=work, reference=args.reference, out_dir=args.out_dir,
                        startup_timeout_s=args.startup_timeout, timeout_s=args.timeout, plots=args.plots,
-                       progress=sys.stdout.isatty(), rounds=args.rounds)
+                       progress=sys.stdout.isatty(), rounds=args.rounds, isa=args.isa)
     print_report(report)
     return 0 if all("error" not in r and r["exact"] for r in report["rows"]) else 1
 

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from dataclasses import replace
 
 import pytest
 from server_fixtures import one_torch_thread, running_server
 
 from benchmarks.llama_peer import gguf_as, source_gguf
+from benchmarks.peer_isa import SITE_DIR, forced_env
 from benchmarks.peer_runs import check_exact, median_of_rounds
 from benchmarks.peer_servers import LLAMA_DEFAULT_ARGS, PeerPaths, ServerSpec, command, parse_serve
 from benchmarks.peers import Workload, cpu_info, pick_reference, run_peers
@@ -72,6 +75,26 @@ def test_weights_words_and_the_llama_cpp_command(tmp_path):
     with pytest.raises(ValueError, match="--concurrency must be at least 1"):
         run_peers([parse_serve("quantgate")], work=Workload(concurrency=0), out_dir=tmp_path)
     assert not (tmp_path / "peers.json").exists()  # nothing was started or written
+
+
+def test_forcing_every_server_onto_avx2(tmp_path):
+    base = {"PATH": "/bin", "PYTHONPATH": "/x"}
+    assert forced_env(base, "vllm", None) is base
+    torch_env = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
+    ours = forced_env(base, "quantgate", "avx2")
+    assert ours == {**base, **torch_env, "QUANTGATE_ISA": "avx2"}
+    assert forced_env(base, "llama", "avx2") == {**base, **torch_env}  # llama.cpp: as it was compiled
+    vllm = forced_env(base, "vllm", "avx2")
+    assert vllm["PYTHONPATH"] == f"{SITE_DIR}{os.pathsep}/x" and "QUANTGATE_ISA" not in vllm
+    probe = "import torch; print(torch.cpu._is_avx512_supported(), torch.cpu._is_avx512_bf16_supported(), " \
+            "torch.cpu._is_amx_tile_supported())"
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    out = subprocess.run([sys.executable, "-c", probe], env=forced_env(env, "vllm", "avx2"), capture_output=True,
+                         text=True, check=True).stdout
+    assert out.split() == ["False", "False", "False"]  # what vLLM asks before it loads _C_AVX512
+    with pytest.raises(ValueError, match="forced onto avx2"):
+        run_peers([parse_serve("quantgate")], out_dir=tmp_path, isa="avx512")
+    assert not (tmp_path / "peers.json").exists()
 
 
 def test_token_id_prompts_through_the_shared_client(tiny_model_dir):
