@@ -38,11 +38,14 @@ def search_scales(x: torch.Tensor, weights: list[torch.Tensor], group_size: int,
     n, k = weight.shape
     groups = weight.abs().view(n, k // group_size, group_size)
     w_mean = (groups / groups.amax(-1, keepdim=True).clamp(min=1e-8)).view(n, k).mean(0)
-    reference = x @ weight.T
+    # The output error over the sample, mean((x D^T)^2) with D the weight's quantization error, is
+    # sum((D G) * D) / (T N) with G = x^T x: [N, K] x [K, K] per candidate instead of [T, K] x [K, N].
+    gram = (x.T.double() @ x.double()).float()
+    count = x.shape[0] * n
 
     def error(scales: torch.Tensor) -> float:
-        quantized = fake_quantize(weight * scales, group_size, bits) / scales
-        return (x @ quantized.T - reference).pow(2).mean().item()
+        delta = fake_quantize(weight * scales, group_size, bits) / scales - weight
+        return ((delta @ gram) * delta).sum().item() / count
 
     ones = torch.ones(k)
     with one_thread():
