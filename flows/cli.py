@@ -24,7 +24,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     p = subparsers.add_parser("demo", help="the whole release on the embedded default model, auto-approved")
     p.add_argument("--limit", type=int, default=DEMO_LIMIT, help=f"items per eval task (default {DEMO_LIMIT})")
-    p.add_argument("--methods", default="int8wo,int4wo", help="comma-separated quantization methods")
+    _methods_arg(p)
     p.add_argument("--policy", default=str(DEMO_POLICY), help="gate policy (default flows/demo_policy.yaml)")
     p.add_argument("--suites", default=DEMO_SUITES, help=f"eval suites and/or task names (default {DEMO_SUITES})")
     p.add_argument("--verbose", action="store_true", help="show Prefect's run logs in the terminal too")
@@ -87,13 +87,17 @@ def _plan_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seconds-per-item", default=None, help="eval seconds per item and model: S or TASK=S,...")
 
 
-def _event_args(p: argparse.ArgumentParser) -> None:
+def _methods_arg(p: argparse.ArgumentParser) -> None:
     from flows.machine import DEVICE
     from quantize.methods import default_methods
 
     methods = ",".join(default_methods(DEVICE))  # per device: quantize/methods.py
     p.add_argument("--methods", default=methods, help=f"comma-separated quantization methods (default {methods} "
                                                       f"on {DEVICE})")
+
+
+def _event_args(p: argparse.ArgumentParser) -> None:
+    _methods_arg(p)
     p.add_argument("--policy", default=None, help="gate policy YAML (default gates/policy.yaml)")
     p.add_argument("--approve", choices=["auto", "manual"], default="auto",
                    help="auto: approve every variant whose gates pass; manual: pause for a release manager")

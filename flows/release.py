@@ -40,8 +40,8 @@ from quantgate.models import DEFAULT_MODEL, is_default_model  # noqa: E402
 from quantize.methods import default_methods  # noqa: E402
 
 FLOW_NAME = "quantgate-release"
-# the methods with real kernels on the device the flow serves on (quantize/methods.py): CPU int8wo, int4wo;
-# CUDA also bitsandbytes int8, nf4. Others (fp4, int4-gptq, int4-awq) on request
+# the methods with real kernels on the device the flow serves on (quantize/methods.py): CPU int8wo, int4-awq;
+# CUDA also bitsandbytes int8, nf4. Others (fp4, int4wo, int4-gptq) on request
 DEFAULT_METHODS = default_methods(DEVICE)
 TASK_RETRIES = 2
 RETRY_DELAY_S = 3.0

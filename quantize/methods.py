@@ -194,16 +194,19 @@ METHODS: dict[str, Method] = {
     )
 }
 
-# What a release means by INT8 / INT4: our weight-only kernels, the fast ones on CPU.
+# What a release means by INT8 / INT4: our weight-only kernels, the fast ones on CPU. INT4 is AWQ's codes in
+# int4wo's layout: the same kernels and decode speed, never worse than round-to-nearest on its calibration
+# data (s = 1 is one of its candidates), better wherever the source is not on int4's grid already
+# (docs/quantize.md, "Release default").
 INT8_DEFAULT = "int8wo"
-INT4_DEFAULT = "int4wo"
+INT4_DEFAULT = "int4-awq"
 
 # A release's methods when none are named, by the device it serves on: those with real kernels there. CPU:
 # our weight-only kernels (bitsandbytes' CPU kernels are slower than bf16). CUDA: the same formats through
 # serving/model/cuda/woq.py's Triton GEMMs, and bitsandbytes LLM.int8() and NF4 through its CUDA kernels.
 DEFAULT_METHODS: dict[str, tuple[str, ...]] = {
-    "cpu": ("int8wo", "int4wo"),
-    "cuda": ("int8wo", "int4wo", "int8", "nf4"),
+    "cpu": (INT8_DEFAULT, INT4_DEFAULT),
+    "cuda": (INT8_DEFAULT, INT4_DEFAULT, "int8", "nf4"),
 }
 
 

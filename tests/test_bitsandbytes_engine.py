@@ -22,8 +22,8 @@ BNB_METHODS = ("int8", "nf4")
 
 
 def test_release_default_methods_per_device():
-    assert default_methods("cpu") == ("int8wo", "int4wo")
-    assert default_methods("cuda") == default_methods("cuda:1") == ("int8wo", "int4wo", "int8", "nf4")
+    assert default_methods("cpu") == ("int8wo", "int4-awq")
+    assert default_methods("cuda") == default_methods("cuda:1") == ("int8wo", "int4-awq", "int8", "nf4")
     assert all(get_method(m).name == m for methods in DEFAULT_METHODS.values() for m in methods)
     assert {get_method(m).backend for m in default_methods("cuda")} == {"quantgate", "bitsandbytes"}
     with pytest.raises(ValueError, match="no default methods for device 'mps'"):

@@ -223,7 +223,7 @@ def test_non_causal_architecture_is_refused(tmp_path):
 
 def test_cli_quantize_and_errors(tiny_model_dir, tmp_path, capsys):
     assert cli_main(["quantize", "--model", str(tiny_model_dir), "--method", "int4", "--out", str(tmp_path / "v")]) == 0
-    assert quantize.read_manifest(tmp_path / "v")["method"] == "int4wo"  # int4 means our fast int4
+    assert quantize.read_manifest(tmp_path / "v")["method"] == "int4-awq"  # int4: AWQ codes, our int4 kernels
     assert str(tmp_path / "v") in capsys.readouterr().out
     assert cli_main(["quantize", "--model", str(tiny_model_dir), "--method", "int3"]) == 2
     assert "unknown quantization method" in capsys.readouterr().err
