@@ -28,11 +28,14 @@ KV_STORAGE = {"int8": (1, 2), "fp8": (1, 0)}
 
 
 def split_variant(name: str) -> tuple[str, str]:
-    """"int4wo+kv8" (or "int4wo-kv8") -> ("int4wo", "int8"); "int8wo" -> ("int8wo", "auto");
-    "kv8" -> ("baseline", "int8"). No weight method has a '-' in its name, so both separators are safe."""
-    weights, sep, kv = name.replace("-", "+").rpartition("+")
+    """"int4wo+kv8" (or "int4wo-kv8", as recorded) -> ("int4wo", "int8"); "int8wo" -> ("int8wo", "auto");
+    "int4-awq" -> ("int4-awq", "auto"); "kv8" -> ("baseline", "int8"). A '-' separates a KV suffix only
+    when a KV suffix follows it: method names have dashes of their own (int4-awq)."""
+    weights, sep, kv = name.rpartition("+")
     if not sep:
-        weights, kv = (("baseline", name) if name in KV_SUFFIXES else (name, ""))
+        weights, sep, kv = name.rpartition("-")
+        if not sep or kv not in KV_SUFFIXES:
+            weights, kv = (("baseline", name) if name in KV_SUFFIXES else (name, ""))
     if kv and kv not in KV_SUFFIXES:
         raise ValueError(f"unknown KV suffix {kv!r} in {name!r}; choose one of {', '.join(KV_SUFFIXES)}")
     if not weights:

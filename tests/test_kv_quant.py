@@ -176,7 +176,10 @@ def test_release_methods_name_their_kv_dimension():
     assert split_method("baseline+kv8") == split_method("kv8") == ("baseline", "int8")
     assert split_method("int8wo") == ("int8wo", "auto")
     assert split_method("int4wo-kv8") == ("int4wo", "int8")  # the recorded spelling reads back the same
-    check_methods(["int8wo", "int4wo+kv8", "kv8"])
+    for dashed in ("int4-awq", "int4-gptq"):  # a method's own dash is not a KV separator
+        assert split_method(dashed) == (dashed, "auto")
+        assert split_method(f"{dashed}+kv8") == split_method(f"{dashed}-kv8") == (dashed, "int8")
+    check_methods(["int8wo", "int4wo+kv8", "kv8", "int4-awq", "int4-awq+kv8"])
     for bad, message in (("int4wo+kv4", "KV suffix"), ("int3+kv8", "int3"), ("baseline", "KV suffix")):
         with pytest.raises(ValueError, match=message):
             check_methods([bad])
