@@ -71,7 +71,8 @@ def _release_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--approval-timeout", type=int, default=24 * 3600, help="seconds to wait for a manual decision")
     p.add_argument("--fresh", action="store_true", help="ignore cached quantizations and measurements")
     p.add_argument("--recipe-from-tune", default=None, metavar="FILE",
-                   help="release the recipe `quantgate tune` chose (its result file) instead of --methods")
+                   help="release the recipe `quantgate tune` chose (its result file) instead of --methods, on "
+                        "the tune's suites and items per task, and its policy unless --policy says otherwise")
     p.add_argument("--json", default=None, help="also write the summary as JSON to this file")
     p.add_argument("--verbose", action="store_true", help="show Prefect's run logs in the terminal too")
 
@@ -181,9 +182,10 @@ def _release(args: argparse.Namespace) -> int:
                           from_run=args.from_run), end="")
         return 0
     if args.recipe_from_tune:
-        from flows.tune_cli import from_tune
+        from flows.tune_cli import from_tune, tuned_release_args
 
-        return run_release(args, *from_tune(args.recipe_from_tune, args.model))
+        model, methods = from_tune(args.recipe_from_tune, args.model)
+        return run_release(tuned_release_args(args, args.recipe_from_tune), model, methods)
     return run_release(args, args.model, _methods(args.methods))
 
 

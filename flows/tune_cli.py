@@ -71,3 +71,16 @@ def from_tune(path: str, model: str) -> tuple[str, list[str]]:
     if now != digest:
         raise ValueError(f"{ref} changed since it was tuned (sha256 {digest[:12]} then, {now[:12]} now): tune again")
     return ref, [chosen]
+
+
+def tuned_release_args(args: argparse.Namespace, path: str) -> argparse.Namespace:
+    """`args` for releasing a tune result: the tune's suites and items per task (the release gates the recipe
+    again on the items the search judged it on, which a default `--suites` would leave out of the gates'
+    reach), and its policy unless `--policy` names another."""
+    import json
+    from pathlib import Path
+
+    data = json.loads(Path(path).expanduser().read_text())  # chosen_recipe has read it already
+    policy = args.policy if args.policy is not None else data.get("policy")
+    return argparse.Namespace(**{**vars(args), "suites": ",".join(data["suites"]), "limit": data["limit"],
+                                 "policy": policy})

@@ -9,6 +9,7 @@ tune's measurements (later tests take them from the cache).
 
 from __future__ import annotations
 
+import argparse
 import json
 import uuid
 from pathlib import Path
@@ -235,10 +236,17 @@ def test_a_held_out_failure_moves_on_to_the_next_candidate(first_tune, tiny_mode
 
 
 def test_release_takes_the_recipe_tune_chose(first_tune, tiny_model_dir, tmp_path):
-    from flows.tune_cli import from_tune
+    from flows.tune_cli import from_tune, tuned_release_args
     from flows.tune_report import chosen_recipe
 
     assert from_tune(first_tune["file"], "smollm2-135m") == (str(tiny_model_dir), ["int8wo"])
+    defaults = argparse.Namespace(suites="accuracy,safety", limit=None, policy=None, approve="auto")
+    tuned = tuned_release_args(defaults, first_tune["file"])  # gated again on the items tune searched on
+    assert (tuned.suites, tuned.limit, tuned.policy) == (",".join(first_tune["suites"]), first_tune["limit"],
+                                                         first_tune["policy"])
+    assert tuned_release_args(argparse.Namespace(**{**vars(defaults), "policy": "mine.yaml"}),
+                              first_tune["file"]).policy == "mine.yaml"
+    assert defaults.suites == "accuracy,safety"  # the caller's args are left as they were
     with pytest.raises(ValueError, match="was tuned for"):
         from_tune(first_tune["file"], "some-other-model")
     nothing = tmp_path / "nothing.json"
