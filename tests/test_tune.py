@@ -240,12 +240,14 @@ def test_release_takes_the_recipe_tune_chose(first_tune, tiny_model_dir, tmp_pat
     from flows.tune_report import chosen_recipe
 
     assert from_tune(first_tune["file"], "smollm2-135m") == (str(tiny_model_dir), ["int8wo"])
+    tuned_file = tmp_path / "tuned.json"  # the module's tunes rewrite first_tune's file: a file of its own
+    tuned_file.write_text(json.dumps({**first_tune, "suites": ["facts_mc", "arc_easy"], "limit": 7,
+                                      "policy": "/policies/tuned.yaml"}))
     defaults = argparse.Namespace(suites="accuracy,safety", limit=None, policy=None, approve="auto")
-    tuned = tuned_release_args(defaults, first_tune["file"])  # gated again on the items tune searched on
-    assert (tuned.suites, tuned.limit, tuned.policy) == (",".join(first_tune["suites"]), first_tune["limit"],
-                                                         first_tune["policy"])
-    assert tuned_release_args(argparse.Namespace(**{**vars(defaults), "policy": "mine.yaml"}),
-                              first_tune["file"]).policy == "mine.yaml"
+    tuned = tuned_release_args(defaults, str(tuned_file))  # gated again on the items tune searched on
+    assert (tuned.suites, tuned.limit, tuned.policy) == ("facts_mc,arc_easy", 7, "/policies/tuned.yaml")
+    mine = argparse.Namespace(**{**vars(defaults), "policy": "mine.yaml"})
+    assert tuned_release_args(mine, str(tuned_file)).policy == "mine.yaml"
     assert defaults.suites == "accuracy,safety"  # the caller's args are left as they were
     with pytest.raises(ValueError, match="was tuned for"):
         from_tune(first_tune["file"], "some-other-model")
