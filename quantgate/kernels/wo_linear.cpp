@@ -34,7 +34,7 @@ using qg::F16;
 // for that: without this a one-row call is bound by memory latency, not bandwidth
 // (docs/results/2026-12-03-amx-xeon.md, "AVX2 kernels"). Into L2 (locality 2, prefetcht1), not L1: the
 // lines in flight are then not bounded by L1's few fill buffers, and the 16-bit and 8-bit streams read
-// faster (same file, "The 16-bit width, night").
+// faster (docs/results/2026-12-03-amx-xeon-night.md, "prefetch into L2").
 constexpr int64_t kPrefetchBytes = 8192;
 
 inline void prefetch_ahead(const void* p, int64_t bytes) {
