@@ -182,10 +182,9 @@ def _release(args: argparse.Namespace) -> int:
                           from_run=args.from_run), end="")
         return 0
     if args.recipe_from_tune:
-        from flows.tune_cli import from_tune, tuned_release_args
+        from flows.tune_cli import from_tune
 
-        model, methods = from_tune(args.recipe_from_tune, args.model)
-        return run_release(tuned_release_args(args, args.recipe_from_tune), model, methods)
+        return run_release(*from_tune(args, args.recipe_from_tune))
     return run_release(args, args.model, _methods(args.methods))
 
 

@@ -57,30 +57,23 @@ def run_tune(args: argparse.Namespace, policy: str | None) -> int:
     return 0 if result["chosen"] else 1
 
 
-def from_tune(path: str, model: str) -> tuple[str, list[str]]:
-    """(model, [recipe]) for the release from a tune result (its model unless --model names another, which
-    is refused); the model must still be the one tuned."""
+def from_tune(args: argparse.Namespace, path: str) -> tuple[argparse.Namespace, str, list[str]]:
+    """(args, model, [recipe]) for releasing a tune result: its model (refused if --model names another, or
+    if the model changed since), the tune's suites and items per task (a default `--suites` would leave
+    the items the search judged the recipe on out of the gates' reach), its policy unless --policy names
+    another. The caller's args are left as they were."""
     from flows.measuring import source_hash
     from flows.tune_report import chosen_recipe
     from quantgate.models import resolve_model
 
-    chosen, ref, digest = chosen_recipe(path)
-    if model not in (DEFAULT_MODEL_REF, ref):
-        raise ValueError(f"{path} was tuned for {ref}, not {model}")
-    now = source_hash(resolve_model(ref))
-    if now != digest:
-        raise ValueError(f"{ref} changed since it was tuned (sha256 {digest[:12]} then, {now[:12]} now): tune again")
-    return ref, [chosen]
-
-
-def tuned_release_args(args: argparse.Namespace, path: str) -> argparse.Namespace:
-    """`args` for releasing a tune result: the tune's suites and items per task (the release gates the recipe
-    again on the items the search judged it on, which a default `--suites` would leave out of the gates'
-    reach), and its policy unless `--policy` names another."""
-    import json
-    from pathlib import Path
-
-    data = json.loads(Path(path).expanduser().read_text())  # chosen_recipe has read it already
-    policy = args.policy if args.policy is not None else data.get("policy")
-    return argparse.Namespace(**{**vars(args), "suites": ",".join(data["suites"]), "limit": data["limit"],
-                                 "policy": policy})
+    tuned = chosen_recipe(path)
+    if args.model not in (DEFAULT_MODEL_REF, tuned.model_ref):
+        raise ValueError(f"{path} was tuned for {tuned.model_ref}, not {args.model}")
+    now = source_hash(resolve_model(tuned.model_ref))
+    if now != tuned.source_hash:
+        raise ValueError(f"{tuned.model_ref} changed since it was tuned "
+                         f"(sha256 {tuned.source_hash[:12]} then, {now[:12]} now): tune again")
+    policy = args.policy if args.policy is not None else tuned.policy
+    release_args = argparse.Namespace(**{**vars(args), "suites": ",".join(tuned.suites), "limit": tuned.limit,
+                                         "policy": policy})
+    return release_args, tuned.model_ref, [tuned.recipe]

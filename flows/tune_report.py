@@ -71,19 +71,35 @@ def write(result: TuneResult, path: Path) -> Path:
     return path
 
 
-def chosen_recipe(path: str | Path) -> tuple[str, str, str]:
-    """(recipe, model ref, source hash) from a tune result file; refuses a file that chose nothing."""
+@dataclass(frozen=True)
+class TunedRecipe:
+    """What `quantgate release --recipe-from-tune FILE` takes from a tune result."""
+
+    recipe: str  # as a release method: "int4_awq_g64+kv8"
+    model_ref: str
+    source_hash: str
+    suites: list[str]  # the release gates the recipe again on the items the search judged it on
+    limit: int
+    policy: str
+
+
+def chosen_recipe(path: str | Path) -> TunedRecipe:
+    """The recipe a tune result file chose, with the suites, items per task and policy it was judged on;
+    refuses a file that is not a tune result, or one that chose nothing."""
     p = Path(path).expanduser()
     if not p.is_file():
         raise ValueError(f"tune result file not found: {p}")
     try:
         data = json.loads(p.read_text())
-        chosen, ref, digest = data["chosen"], data["model_ref"], data["source_hash"]
-    except (ValueError, KeyError) as exc:
-        raise ValueError(f"{p} is not a quantgate tune result ({exc})") from None
-    if not chosen:
+        tuned = TunedRecipe(recipe=data["chosen"], model_ref=data["model_ref"], source_hash=data["source_hash"],
+                            suites=list(data["suites"]), limit=int(data["limit"]), policy=str(data["policy"]))
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"{p} is not a quantgate tune result ({exc!r})") from None
+    if not tuned.recipe:
         raise ValueError(f"{p}: the tune run chose nothing ({data.get('outcome', '')}); nothing to release")
-    return chosen, ref, digest
+    if not tuned.suites or not all(isinstance(s, str) and s for s in tuned.suites) or tuned.limit < 1:
+        raise ValueError(f"{p}: suites {tuned.suites!r} and items per task {tuned.limit!r} are not a tune's")
+    return tuned
 
 
 def render(result: dict[str, Any]) -> str:

@@ -236,25 +236,35 @@ def test_a_held_out_failure_moves_on_to_the_next_candidate(first_tune, tiny_mode
 
 
 def test_release_takes_the_recipe_tune_chose(first_tune, tiny_model_dir, tmp_path):
-    from flows.tune_cli import from_tune, tuned_release_args
+    from flows.tune_cli import from_tune
     from flows.tune_report import chosen_recipe
 
-    assert from_tune(first_tune["file"], "smollm2-135m") == (str(tiny_model_dir), ["int8wo"])
+    defaults = argparse.Namespace(model="smollm2-135m", suites="accuracy,safety", limit=None, policy=None,
+                                  approve="auto")
+    _, model, methods = from_tune(defaults, first_tune["file"])
+    assert (model, methods) == (str(tiny_model_dir), ["int8wo"])
     tuned_file = tmp_path / "tuned.json"  # the module's tunes rewrite first_tune's file: a file of its own
     tuned_file.write_text(json.dumps({**first_tune, "suites": ["facts_mc", "arc_easy"], "limit": 7,
                                       "policy": "/policies/tuned.yaml"}))
-    defaults = argparse.Namespace(suites="accuracy,safety", limit=None, policy=None, approve="auto")
-    tuned = tuned_release_args(defaults, str(tuned_file))  # gated again on the items tune searched on
+    tuned, _, _ = from_tune(defaults, str(tuned_file))  # gated again on the items tune searched on
     assert (tuned.suites, tuned.limit, tuned.policy) == ("facts_mc,arc_easy", 7, "/policies/tuned.yaml")
     mine = argparse.Namespace(**{**vars(defaults), "policy": "mine.yaml"})
-    assert tuned_release_args(mine, str(tuned_file)).policy == "mine.yaml"
+    assert from_tune(mine, str(tuned_file))[0].policy == "mine.yaml"
     assert defaults.suites == "accuracy,safety"  # the caller's args are left as they were
     with pytest.raises(ValueError, match="was tuned for"):
-        from_tune(first_tune["file"], "some-other-model")
+        from_tune(argparse.Namespace(**{**vars(defaults), "model": "some-other-model"}), first_tune["file"])
     nothing = tmp_path / "nothing.json"
     nothing.write_text(json.dumps({**first_tune, "chosen": None, "outcome": "no candidate passed"}))
     with pytest.raises(ValueError, match="chose nothing"):
         chosen_recipe(nothing)
+    no_suites = tmp_path / "no_suites.json"
+    no_suites.write_text(json.dumps({**first_tune, "suites": []}))
+    with pytest.raises(ValueError, match="are not a tune's"):
+        chosen_recipe(no_suites)
+    not_tune = tmp_path / "not_tune.json"
+    not_tune.write_text(json.dumps({"chosen": "int8wo"}))
+    with pytest.raises(ValueError, match="is not a quantgate tune result"):
+        chosen_recipe(not_tune)
 
 
 def test_objective_fastest_tries_the_fastest_layout_first(first_tune, tiny_model_dir, policies):
