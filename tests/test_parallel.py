@@ -7,12 +7,14 @@ from __future__ import annotations
 import os
 import signal
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
 from engine_helpers import DTYPE
 from test_engine import random_prompts
+from torch.distributed.distributed_c10d import _get_default_group
 
 from serving import LLMEngine, SamplingParams
 from serving.model.parallel import RankFailedError
@@ -61,11 +63,13 @@ def test_two_ranks_match_one_process_then_a_dead_rank_stops_all(tiny_model_dir, 
     model_dir = tiny_model_dir if model == "llama" else tiny_qwen2_dir
     prompts, params, want = _one_process(model_dir)
     size = {"tensor_parallel_size" if kind == "tp" else "pipeline_parallel_size": 2}
-    # startup: a spawned rank imports torch and loads the model; late in a full suite on 2 loaded cores that
-    # once took longer than the 120 s default (QUANTGATE_ISA=avx2 run, 2026-12-03): not what this test is about
-    engine = LLMEngine.from_pretrained(str(model_dir), **ENGINE, **size, threads_per_rank=1, parallel_timeout_s=300)
+    # startup waits up to its own timeout (600 s): late in a full suite on 2 loaded cores a spawned rank once
+    # took longer than 120 s to import torch and load (QUANTGATE_ISA=avx2 run, 2026-12-03)
+    engine = LLMEngine.from_pretrained(str(model_dir), **ENGINE, **size, threads_per_rank=1, parallel_timeout_s=90)
     group = engine.parallel
     try:
+        gloo = _get_default_group()._get_backend(torch.device("cpu"))
+        assert gloo.options._timeout == timedelta(seconds=90)  # serving's collectives: the tighter timeout
         config = engine.model.config
         if kind == "tp":  # rank 0 holds half the heads: its paged KV cache is for its KV head only
             assert (config.num_attention_heads, config.num_key_value_heads) == (2, 1)

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from pydantic import BaseModel, Field, model_validator
+from torch.distributed.distributed_c10d import _set_pg_timeout  # public in all but name since torch 2.4
 
 from quantgate.ports import free_port
 from serving.model.parallel.ranks import (
@@ -42,7 +43,9 @@ class ParallelConfig(BaseModel):
     pipeline_parallel_size: int = Field(1, ge=1)
     num_microbatches: int | None = Field(None, ge=1)  # pipeline: default one per stage
     threads_per_rank: int | None = Field(None, ge=1)
-    timeout_s: float = Field(120.0, gt=0)  # startup and any one collective
+    timeout_s: float = Field(120.0, gt=0)  # any one collective while serving
+    # Rendezvous and every rank loading its part: a first kernel build or a slow disk may take minutes
+    startup_timeout_s: float = Field(600.0, gt=0)
 
     @model_validator(mode="after")
     def _one_kind(self) -> ParallelConfig:
@@ -187,7 +190,7 @@ def launch(model: str | Path, config: ParallelConfig, *, engine_cls: type, devic
             hidden = _hidden_size(hf_model)
             drop_other_stages_kv(runner, state.layers)
             engine.runner = PipelineDriver(runner, group, state, config.microbatches, hidden)
-        dist.barrier()
+        _started(config)
     except BaseException:
         group.mark_failed("startup failed")
         group.shutdown()
@@ -210,7 +213,7 @@ def _worker_main(rank: int, config: ParallelConfig, init: str, model_dir: str, d
         runner = WorkerRunner(model, device, block_size, num_blocks, kv_dtype, kv_cache_dtype)
         if state is not None:
             drop_other_stages_kv(runner, state.layers)
-        dist.barrier()
+        _started(config)
         with torch.inference_mode():
             serve_rank(runner, config.mode, state, _hidden_size(model))
     except (RuntimeError, ConnectionError) as exc:  # rank 0 went away mid-collective: nothing to serve
@@ -255,7 +258,13 @@ def _init_rank0(group: ParallelGroup, config: ParallelConfig, init: str, device_
 def _init_group(rank: int, config: ParallelConfig, init: str, device_type: str) -> None:
     backend = "nccl" if device_type == "cuda" else "gloo"
     dist.init_process_group(backend, init_method=init, rank=rank, world_size=config.world_size,
-                            timeout=timedelta(seconds=config.timeout_s))
+                            timeout=timedelta(seconds=config.startup_timeout_s))
+
+
+def _started(config: ParallelConfig) -> None:
+    """Every rank is loaded: from here on a collective that waits longer than `timeout_s` means a stuck rank."""
+    dist.barrier()
+    _set_pg_timeout(timedelta(seconds=config.timeout_s))
 
 
 def _rank_device(device: torch.device, rank: int) -> torch.device:
@@ -280,11 +289,14 @@ def _exit_with_parent(parent_pid: int) -> None:
 def from_pretrained_parallel(engine_cls: type, model: str | Path, device: str | None, dtype,
                              tensor_parallel_size: int, pipeline_parallel_size: int, **kwargs):
     """`LLMEngine.from_pretrained(..., tensor_parallel_size=N | pipeline_parallel_size=N)`; the parallel
-    options (`num_microbatches`, `threads_per_rank`, `parallel_timeout_s`) are taken out of kwargs."""
+    options (`num_microbatches`, `threads_per_rank`, `parallel_timeout_s`, `parallel_startup_timeout_s`) are
+    taken out of kwargs."""
     options = {"num_microbatches": kwargs.pop("num_microbatches", None),
                "threads_per_rank": kwargs.pop("threads_per_rank", None)}
     if "parallel_timeout_s" in kwargs:
         options["timeout_s"] = kwargs.pop("parallel_timeout_s")
+    if "parallel_startup_timeout_s" in kwargs:
+        options["startup_timeout_s"] = kwargs.pop("parallel_startup_timeout_s")
     config = ParallelConfig(tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
                             **options)
     return launch(model, config, engine_cls=engine_cls, device=device, dtype=dtype, **kwargs)
