@@ -6,13 +6,13 @@ One Prefect test harness for the whole module (starting it takes 15-30 s on 2 co
 
 from __future__ import annotations
 
-import json
 import shutil
 import time
 import uuid
 from pathlib import Path
 
 import pytest
+from test_watch import model_dir
 
 from flows.runtime import prepare
 
@@ -55,69 +55,6 @@ def test_approve_refuses_what_is_not_a_paused_run(prefect_api):
         submit_decision(str(uuid.uuid4()), approve=True, comment="ok")
 
 
-# ---- watching models --------------------------------------------------------------------------------
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def _model_dir(root: Path) -> Path:
-    d = root / "model"
-    d.mkdir()
-    (d / "config.json").write_text(json.dumps({"model_type": "llama"}))
-    (d / "model.safetensors").write_bytes(b"\x00" * 64)
-    return d
-
-
-def test_watch_reports_a_settled_content_change_once(tmp_path):
-    from flows.watch import ModelWatcher
-
-    model = _model_dir(tmp_path)
-    clock = FakeClock()
-    watcher = ModelWatcher([model], debounce_s=5.0, clock=clock)
-    assert watcher.poll() == []
-    (model / "model.safetensors").write_bytes(b"\x01" * 64)  # a write starts
-    assert watcher.poll() == []  # pending, not settled
-    clock.now += 3
-    (model / "model.safetensors").write_bytes(b"\x02" * 80)  # still being written
-    assert watcher.poll() == []
-    clock.now += 4  # 4 s since the last write: still inside the debounce window
-    assert watcher.poll() == []
-    clock.now += 2
-    changes = watcher.poll()
-    assert [c.path for c in changes] == [model.resolve()]
-    assert changes[0].old_digest != changes[0].new_digest
-    clock.now += 10
-    assert watcher.poll() == []  # reported once
-
-
-def test_watch_ignores_a_touch_and_rejects_what_it_cannot_watch(tmp_path):
-    import os
-
-    from flows.watch import ModelWatcher
-
-    model = _model_dir(tmp_path)
-    clock = FakeClock()
-    watcher = ModelWatcher([model], debounce_s=1.0, clock=clock)
-    st = (model / "model.safetensors").stat()
-    os.utime(model / "model.safetensors", ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
-    assert watcher.poll() == []
-    clock.now += 2
-    assert watcher.poll() == []  # same bytes: not a new model
-    (tmp_path / "empty").mkdir()
-    with pytest.raises(ValueError, match="not a HF model directory"):
-        ModelWatcher([tmp_path / "empty"])
-    with pytest.raises(ValueError, match="does not exist"):
-        ModelWatcher([tmp_path / "missing"])
-    with pytest.raises(ValueError, match="GGUF file not found"):
-        ModelWatcher([tmp_path / "missing.gguf"])
-
-
 # ---- run on model change ----------------------------------------------------------------------------
 
 
@@ -129,7 +66,7 @@ def test_model_change_event_triggers_the_deployment_with_its_parameters(prefect_
     from flows.watch import ModelWatcher
 
     build_deployment("test-on-change").apply()
-    model = _model_dir(tmp_path)
+    model = model_dir(tmp_path)
     watcher = ModelWatcher([model], debounce_s=0.0)
     (model / "model.safetensors").write_bytes(b"\x07" * 64)
     assert watcher.poll() == []
@@ -142,15 +79,6 @@ def test_model_change_event_triggers_the_deployment_with_its_parameters(prefect_
         run = client.read_flow_run(uuid.UUID(result.flow_run_id))
     assert run.parameters == {"model": str(model.resolve()), "methods": ["nf4"], "policy": None,
                               "approve": "manual", "limit": 3, "suites": ["facts_mc"]}
-
-
-def test_event_payload_rejects_bad_options():
-    from flows.deploy import event_payload
-
-    with pytest.raises(ValueError, match="--approve must be one of"):
-        event_payload(["int8"], None, "sometimes", None)
-    with pytest.raises(ValueError, match="--limit must be >= 1"):
-        event_payload(["int8"], None, "auto", 0)
 
 
 # ---- the release flow on the tiny model -------------------------------------------------------------
