@@ -6,8 +6,9 @@
 // (quantgate_wo_<isa>). The weight is read from memory once per call whatever M is: up to kDirectRows rows
 // the codes are widened to fp32 in registers and every row multiplies them there; past that each tile of
 // 16 output channels is widened once into an fp32 panel [K, 16] (L1/L2) and the rows run over it in
-// passes of kRowsPerPass; from kGemmRows (prefill, big batches) blocks of tiles are widened into L2 and multiplied by
-// torch's fp32 GEMM. Never a bf16 matmul: on CPUs without native bf16 that is torch's scalar loop.
+// passes of kRowsPerPass; from kGemmRows (big batches) blocks of tiles are widened into L2 and multiplied by
+// torch's fp32 GEMM; from kWideRows (prefill) the weight is widened into one buffer for one GEMM over every
+// thread. Never a bf16 matmul: on CPUs without native bf16 that is torch's scalar loop.
 //
 // Packed layouts ([N/16, ..., 16]: 16 consecutive output channels side by side per input; N % 16 == 0):
 //   fp32 / bf16 / int8: [N/16, K, 16], K % 4 == 0
@@ -207,9 +208,18 @@ void run_tiles(const Tiles& tiles, bool widen, const float* x, int64_t m, int64_
   });
 }
 
-// Many rows (prefill): blocks of kGemmTiles tiles widened (and scaled) into an fp32 [K, 16 * tiles] panel
-// in L2, each multiplied by torch's GEMM (MKL/oneDNN, at the CPU's best width: a compute-bound call gains
-// nothing from our own micro-kernel) into its columns of y. The weight is still read once per call.
+// Widens tile t (times its channels' scales, if any) into 16 columns of an fp32 [K, ld] panel.
+template <class Tiles>
+void widen_tile(const Tiles& tiles, int64_t t, const float* scales, float* column, int64_t ld) {
+  const F16 scale = scales ? F16::load(scales + t * 16) : F16::bcast(1.0f);
+  tiles.stream(t, [&](int64_t i, const F16* w) {
+    for (int u = 0; u < 4; ++u) mul(w[u], scale).store(column + (i + u) * ld);
+  });
+}
+
+// Many rows (big decode batches): blocks of kGemmTiles tiles widened (and scaled) into an fp32 [K, 16 * tiles]
+// panel in L2, each multiplied by torch's GEMM (MKL/oneDNN, at the CPU's best width: a compute-bound call
+// gains nothing from our own micro-kernel) into its columns of y. The weight is still read once per call.
 constexpr int64_t kGemmTiles = 8;
 
 template <class Tiles>
@@ -222,22 +232,42 @@ void run_gemm(const Tiles& tiles, const at::Tensor& x, at::Tensor& y, const floa
     std::vector<float> panel(static_cast<size_t>(k) * kGemmTiles * 16);
     for (int64_t b = begin; b < end; ++b) {
       const int64_t t0 = b * kGemmTiles, tiles_here = std::min(kGemmTiles, count - t0), width = tiles_here * 16;
-      for (int64_t t = t0; t < t0 + tiles_here; ++t) {
-        const F16 scale = scales ? F16::load(scales + t * 16) : F16::bcast(1.0f);
-        float* column = panel.data() + (t - t0) * 16;
-        tiles.stream(t, [&](int64_t i, const F16* w) {
-          for (int u = 0; u < 4; ++u) mul(w[u], scale).store(column + (i + u) * width);
-        });
-      }
+      for (int64_t t = t0; t < t0 + tiles_here; ++t) widen_tile(tiles, t, scales, panel.data() + (t - t0) * 16, width);
       at::Tensor out = y.narrow(1, t0 * 16, width);
       at::mm_out(out, x, at::from_blob(panel.data(), {k, width}, x.options()));
     }
   });
 }
 
+// Prefill (kWideRows rows and more): blocks of 128 columns, one GEMM per thread each, re-read all of x
+// per block and reach ~0.65-0.75x of one whole GEMM by MKL (docs/results/2026-12-04-amx-xeon.md). Here the
+// weight is widened into one fp32 [K, C] buffer (C columns at a time, at most kWideFloats), and each
+// buffer is one GEMM over every thread. The buffer is kept per calling thread: a fresh one would be
+// page-faulted in on every call.
+constexpr int64_t kWideRows = 128;
+constexpr int64_t kWideFloats = int64_t{4} << 20;  // 16 MiB
+
+template <class Tiles>
+void run_wide(const Tiles& tiles, const at::Tensor& x, at::Tensor& y, const float* scales) {
+  const int64_t k = x.size(1), count = y.size(1) / 16;
+  const int64_t chunk = std::max<int64_t>(1, std::min(count, kWideFloats / (k * 16)));  // tiles per GEMM
+  static thread_local std::vector<float> buffer;
+  if (buffer.size() < static_cast<size_t>(k * chunk * 16)) buffer.resize(static_cast<size_t>(k * chunk * 16));
+  float* panel = buffer.data();
+  for (int64_t t0 = 0; t0 < count; t0 += chunk) {
+    const int64_t tiles_here = std::min(chunk, count - t0), width = tiles_here * 16;
+    at::parallel_for(0, tiles_here, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) widen_tile(tiles, t0 + t, scales, panel + t * 16, width);
+    });
+    at::Tensor out = y.narrow(1, t0 * 16, width);
+    at::mm_out(out, x, at::from_blob(panel, {k, width}, x.options()));
+  }
+}
+
 template <class Tiles>
 void run(const Tiles& tiles, bool widen, const at::Tensor& x, at::Tensor& y, const float* scales) {
   const int64_t m = x.size(0), k = x.size(1), n = y.size(1);
+  if (m >= kWideRows) return run_wide(tiles, x, y, scales);
   if (m >= F16::kGemmRows) return run_gemm(tiles, x, y, scales);
   run_tiles(tiles, widen, x.data_ptr<float>(), m, k, n, {y.data_ptr<float>(), n, scales});
 }
