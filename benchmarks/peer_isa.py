@@ -1,5 +1,6 @@
 """Every peer server forced onto one x86 instruction set (`bench peers --isa avx2`): what a CPU that has
-only AVX2 would run, measured on a CPU that has more.
+only AVX2 would run, measured on a CPU that has more. `bench variants --isa avx2` re-runs itself the same
+way (`run_forced`), so that the baseline's torch GEMMs are AVX2's too.
 
 Each engine picks its code from the CPU's flags, so each is forced its own way:
 - torch inside every server (ATen's kernels, oneDNN, MKL): their documented environment switches;
@@ -15,6 +16,8 @@ Each engine picks its code from the CPU's flags, so each is forced its own way:
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 from quantgate import settings
@@ -44,3 +47,23 @@ def forced_env(env: dict[str, str], kind: str, isa: str | None) -> dict[str, str
     elif kind == "vllm":
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(SITE_DIR), env.get("PYTHONPATH", "")) if p)
     return env
+
+
+def torch_isa() -> str:
+    """The instruction set ATen's CPU kernels run in this process ("AVX2", "AVX512", ...)."""
+    import torch
+
+    return torch.backends.cpu.get_cpu_capability()
+
+
+def torch_forced(isa: str) -> bool:
+    return torch_isa().lower() == isa
+
+
+def run_forced(module: str, argv: list[str], isa: str) -> None:
+    """`python -m module argv` in a child whose torch (ATen, oneDNN, MKL) is forced onto `isa`: those
+    libraries read their switches once, at load, so this process cannot switch them itself."""
+    env = forced_env(dict(os.environ), "quantgate", isa)
+    print(f"re-running with torch forced onto {isa} ({', '.join(f'{k}={v}' for k, v in TORCH_ENV[isa].items())})",
+          flush=True)
+    subprocess.run([sys.executable, "-m", module, *argv], env=env, check=True)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import math
 import random
 import sys
@@ -34,6 +35,7 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: import the repo's packages
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
+from benchmarks import peer_isa  # noqa: E402
 from benchmarks.common import fmt, output_dir, pyplot, save_figure  # noqa: E402
 from quantgate.env import apply_defaults  # noqa: E402
 from quantgate.loadgen.report import machine, write_json  # noqa: E402
@@ -264,7 +266,13 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--out-dir", default=None, help="default: benchmarks/results/variants")
     parser.add_argument("--isa", default=None, help="kernel path for every engine: amx, avx512bf16, avx512, avx2, scalar "
                                                     "or torch (default: QUANTGATE_ISA, else the best this CPU runs)")
+    parser.add_argument("--torch-native", action="store_true",
+                        help="with --isa avx2: leave torch's own kernels (the baseline's GEMMs) at this CPU's best "
+                             "instead of re-running with them forced onto AVX2, as an AVX2-only CPU runs them")
     args = parser.parse_args(argv)
+    if args.isa in peer_isa.ISAS and not args.torch_native and not peer_isa.torch_forced(args.isa):
+        peer_isa.run_forced("benchmarks.variants", sys.argv[1:] if argv is None else argv, args.isa)
+        return json.loads((output_dir(args.out_dir, "variants") / "variants.json").read_text())
     if args.threads:
         import torch
 
@@ -291,7 +299,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     cpu = isa.describe()
     print(f"\n{args.model} on {args.device} ({cpu['cpu_model']}; {' '.join(cpu['cpu_flags'])}; kernel path "
-          f"{isa.resolve(args.isa)}): {len(text_ids)}-token fixed text, budget {args.memory_gb} GiB, "
+          f"{isa.resolve(args.isa)}, torch {peer_isa.torch_isa()}): {len(text_ids)}-token fixed text, budget {args.memory_gb} GiB, "
           f"sequences of {args.seq_len} tokens\n{header}")
     for r in results:
         cells = [f"{r.weight_bytes / 2**20:>8.1f}", f"{r.load_s:>8.1f}",
@@ -305,7 +313,8 @@ def main(argv: list[str] | None = None) -> dict:
     print_paired(paired, bandwidth, rates)
 
     out = output_dir(args.out_dir, "variants")
-    report = {"model": args.model, "device": args.device, "machine": machine(), "args": vars(args),
+    report = {"model": args.model, "device": args.device, "machine": machine(), "torch_isa": peer_isa.torch_isa(),
+              "args": vars(args),
               "fixed_text_tokens": len(text_ids), "results": [asdict(r) for r in results],
               "ratios_to_baseline": {r.variant: {
                   "weight_bytes": r.weight_bytes / base.weight_bytes,

@@ -182,3 +182,18 @@ def test_variants_benchmark_times_interleaved_rounds_on_tiny_model(tiny_model_di
     shares = report["b1_bandwidth_share"]
     assert set(shares) == set(names) and all(v > 0 for v in shares.values())
     assert (tmp_path / "variants.json").is_file() and (tmp_path / "variants.png").is_file()
+
+
+def test_variants_on_the_avx2_path_times_torch_on_avx2_too(tiny_model_dir, tmp_path):
+    """An AVX2-only CPU runs the baseline's GEMMs in AVX2: on a CPU with more, the benchmark re-runs itself
+    with torch forced there (on an AVX2-only CPU it already is)."""
+    from benchmarks import variants
+    from quantgate.kernels import isa
+
+    if "avx2" not in isa.cpu_flags():
+        pytest.skip("not an x86 CPU with AVX2")
+    report = variants.main(["--model", str(tiny_model_dir), "--variants", "baseline,int8wo", "--batches", "1",
+                            "--decode-tokens", "2", "--prompt-len", "8", "--repeats", "1", "--isa", "avx2",
+                            "--out-dir", str(tmp_path)])
+    assert report["torch_isa"] == "AVX2" and report["args"]["isa"] == "avx2"
+    assert [r["variant"] for r in report["results"]] == ["baseline", "int8wo"]
