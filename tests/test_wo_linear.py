@@ -86,7 +86,7 @@ def test_a_path_the_cpu_lacks_is_refused_by_name():
 
 
 @pytest.mark.parametrize("isa", PATHS)
-@pytest.mark.parametrize("rows", [100, 200])  # blocks of columns from worker threads; one widened buffer
+@pytest.mark.parametrize("rows", [100, 300])  # blocks of columns from worker threads; one widened buffer
 def test_prefill_rows_serve_under_inference_mode(isa, rows):
     """Many rows go through torch's GEMM, from worker threads: the caller's inference mode must hold there."""
     w = torch.randn(64, 96, generator=_gen(4))
@@ -102,7 +102,7 @@ def test_prefill_over_a_weight_wider_than_one_widened_buffer(isa):
     """Prefill widens at most 4 Mi floats of weight per GEMM: 2048 x 2064 is two buffers, the second one tile."""
     q = torch.randint(-127, 128, (2064, 2048), dtype=torch.int8, generator=_gen(6))
     scales = torch.rand(2064, generator=_gen(7)) * 0.01
-    x = torch.randn(130, 2048, generator=_gen(8))
+    x = torch.randn(260, 2048, generator=_gen(8))
     with torch.inference_mode():
         y = wo.linear_int8(isa, x, wo.tile(q), scales)
     _close(y, x @ (q.float() * scales[:, None]).T)

@@ -240,11 +240,11 @@ void run_gemm(const Tiles& tiles, const at::Tensor& x, at::Tensor& y, const floa
 }
 
 // Prefill (kWideRows rows and more): blocks of 128 columns, one GEMM per thread each, re-read all of x
-// per block and reach ~0.65-0.75x of one whole GEMM by MKL (docs/results/2026-12-04-amx-xeon.md). Here the
-// weight is widened into one fp32 [K, C] buffer (C columns at a time, at most kWideFloats), and each
-// buffer is one GEMM over every thread. The buffer is kept per calling thread: a fresh one would be
-// page-faulted in on every call.
-constexpr int64_t kWideRows = 128;
+// per block and fall further behind one whole GEMM the more rows there are
+// (docs/results/2026-12-04-amx-xeon.md). Here the weight is widened into one fp32 [K, C] buffer (C columns
+// at a time, at most kWideFloats), and each buffer is one GEMM over every thread. The buffer is kept per
+// calling thread: a fresh one would be page-faulted in on every call.
+constexpr int64_t kWideRows = 256;  // below it the blocks are as fast or faster (same page)
 constexpr int64_t kWideFloats = int64_t{4} << 20;  // 16 MiB
 
 template <class Tiles>
