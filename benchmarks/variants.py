@@ -268,10 +268,12 @@ def main(argv: list[str] | None = None) -> dict:
                                                     "or torch (default: QUANTGATE_ISA, else the best this CPU runs)")
     parser.add_argument("--torch-native", action="store_true",
                         help="with --isa avx2: leave torch's own kernels (the baseline's GEMMs) at this CPU's best "
-                             "instead of re-running with them forced onto AVX2, as an AVX2-only CPU runs them")
+                             "instead of re-running with them forced onto AVX2, as an AVX2-only CPU runs them "
+                             "(the report's torch_isa says which ran)")
     args = parser.parse_args(argv)
     if args.isa in peer_isa.ISAS and not args.torch_native and not peer_isa.torch_forced(args.isa):
-        peer_isa.run_forced("benchmarks.variants", sys.argv[1:] if argv is None else argv, args.isa)
+        argv = sys.argv[1:] if argv is None else argv
+        peer_isa.run_forced("benchmarks.variants", [*argv, "--torch-native"], args.isa)  # the child runs as is
         return json.loads((output_dir(args.out_dir, "variants") / "variants.json").read_text())
     if args.threads:
         import torch

@@ -247,13 +247,18 @@ void run_gemm(const Tiles& tiles, const at::Tensor& x, at::Tensor& y, const floa
 constexpr int64_t kWideRows = 256;  // below it the blocks are as fast or faster (same page)
 constexpr int64_t kWideFloats = int64_t{4} << 20;  // 16 MiB
 
+// One per calling thread, shared by every weight format.
+float* wide_buffer(int64_t floats) {
+  static thread_local std::vector<float> buffer;
+  if (buffer.size() < static_cast<size_t>(floats)) buffer.resize(static_cast<size_t>(floats));
+  return buffer.data();
+}
+
 template <class Tiles>
 void run_wide(const Tiles& tiles, const at::Tensor& x, at::Tensor& y, const float* scales) {
   const int64_t k = x.size(1), count = y.size(1) / 16;
   const int64_t chunk = std::max<int64_t>(1, std::min(count, kWideFloats / (k * 16)));  // tiles per GEMM
-  static thread_local std::vector<float> buffer;
-  if (buffer.size() < static_cast<size_t>(k * chunk * 16)) buffer.resize(static_cast<size_t>(k * chunk * 16));
-  float* panel = buffer.data();
+  float* panel = wide_buffer(k * chunk * 16);
   for (int64_t t0 = 0; t0 < count; t0 += chunk) {
     const int64_t tiles_here = std::min(chunk, count - t0), width = tiles_here * 16;
     at::parallel_for(0, tiles_here, 1, [&](int64_t begin, int64_t end) {
