@@ -63,9 +63,12 @@ def test_two_ranks_match_one_process_then_a_dead_rank_stops_all(tiny_model_dir, 
     model_dir = tiny_model_dir if model == "llama" else tiny_qwen2_dir
     prompts, params, want = _one_process(model_dir)
     size = {"tensor_parallel_size" if kind == "tp" else "pipeline_parallel_size": 2}
-    # startup waits up to its own timeout (600 s): late in a full suite on 2 loaded cores a spawned rank once
-    # took longer than 120 s to import torch and load (QUANTGATE_ISA=avx2 run, 2026-12-03)
-    engine = LLMEngine.from_pretrained(str(model_dir), **ENGINE, **size, threads_per_rank=1, parallel_timeout_s=90)
+    # startup has a timeout of its own: a spawned rank imports torch, loads its kernels and the model. In a full
+    # suite (2026-12-04) the rank, alive, never arrived in 600 s; the one wait without end on its way is torch's
+    # kernel-build lock file left by a process killed earlier (now cleared: tests/test_kernel_build.py). The
+    # 120 s timeout that struck on 2026-12-03 was most likely the same. 300 s bounds what another hang costs.
+    engine = LLMEngine.from_pretrained(str(model_dir), **ENGINE, **size, threads_per_rank=1, parallel_timeout_s=90,
+                                       parallel_startup_timeout_s=300)
     group = engine.parallel
     try:
         gloo = _get_default_group()._get_backend(torch.device("cpu"))

@@ -10,10 +10,13 @@ torch path.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import logging
 import platform
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -81,10 +84,24 @@ def _build(source: Path, cflags: list[str], name: str) -> bool:
     from torch.utils.cpp_extension import load as load_extension
 
     try:
-        load_extension(name=f"quantgate_{name}", sources=[str(source)], extra_cflags=cflags,
-                       extra_ldflags=["-fopenmp"], build_directory=str(build_dir(source, cflags, name)),
-                       is_python_module=False, verbose=False)
+        directory = build_dir(source, cflags, name)
+        with _one_builder(directory):
+            load_extension(name=f"quantgate_{name}", sources=[str(source)], extra_cflags=cflags,
+                           extra_ldflags=["-fopenmp"], build_directory=str(directory), is_python_module=False,
+                           verbose=False)
         return True
     except Exception as err:  # no compiler, no headers: the torch path still serves
         log.warning("quantgate's %s kernel could not be built (%s); using the torch path", name, err)
         return False
+
+
+@contextmanager
+def _one_builder(directory: Path) -> Iterator[None]:
+    """One process at a time builds or loads in `directory`, under a lock the OS releases when its holder
+    dies. torch's own (a `lock` file in the same folder) stays behind when a process is killed inside
+    `load` — a server stopped, a Ray replica scaled down while it loaded its kernels — and every later
+    process would wait for it forever; under this lock a leftover one can only be a dead process's."""
+    with open(directory / "quantgate.lock", "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        (directory / "lock").unlink(missing_ok=True)
+        yield
