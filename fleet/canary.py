@@ -20,7 +20,7 @@ APP = "canary"
 class FleetCanary:
     def __init__(self, champion_dir: Path, challenger_dir: Path, share: float, decisions_log: Path,
                  kv_cache_dtypes: dict[str, str] | None = None, kv_cache_memory_gb: float = 0.25,
-                 address: str | None = None):
+                 address: str | None = None, device: str = "cpu"):
         if not 0.0 < share < 1.0:
             raise ValueError(f"canary share must be between 0 and 1 (exclusive), got {share}")
         self.dirs = {CHAMPION: Path(champion_dir), CHALLENGER: Path(challenger_dir)}
@@ -29,6 +29,7 @@ class FleetCanary:
         self.kv_cache_memory_gb = kv_cache_memory_gb
         self.decisions_log = Path(decisions_log)
         self.address = address
+        self.device = device
         self.admin_key = secrets.token_hex(16)
         self.served_kv: dict[str, str] = {}
         self.url = ""
@@ -38,7 +39,7 @@ class FleetCanary:
         from fleet.config import FleetConfig
 
         versions = [{"name": v, "model": str(path), "weight": self.share if v == CHALLENGER else 1.0 - self.share,
-                     "num_replicas": 1, "kv_cache_memory_gb": self.kv_cache_memory_gb, "device": "cpu",
+                     "num_replicas": 1, "kv_cache_memory_gb": self.kv_cache_memory_gb, "device": self.device,
                      "kv_cache_dtype": self.kv_cache_dtypes[v], "num_cpus": 0.5}
                     for v, path in self.dirs.items()]
         return FleetConfig.model_validate({"name": APP, "port": port, "champion": CHAMPION,

@@ -87,19 +87,21 @@ class Canary:
     """Champion and challenger servers plus the router, up for the duration of a `with` block."""
 
     def __init__(self, champion_dir: Path, challenger_dir: Path, share: float, decisions_log: Path,
-                 kv_cache_dtypes: dict[str, str] | None = None):
+                 kv_cache_dtypes: dict[str, str] | None = None, device: str = "cpu"):
         if not 0.0 < share < 1.0:
             raise ValueError(f"canary share must be between 0 and 1 (exclusive), got {share}")
         self.dirs = {CHAMPION: Path(champion_dir), CHALLENGER: Path(challenger_dir)}
         self.share = share
         self.kv_cache_dtypes = {v: (kv_cache_dtypes or {}).get(v, "auto") for v in self.dirs}
         self.served_kv: dict[str, str] = {}  # what each engine really allocated
+        self.device = device  # the release's (flows.machine.resolve_device)
         self.decisions_log = decisions_log
         self.admin_key = secrets.token_hex(16)
         self._stack = ExitStack()
         self.url = ""
 
     def __enter__(self) -> Canary:
+        from flows.machine import engine_placement
         from serving import LLMEngine
         from serving.http.server import build_app
         from serving.http.server_thread import ServerThread
@@ -108,7 +110,8 @@ class Canary:
         try:
             backends = {}
             for version, path in self.dirs.items():
-                engine = LLMEngine.from_pretrained(str(path), device="cpu", kv_cache_memory_gb=CANARY_KV_GB,
+                engine = LLMEngine.from_pretrained(str(path), **engine_placement(self.device),
+                                                   kv_cache_memory_gb=CANARY_KV_GB,
                                                    kv_cache_dtype=self.kv_cache_dtypes[version])
                 self.served_kv[version] = engine.kv_cache_dtype
                 server = self._stack.enter_context(ServerThread(build_app(engine, served_model_name=version,
@@ -156,6 +159,11 @@ def canary_class(backend: str = "local") -> type:
     class RayCanary(FleetCanary):
         replay = Canary.replay
 
+        def __init__(self, *args, device: str = "cpu", **kwargs):
+            from flows.machine import engine_placement
+
+            super().__init__(*args, device=engine_placement(device)["device"], **kwargs)
+
     return RayCanary
 
 async def _replay(url: str, sample: list[dict], advance: Callable[[int], None]) -> list[dict]:
@@ -192,13 +200,14 @@ async def _stream_one(client, url: str, i: int, item: dict) -> dict:
 
 def run_canary(champion_dir: Path, challenger_dir: Path, n: int, share: float, out: Path,
                advance: Callable[[int], None], judge: Callable[[dict], tuple[bool, str]],
-               kv_cache_dtypes: dict[str, str] | None = None, backend: str = "local") -> dict:
+               kv_cache_dtypes: dict[str, str] | None = None, backend: str = "local", device: str = "cpu") -> dict:
     """Serve both, replay `n` requests through the router, judge, tell the router; returns the numbers."""
     if n < 2:
         raise ValueError(f"a canary needs at least 2 requests, got {n}")
     out.mkdir(parents=True, exist_ok=True)
     decisions = out / "router_decisions.jsonl"
-    with canary_class(backend)(champion_dir, challenger_dir, share, decisions, kv_cache_dtypes) as canary:
+    with canary_class(backend)(champion_dir, challenger_dir, share, decisions, kv_cache_dtypes,
+                               device=device) as canary:
         records = canary.replay(traffic(n), advance)
         unrouted = [r for r in records if r["version"] not in (CHAMPION, CHALLENGER)]
         result: dict = {v: version_stats([r for r in records if r["version"] == v]) for v in (CHAMPION, CHALLENGER)}

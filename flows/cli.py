@@ -89,12 +89,23 @@ def _plan_args(p: argparse.ArgumentParser) -> None:
 
 
 def _methods_arg(p: argparse.ArgumentParser) -> None:
-    from flows.machine import DEVICE
+    from quantize.methods import DEFAULT_METHODS
+
+    per_device = "; ".join(f"{kind}: {','.join(methods)}" for kind, methods in DEFAULT_METHODS.items())
+    p.add_argument("--methods", default=None, help=f"comma-separated quantization methods (default: the serving "
+                                                   f"device's, {per_device})")
+    p.add_argument("--device", default=None, help="where every model is served: auto, cpu, cuda or cuda:N (default "
+                   "$QUANTGATE_DEVICE, else CUDA when torch sees a GPU, else the CPU)")
+
+
+def chosen_methods(args: argparse.Namespace) -> list[str]:
+    """`--methods`, else the default methods of the device the release serves on (quantize/methods.py)."""
+    if args.methods:
+        return _methods(args.methods)
+    from flows.machine import resolve_device
     from quantize.methods import default_methods
 
-    methods = ",".join(default_methods(DEVICE))  # per device: quantize/methods.py
-    p.add_argument("--methods", default=methods, help=f"comma-separated quantization methods (default {methods} "
-                                                      f"on {DEVICE})")
+    return list(default_methods(resolve_device(getattr(args, "device", None))))
 
 
 def _event_args(p: argparse.ArgumentParser) -> None:
@@ -164,6 +175,7 @@ def run_release(args: argparse.Namespace, model: str, methods: list[str]) -> int
             canary_share=getattr(args, "canary_share", 0.5),
             canary_backend=getattr(args, "canary_backend", None) or "local",
             fresh=getattr(args, "fresh", False),
+            device=getattr(args, "device", None),
         )
     print_summary(summary)
     if getattr(args, "json", None):
@@ -177,7 +189,8 @@ def _release(args: argparse.Namespace) -> int:
         from gates.plan import plan_report
         from gates.policy import load_policy
 
-        print(plan_report(load_policy(_policy(args.policy)), _methods(args.suites), models=1 + len(_methods(args.methods)),
+        models = 1 + len(chosen_methods(args))
+        print(plan_report(load_policy(_policy(args.policy)), _methods(args.suites), models=models,
                           level=args.plan_level, flip_rate=args.flip_rate, seconds=args.seconds_per_item,
                           from_run=args.from_run), end="")
         return 0
@@ -185,7 +198,7 @@ def _release(args: argparse.Namespace) -> int:
         from flows.tune_cli import from_tune
 
         return run_release(*from_tune(args, args.recipe_from_tune))
-    return run_release(args, args.model, _methods(args.methods))
+    return run_release(args, args.model, chosen_methods(args))
 
 
 def _tune(args: argparse.Namespace) -> int:
@@ -199,10 +212,11 @@ def _demo(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     Console(stderr=True).print(
-        f"[bold]quantgate demo[/bold]: release of the embedded SmolLM2-135M-Instruct ({args.methods}), "
+        f"[bold]quantgate demo[/bold]: release of the embedded SmolLM2-135M-Instruct "
+        f"({','.join(chosen_methods(args))}), "
         f"{args.limit} items per eval task ({args.suites}), auto-approval, canary, promotion; gates from {args.policy}"
     )
-    return run_release(args, "smollm2-135m", _methods(args.methods))
+    return run_release(args, "smollm2-135m", chosen_methods(args))
 
 
 def _approve(args: argparse.Namespace) -> int:
@@ -256,7 +270,7 @@ def _deploy(args: argparse.Namespace) -> int:
 def _payload(args: argparse.Namespace, **extra) -> dict:
     from flows.deploy import event_payload
 
-    return event_payload(_methods(args.methods), _policy(args.policy), args.approve, args.limit,
+    return event_payload(chosen_methods(args), _policy(args.policy), args.approve, args.limit,
                          suites=_methods(args.suites), **extra)
 
 

@@ -51,6 +51,7 @@ class MeasureConfig:
     # Which disjoint split of the items (`quantgate tune`): 0 the first `limit` items of every task and the
     # first `fidelity_chunks` windows of the held text; 1 the next ones (held out), and so on.
     split: int = 0
+    device: str = "cpu"  # where every model is served (flows.machine.resolve_device)
 
     def key(self) -> str:
         fields = asdict(self)
@@ -80,6 +81,7 @@ class SpeedPlan:
     rounds: int = 5
     warmup_rounds: int = 1  # untimed: kernel builds, first-call packing, every batch shape once
     seed: int = 0
+    device: str = "cpu"  # where every model is served (flows.machine.resolve_device)
 
     def points(self) -> list[str]:
         return ["prefill"] + [f"decode_b{b}" for b in self.decode_batches]

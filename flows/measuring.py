@@ -103,9 +103,11 @@ def weight_bytes(model) -> int:
 
 
 def load_engine(variant: Variant, config: MeasureConfig):
+    from flows.machine import engine_placement
     from serving import LLMEngine
 
-    return LLMEngine.from_pretrained(variant.path, device="cpu", kv_cache_memory_gb=config.kv_cache_memory_gb,
+    return LLMEngine.from_pretrained(variant.path, **engine_placement(config.device),
+                                     kv_cache_memory_gb=config.kv_cache_memory_gb,
                                      model_name=variant.name, kv_cache_dtype=variant.kv_cache_dtype)
 
 

@@ -9,7 +9,7 @@ marked FAILED in MLflow and no alias moves (a challenger set by this run is clea
 from __future__ import annotations
 
 import re
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 from flows.runtime import prepare
@@ -34,15 +34,12 @@ from flows.data import (  # noqa: E402
     VariantResult,
 )
 from flows.decision import approve_variants, choose  # noqa: E402
-from flows.machine import DEVICE  # noqa: E402
+from flows.machine import resolve_device  # noqa: E402
 from flows.progress import note, stage  # noqa: E402
 from quantgate.models import DEFAULT_MODEL, is_default_model  # noqa: E402
 from quantize.methods import default_methods  # noqa: E402
 
 FLOW_NAME = "quantgate-release"
-# the methods with real kernels on the device the flow serves on (quantize/methods.py): CPU int8wo, int4-awq;
-# CUDA also bitsandbytes int8, nf4. Others (fp4, int4wo, int4-gptq) on request
-DEFAULT_METHODS = default_methods(DEVICE)
 TASK_RETRIES = 2
 RETRY_DELAY_S = 3.0
 CACHE_VERSION = "3"  # bump when a cached stage's output format changes (3: weights as served, machine in keys)
@@ -120,7 +117,7 @@ def _measure_key(context, parameters) -> str:
 
     v, cfg = parameters["variant"], parameters["config"]
     kv = "" if v.kv_cache_dtype == "auto" else f"-kv-{v.kv_cache_dtype}"
-    return f"measure-{v.content_hash}{kv}-{cfg.key()}-{machine.key()}-v{CACHE_VERSION}"
+    return f"measure-{v.content_hash}{kv}-{cfg.key()}-{machine.key(machine.describe(cfg.device))}-v{CACHE_VERSION}"
 
 
 def _speed_key(context, parameters) -> str:
@@ -137,7 +134,8 @@ def measure_speed(models: list[Variant], plan: SpeedPlan) -> SpeedResult:
 
     with stage(f"paired speed: {len(models)} models x {len(plan.points())} points x {plan.rounds} rounds",
                total=plan.rounds) as advance:
-        return speed.measure(models, plan, work_dir("speed", speed.cache_key(models, plan)), machine.line(), advance)
+        return speed.measure(models, plan, work_dir("speed", speed.cache_key(models, plan)),
+                             machine.line(machine.describe(plan.device)), advance)
 
 
 @task(name="measure", cache_key_fn=_measure_key, persist_result=True, **RETRIED)
@@ -210,7 +208,7 @@ def evaluate_gates(run_id: str, policy: str | None, stage_name: str = "release")
 @task(name="canary", cache_policy=NO_CACHE)
 def canary(champion_dir: str, challenger_dir: str, requests: int, share: float, out: str, release_run_id: str,
            challenger_run_id: str, policy: str | None, kv_cache_dtypes: dict[str, str] | None = None,
-           backend: str = "local") -> dict:
+           backend: str = "local", device: str = "cpu") -> dict:
     """Replay traffic through the router; the challenger's numbers go to MLflow and are judged there
     (canary gates) before the router is told to promote or roll back."""
     from gates.evaluate import evaluate_run
@@ -225,7 +223,7 @@ def canary(champion_dir: str, challenger_dir: str, requests: int, share: float, 
 
     with stage(f"canary: {requests} replayed requests, {share:.0%} to the challenger", total=requests) as advance:
         result = canary_stage.run_canary(Path(champion_dir), Path(challenger_dir), requests, share, Path(out),
-                                         advance, judge, kv_cache_dtypes, backend)
+                                         advance, judge, kv_cache_dtypes, backend, device)
     records.log_canary_artifacts(challenger_run_id, result)
     return result
 
@@ -246,18 +244,22 @@ def release_flow(
     canary_share: float = 0.5,
     canary_backend: str = "local",
     fresh: bool = False,
+    device: str | None = None,
 ) -> dict:
-    """Quantize `model`, measure every variant against the baseline, gate, approve, canary, promote."""
+    """Quantize `model`, measure every variant against the baseline, gate, approve, canary, promote.
+    `device`: where every model is served (None: QUANTGATE_DEVICE, else CUDA when present, else CPU); it
+    picks the default `methods` (quantize/methods.py) and is part of every measurement's key."""
     from prefect.runtime import flow_run
 
     from gates.tracking import end_release, registered_model_name, tracking_uri
 
-    methods = list(methods or DEFAULT_METHODS)
+    device = resolve_device(device)
+    methods = list(methods or default_methods(device))
     check_options(methods, approve, limit, policy, suites)
-    config = fidelity_stage.measure_config(records.load_policy(policy), methods, suites, limit)
+    config = replace(fidelity_stage.measure_config(records.load_policy(policy), methods, suites, limit), device=device)
     source = resolve_source(model)
     run_config = {"methods": methods, "approve": approve, "policy": str(records.policy_path(policy)),
-                  "measure": asdict(config), "prefect_flow_run_id": str(flow_run.id)}
+                  "device": device, "measure": asdict(config), "prefect_flow_run_id": str(flow_run.id)}
     release_id = start_release(source, run_config)
     summary = ReleaseSummary(
         model=source.name, source_hash=source.content_hash, release_run_id=release_id,
@@ -271,7 +273,7 @@ def release_flow(
         baseline_variant = Variant(BASELINE, None, source.path, source.content_hash, None)
         base = _measure(baseline_variant, config, fresh)
         measured = [_measure(v, config, fresh) for v in variants]
-        plan = SpeedPlan(decode_batches=records.load_policy(policy).decode_batches)
+        plan = SpeedPlan(decode_batches=records.load_policy(policy).decode_batches, device=device)
         speed = measure_speed.with_options(refresh_cache=fresh)([baseline_variant, *variants], plan)
         summary.machine = speed.machine
 
@@ -301,7 +303,8 @@ def release_flow(
             moved_challenger = chosen.version
             records.set_challenger(source.name, chosen.version,
                                    f"release {release_id}: smallest approved variant ({chosen.name})")
-            _canary_stage(summary, source, chosen, champion, policy, (canary_requests, canary_share, canary_backend))
+            _canary_stage(summary, source, chosen, champion, policy,
+                          (canary_requests, canary_share, canary_backend, device))
             moved_challenger = None
         summary.aliases = records.aliases(source.name)
         records.log_summary(release_id, summary)
@@ -351,17 +354,17 @@ def _measure(variant: Variant, config: MeasureConfig, fresh: bool) -> Measured:
 
 
 def _canary_stage(summary: ReleaseSummary, source: Source, chosen: VariantResult, champion: tuple[str, Path],
-                  policy: str | None, plan: tuple[int, float, str]) -> None:
+                  policy: str | None, plan: tuple[int, float, str, str]) -> None:
     from flows.runtime import work_dir
 
-    requests, share, backend = plan
+    requests, share, backend, device = plan
     champion_version, champion_dir = champion
     challenger_dir = records.version_source(source.name, chosen.version)
     kv = {canary_stage.CHAMPION: records.version_kv_cache_dtype(source.name, champion_version),
           canary_stage.CHALLENGER: records.version_kv_cache_dtype(source.name, chosen.version)}
     out = work_dir("canary", summary.release_run_id)
     result = canary(str(champion_dir), str(challenger_dir), requests, share, str(out), summary.release_run_id,
-                    chosen.run_id, policy, kv, backend)
+                    chosen.run_id, policy, kv, backend, device)
     passed, failed = result["gates"]["passed"], result["gates"]["failed"]
     summary.canary = {"champion_version": champion_version, **result["summary"], "passed": passed, "failed": failed}
     if passed:

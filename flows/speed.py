@@ -81,7 +81,7 @@ def cache_key(models: Sequence[Variant], plan: SpeedPlan) -> str:
     from flows import machine
 
     ids = "|".join(f"{m.name}:{m.content_hash}:{m.kv_cache_dtype}" for m in models)
-    return f"speed-{hashlib.sha256(ids.encode()).hexdigest()[:16]}-{plan.key()}-{machine.key()}"
+    return f"speed-{hashlib.sha256(ids.encode()).hexdigest()[:16]}-{plan.key()}-{machine.key(machine.describe(plan.device))}"
 
 
 # ---- the engines ------------------------------------------------------------------------------------
@@ -90,12 +90,13 @@ def cache_key(models: Sequence[Variant], plan: SpeedPlan) -> str:
 def load_engines(models: Sequence[Variant], plan: SpeedPlan) -> dict:
     """Every model's engine, loaded as the measure stage serves it (device, dtype, threads), with a KV
     cache just big enough for the rounds and no prefix cache (fresh prompts must be computed)."""
+    from flows.machine import engine_placement
     from serving import LLMEngine
 
     longest = max(plan.prefill_tokens, plan.decode_context + plan.decode_tokens + 1) + 1
     batch = max(plan.decode_batches)
     blocks = batch * (-(-longest // BLOCK_SIZE) + 1)
-    return {m.name: LLMEngine.from_pretrained(m.path, device="cpu", kv_cache_dtype=m.kv_cache_dtype,
+    return {m.name: LLMEngine.from_pretrained(m.path, **engine_placement(plan.device), kv_cache_dtype=m.kv_cache_dtype,
                                               model_name=m.name, enable_prefix_caching=False,
                                               max_num_seqs=batch, block_size=BLOCK_SIZE, num_kv_blocks=blocks)
             for m in models}

@@ -34,6 +34,7 @@ from flows import fidelity_stage, measuring, recipes, records  # noqa: E402
 from flows import release as R  # noqa: E402
 from flows import tune_report as T  # noqa: E402
 from flows.data import BASELINE, MeasureConfig, Measured, Source, SpeedPlan, Variant  # noqa: E402
+from flows.machine import resolve_device  # noqa: E402
 from flows.progress import note  # noqa: E402
 from quantgate.models import DEFAULT_MODEL  # noqa: E402
 
@@ -179,9 +180,10 @@ def tune_flow(
     suites: list[str] | None = None,
     fresh: bool = False,
     result_file: str | None = None,
+    device: str | None = None,
 ) -> dict:
     """Try `candidates` (default: every recipe) in order of size; stop at the first that passes every gate
-    of `policy` on the search split and again on the held-out split."""
+    of `policy` on the search split and again on the held-out split. `device` as the release's."""
     import json
 
     from prefect.runtime import flow_run
@@ -194,8 +196,9 @@ def tune_flow(
     cfg = json.loads((Path(source.path) / "config.json").read_text())
     cands, refused = recipes.candidates(cfg, opts.candidates)
     names = [c.name for c in cands]
-    config = fidelity_stage.measure_config(pol, names, opts.suites, opts.limit)
-    plan = SpeedPlan(decode_batches=pol.decode_batches)
+    device = resolve_device(device)
+    config = replace(fidelity_stage.measure_config(pol, names, opts.suites, opts.limit), device=device)
+    plan = SpeedPlan(decode_batches=pol.decode_batches, device=device)
     run_config = {"tune": True, "objective": opts.objective, "candidates": names, "policy": str(records.policy_path(policy)),
                   "limit": opts.limit, "prefect_flow_run_id": str(flow_run.id)}
     tune_id = R.start_release(source, run_config)

@@ -35,6 +35,9 @@ ISA = _switch("QUANTGATE_ISA", "auto",
               "the kernel path: auto (the best this CPU runs), amx, avx512bf16, avx512, avx2, scalar or torch")
 KERNEL_DIR = _switch("QUANTGATE_KERNEL_DIR", "", "where compiled kernels are cached; QUANTGATE_HOME/kernels")
 DTYPE = _switch("QUANTGATE_DTYPE", "auto", "the engine's dtype when the caller names none")
+DEVICE = _switch("QUANTGATE_DEVICE", "auto",
+                 "where a release serves every model when `--device` names none: auto (CUDA when torch sees "
+                 "one, else CPU), cpu, cuda or cuda:N")
 WOQ_KERNEL = _switch("QUANTGATE_WOQ_KERNEL", "1", "0: no bf16-activation kernel (woq); layers take the avx512 fp32 kernel, torch where it does not fit")
 PAGED_KERNEL = _switch("QUANTGATE_PAGED_KERNEL", "1", "0 runs attention through torch")
 FUSED_OPS = _switch("QUANTGATE_FUSED_OPS", "1", "0 runs RMSNorm/rotary through torch")

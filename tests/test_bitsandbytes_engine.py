@@ -34,11 +34,11 @@ def test_release_flow_and_cli_take_the_defaults_of_the_flows_device():
     import argparse
 
     from flows import cli
-    from flows.machine import DEVICE as FLOW_DEVICE
+    from flows.machine import resolve_device
 
     parser = argparse.ArgumentParser()
     cli._event_args(parser)
-    assert parser.parse_args([]).methods == ",".join(default_methods(FLOW_DEVICE))
+    assert cli.chosen_methods(parser.parse_args([])) == list(default_methods(resolve_device()))
 
 
 @pytest.fixture(scope="module")
