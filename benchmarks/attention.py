@@ -1,4 +1,4 @@
-"""Paged decode attention: the compiled kernel (quantgate/kernels) beside the torch path it replaces
+"""Paged decode attention: the compiled kernel (serving/kernels/cpu) beside the torch path it replaces
 (gather every context's blocks, then two matmuls per group), on the same caches, in one run.
 
 SmolLM2-135M's layer shape (9 query heads, 3 KV heads, head_dim 64, blocks of 16), contexts scattered
@@ -21,7 +21,7 @@ import torch  # noqa: E402
 
 from benchmarks.common import add_kernel_bench_options, mean_seconds, pyplot, save_figure, write_rows_report  # noqa: E402
 from benchmarks.peers import cpu_info  # noqa: E402
-from quantgate.kernels import decoder_ops as kernels  # noqa: E402
+from serving.kernels.cpu import decoder_ops as kernels  # noqa: E402
 from serving.model import attention  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16

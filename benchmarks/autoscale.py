@@ -21,9 +21,9 @@ if __package__ in (None, ""):  # run as a script: import the repo's packages
 
 from benchmarks.common import fmt, output_dir, pyplot, save_figure  # noqa: E402
 from benchmarks.fleet_sim import Policy, ReplicaModel, Trace, simulate, summarize_result  # noqa: E402
-from quantgate.loadgen.report import machine, write_json  # noqa: E402
-from quantgate.loadgen.stats import summarize  # noqa: E402
 from quantgate.ports import free_port  # noqa: E402
+from serving.loadgen.report import machine, write_json  # noqa: E402
+from serving.loadgen.stats import summarize  # noqa: E402
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

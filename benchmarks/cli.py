@@ -80,7 +80,7 @@ def _add_serve(verbs: argparse._SubParsersAction) -> None:
     p.add_argument("--rate", type=float, default=math.inf, help="Poisson arrival rate, requests/s (default: all at once)")
     p.add_argument("--concurrency", type=int, default=None, help="at most N requests in flight (closed loop)")
     p.add_argument("--max-tokens", type=_range, default=(64, 64), metavar="N|LO-HI")
-    p.add_argument("--prompts", default=None, help="a JSONL prompt file (default: quantgate/loadgen/prompts.jsonl)")
+    p.add_argument("--prompts", default=None, help="a JSONL prompt file (default: serving/loadgen/prompts.jsonl)")
     p.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
                    help="let the model stop at EOS (by default max_tokens are forced with ignore_eos)")
     p.add_argument("--chat", action="store_true", help="use /v1/chat/completions")
@@ -153,7 +153,7 @@ def _add_script_benchmarks(verbs: argparse._SubParsersAction) -> None:
                                               "vs predictive simulated on a 10x burst"),
         ("fleet-router", "benchmarks.fleet_kv_router", "fleet: KV-aware vs power-of-two router, 2 replicas, p99 TTFT"),
         ("attention", "benchmarks.attention", "paged decode attention: the compiled kernel vs the torch path"),
-        ("woq", "benchmarks.woq_linear", "weight-only int8/int4 linear: quantgate's kernel vs torch's vs bf16"),
+        ("wo_bf16", "benchmarks.woq_linear", "weight-only int8/int4 linear: quantgate's kernel vs torch's vs bf16"),
         ("isa", "benchmarks.isa_paths", "weight-only linear on every kernel path (avx512, avx2) vs fp32, paired, "
                                         "with the machine's read bandwidth"),
     ):
@@ -242,7 +242,7 @@ def _dynamic(args: argparse.Namespace) -> int:
 
 def _serve(args: argparse.Namespace) -> int:
     from benchmarks.common import output_dir
-    from quantgate.loadgen.run import print_report, run_serving_benchmark
+    from serving.loadgen.run import print_report, run_serving_benchmark
 
     max_tokens = args.max_tokens[0] if args.max_tokens[0] == args.max_tokens[1] else args.max_tokens
     kwargs = dict(

@@ -1,5 +1,5 @@
 """Helpers every benchmark shares: the results folder, plotting, timing, table cells (the load generator's
-statistics, prompts and report helpers are in quantgate/loadgen)."""
+statistics, prompts and report helpers are in serving/loadgen)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from quantgate.loadgen.report import machine, write_json
+from serving.loadgen.report import machine, write_json
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"  # git-ignored
 

@@ -2,7 +2,7 @@
 timed with the plan and with the Python loop over the same ops, in interleaved rounds of one process.
 
 Per variant and batch size: output tokens/s both ways, and the paired ratio's geometric mean with its 95 %
-t interval (`gates.speed.ratio_ci`, as the release computes its speed gates); the first round is a warm-up.
+t interval (`gates.judging.speed_verdicts.ratio_ci`, as the release computes its speed gates); the first round is a warm-up.
 It also prints the batch-1 weight bytes per second against the machine's read bandwidth measured in the
 same run (the share of the bandwidth bound decode reaches).
 
@@ -24,7 +24,7 @@ if __package__ in (None, ""):  # run as a script: import the repo's packages
 from benchmarks.common import output_dir  # noqa: E402
 from benchmarks.isa_paths import read_bandwidth_gbs  # noqa: E402
 from quantgate.env import apply_defaults  # noqa: E402
-from quantgate.loadgen.report import machine, write_json  # noqa: E402
+from serving.loadgen.report import machine, write_json  # noqa: E402
 
 
 def decode_rate(engine, batch: int, tokens: int, seed: int) -> float:
@@ -55,7 +55,7 @@ def measure(name: str, args) -> dict:
     if step is None:
         print(f"{name}: no decode-step plan here (a projection is not one of quantgate's kernel calls)")
         return row
-    from gates.speed import ratio_ci
+    from gates.judging.speed_verdicts import ratio_ci
 
     for batch in args.batches:
         rates: dict[str, list[float]] = {"plan": [], "python": []}

@@ -24,7 +24,7 @@ from benchmarks.hol_lab import (
     run_workload,
     summarize_run,
 )
-from quantgate.loadgen.report import machine, write_json
+from serving.loadgen.report import machine, write_json
 
 
 def run_dynamic_sweep(

@@ -33,8 +33,8 @@ def _evals(out: Path) -> Path:
 
 
 def _metrics(weights: Path, variant: bool) -> dict[str, float]:
-    from gates import metrics as M
-    from quantize.integrity import weight_bytes
+    from gates import metric_names as M
+    from serving.model.quant.integrity import weight_bytes
 
     out = {M.WEIGHTS_BYTES: float(weight_bytes(weights)[0])}
     for t in TASKS:
@@ -48,14 +48,14 @@ def main() -> None:
     parser.add_argument("--cache", type=Path, default=Path.home() / ".cache" / "quantgate")
     args = parser.parse_args()
 
-    from gates.evaluate import evaluate_run
-    from gates.evidence import MANIFEST_PATH, write_evidence
-    from gates.registry import record_approval
-    from gates.signing import generate_keypair
-    from gates.tracking import end_release, get_client, log_variant, register_variant, start_release
-    from gates.verify import verify
+    from gates.evidence.manifest import MANIFEST_PATH, write_evidence
+    from gates.evidence.signing import generate_keypair
+    from gates.evidence.verify import verify
+    from gates.records.evaluation import evaluate_run
+    from gates.records.registry import record_approval
+    from gates.records.tracking import end_release, get_client, log_variant, register_variant, start_release
     from quantgate.models import content_hash
-    from quantize.integrity import read_manifest
+    from serving.model.quant.integrity import read_manifest
 
     source = args.cache / "models" / "smollm2-135m-instruct"
     variants = {p.name.split("-", 1)[1]: p for p in sorted((args.cache / "variants").iterdir()) if p.is_dir()}

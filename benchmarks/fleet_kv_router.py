@@ -18,8 +18,8 @@ if __package__ in (None, ""):  # run as a script: import the repo's packages
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import fmt, output_dir, pyplot, save_figure  # noqa: E402
-from quantgate.loadgen.report import machine, write_json  # noqa: E402
-from quantgate.loadgen.stats import summarize  # noqa: E402
+from serving.loadgen.report import machine, write_json  # noqa: E402
+from serving.loadgen.stats import summarize  # noqa: E402
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

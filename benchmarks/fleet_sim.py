@@ -143,7 +143,7 @@ def _desired(policy: Policy, now: float, ongoing: int, current: int) -> int:
 
 
 def summarize_result(res: Result, slo_ttft_s: float) -> dict:
-    from quantgate.loadgen.stats import summarize
+    from serving.loadgen.stats import summarize
 
     served = [x for x in res.ttft if x is not None]
     return {

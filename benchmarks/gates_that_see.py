@@ -96,7 +96,7 @@ def stage_cost(args: argparse.Namespace) -> dict:
 
     from flows import fidelity_stage
     from flows.data import BASELINE, Variant
-    from gates.policy import load_policy
+    from gates.judging.policy import load_policy
     from serving import SamplingParams
 
     policy = load_policy(args.policy)

@@ -24,9 +24,9 @@ from typing import Any
 
 from benchmarks.common import output_dir
 from benchmarks.hol_report import SCHEDULERS, plot_gantt, plot_short_cdf
-from quantgate.loadgen.prompts import load_prompts
-from quantgate.loadgen.report import ProgressBar, machine, write_json
-from quantgate.loadgen.stats import ratio, summarize
+from serving.loadgen.prompts import load_prompts
+from serving.loadgen.report import ProgressBar, machine, write_json
+from serving.loadgen.stats import ratio, summarize
 
 
 @dataclass

@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import fmt, pyplot, save_figure
-from quantgate.loadgen.stats import ratio, summarize
+from serving.loadgen.stats import ratio, summarize
 
 SCHEDULERS = ("static", "continuous", "dynamic")
 COLORS = {"short": "#1f77b4", "long": "#ff7f0e", "static": "#d62728", "continuous": "#2ca02c",

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from quantgate.kernels import isa as isas
+from serving.kernels.cpu import isa as isas
 
 DEFAULT_RECIPES = ("rtn-g32", "gptq-g32", "awq-g32", "rtn-g64", "gptq-g64", "awq-g64",
                    "rtn-g64-b3", "gptq-g64-b3", "awq-g64-b3", "rtn-g32-headfp", "gptq-g32-headfp", "int8wo")
@@ -130,7 +130,7 @@ def quantize_copy(source: nn.Module, recipe: Recipe,
                   calibration_ids: torch.Tensor | None) -> tuple[nn.Module, float, float]:
     from quantize.calibrated import Recipe as Calibrated
     from quantize.calibrated import calibrate
-    from quantize.weight_only import quantize_per_channel
+    from serving.model.quant.int8 import quantize_per_channel
 
     model = copy.deepcopy(source)
     start, cpu = time.perf_counter(), time.process_time()

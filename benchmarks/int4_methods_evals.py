@@ -107,8 +107,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parser.parse_args(argv)
     import torch
 
-    from quantgate.kernels import isa as isas
     from quantgate.models import DEFAULT_MODEL_NOTE, is_default_model, resolve_model
+    from serving.kernels.cpu import isa as isas
 
     torch.set_num_threads(1)  # CPU time of one thread: what an idle run costs, on a shared machine
     methods = [m for m in args.methods.split(",") if m]

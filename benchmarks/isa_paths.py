@@ -2,10 +2,10 @@
 
 One pass = SmolLM2-135M's 7 projection shapes for each of `--layers` layers plus its tied lm_head, with
 fp32 activations (the engine's dtype on CPUs without native bf16), at each row count. Paths: `fp32` is the
-baseline (torch's F.linear: MKL), then quantgate/kernels/wo_linear's int8, int4 (groups of 32) and bf16
+baseline (torch's F.linear: MKL), then serving/kernels/cpu/wo_fp32's int8, int4 (groups of 32) and bf16
 weights for each ISA build the CPU runs (avx512, avx2, scalar), and torch's own int8/int4 CPU ops.
 Every round times every path once (interleaved, in a rotating order), the ratio to fp32 is taken per round,
-and the report gives their geometric mean and 95% t interval (`gates.speed.ratio_ci`, as the release does). At 1 row it prints the weight bytes each path
+and the report gives their geometric mean and 95% t interval (`gates.judging.speed_verdicts.ratio_ci`, as the release does). At 1 row it prints the weight bytes each path
 streams per second beside the machine's read bandwidth, measured in the same run.
 
     python benchmarks/isa_paths.py [--rows 1,4,16,32,128,512] [--layers 30] [--rounds 5] [--isas avx512,avx2]
@@ -28,11 +28,11 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from benchmarks.common import add_kernel_bench_options, pyplot, save_figure, write_rows_report  # noqa: E402
-from gates.speed import ratio_ci  # noqa: E402
-from quantgate.kernels import isa as isas  # noqa: E402
-from quantgate.kernels import wo_linear as wo  # noqa: E402
-from quantize.int4 import pack_for_cpu, quantize_groups, unpack_nibbles  # noqa: E402
-from quantize.weight_only import quantize_per_channel  # noqa: E402
+from gates.judging.speed_verdicts import ratio_ci  # noqa: E402
+from serving.kernels.cpu import isa as isas  # noqa: E402
+from serving.kernels.cpu import wo_fp32  # noqa: E402
+from serving.model.quant.int4 import pack_for_cpu, quantize_groups, unpack_nibbles  # noqa: E402
+from serving.model.quant.int8 import quantize_per_channel  # noqa: E402
 
 SHAPES = ((576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536), (49152, 576))
 Call = Callable[[torch.Tensor], object]
@@ -54,11 +54,11 @@ def _layer(n: int, k: int, seed: int, paths: list[str]) -> dict[str, Call]:
     q, scales = quantize_per_channel(w)
     codes, sz = quantize_groups(w, 32)
     calls: dict[str, Call] = {"fp32": lambda x: F.linear(x, w)}
-    q8, q4, b16 = wo.tile(q), wo.tile(codes), wo.tile(w.bfloat16())
+    q8, q4, b16 = wo_fp32.tile(q), wo_fp32.tile(codes), wo_fp32.tile(w.bfloat16())
     for isa in paths:
-        calls[f"int8_{isa}"] = lambda x, isa=isa: wo.linear_int8(isa, x, q8, scales)
-        calls[f"int4_{isa}"] = lambda x, isa=isa: wo.linear_int4(isa, x, q4, sz, 32)
-        calls[f"bf16_{isa}"] = lambda x, isa=isa: wo.linear_bf16(isa, x, b16)
+        calls[f"int8_{isa}"] = lambda x, isa=isa: wo_fp32.linear_int8(isa, x, q8, scales)
+        calls[f"int4_{isa}"] = lambda x, isa=isa: wo_fp32.linear_int4(isa, x, q4, sz, 32)
+        calls[f"bf16_{isa}"] = lambda x, isa=isa: wo_fp32.linear_bf16(isa, x, b16)
     ones, torch4 = torch.ones(n, dtype=torch.bfloat16), pack_for_cpu(unpack_nibbles(codes))
     calls["int8_torch"] = lambda x: torch._weight_int8pack_mm(x.bfloat16(), q, ones).float() * scales
     calls["int4_torch"] = lambda x: torch.ops.aten._weight_int4pack_mm_for_cpu(x.bfloat16(), torch4, 32, sz)
@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    paths = args.isas.split(",") if args.isas else [i for i in wo.PATHS if i != "scalar" and i in isas.supported()]
+    paths = args.isas.split(",") if args.isas else [i for i in wo_fp32.PATHS if i != "scalar" and i in isas.supported()]
     for isa in paths:
         isas.check(isa)
     cpu = isas.describe()

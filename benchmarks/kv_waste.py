@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import output_dir, pyplot, save_figure
-from quantgate.loadgen.report import machine, write_json
-from quantgate.loadgen.stats import ratio, summarize
+from serving.loadgen.report import machine, write_json
+from serving.loadgen.stats import ratio, summarize
 
 
 @dataclass

@@ -19,9 +19,9 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import fmt, output_dir
-from quantgate.loadgen.prompts import load_prompts
-from quantgate.loadgen.report import machine, write_json
-from quantgate.loadgen.stats import ratio
+from serving.loadgen.prompts import load_prompts
+from serving.loadgen.report import machine, write_json
+from serving.loadgen.stats import ratio
 
 # (name, bandwidth in GB/s per direction as a collective sees it, latency per message in microseconds)
 INTERCONNECTS = [("NVLink 4 (H100 SXM)", 450.0, 5.0), ("NVLink 3 (A100 SXM)", 300.0, 6.0),

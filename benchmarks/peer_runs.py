@@ -45,7 +45,7 @@ class Workload:
 
 def _warm_up(url: str, model: str, prompt: list[int]) -> bool:
     """One short request; returns whether the server takes min_tokens (ours refuses unknown fields)."""
-    from quantgate.loadgen.run import run_serving_benchmark
+    from serving.loadgen.run import run_serving_benchmark
 
     try:
         run_serving_benchmark(url, model, requests=[(prompt, 4)], min_tokens=True)
@@ -73,7 +73,7 @@ def check_exact(requests: list[tuple[list[int], int]], records: list[dict[str, A
 
 
 def measure(url: str, model: str, work: Workload, timeout_s: float, progress: bool) -> dict[str, Any]:
-    from quantgate.loadgen.run import run_serving_benchmark
+    from serving.loadgen.run import run_serving_benchmark
 
     requests = work.requests()
     takes_min_tokens = _warm_up(url, model, requests[0][0][:16])

@@ -4,7 +4,7 @@ The workload (issue 19): 64 requests sent all at once, token-id prompts of 16–
 8–256 tokens forced (ignore_eos, and min_tokens where the server takes it), streaming, drawn from a fixed
 seed so that every server gets the identical requests. Every request must produce exactly its forced
 token count (and report its prompt length) or its row is marked inexact and the run exits 1. Every
-server gets one short warm-up request first. Same client for all: quantgate/loadgen.
+server gets one short warm-up request first. Same client for all: serving/loadgen.
 
     quantgate bench peers --serve quantgate --serve "quantgate:--dtype bfloat16" --serve vllm \\
         [--serve "vllm:--dtype float32"] [--serve llama] [--serve url=http://127.0.0.1:8000] [--reference 3]
@@ -42,8 +42,8 @@ from benchmarks.peer_isa import check as check_isa  # noqa: E402
 from benchmarks.peer_runs import Workload, run_one, run_rounds  # noqa: E402
 from benchmarks.peer_servers import PeerPaths, ServerSpec, parse_serve  # noqa: E402
 from quantgate.env import apply_defaults, home  # noqa: E402
-from quantgate.loadgen.report import machine, write_json  # noqa: E402
-from quantgate.loadgen.stats import ratio  # noqa: E402
+from serving.loadgen.report import machine, write_json  # noqa: E402
+from serving.loadgen.stats import ratio  # noqa: E402
 
 CPU_FLAGS = ("avx2", "avx_vnni", "avx512f", "avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16",
              "amx_int8")

@@ -19,7 +19,7 @@ if __package__ in (None, ""):  # run as a script: import the repo's packages
 
 from benchmarks.common import output_dir  # noqa: E402
 from quantgate.env import apply_defaults  # noqa: E402
-from quantgate.loadgen.report import machine, write_json  # noqa: E402
+from serving.loadgen.report import machine, write_json  # noqa: E402
 
 
 def run_model(model_dir: Path, tasks: list[str], limit: int | None, dtype: str, batch_size: int) -> dict[str, Any]:

@@ -28,7 +28,7 @@ if __package__ in (None, ""):  # run as a script: import the repo's packages
 
 from benchmarks.common import output_dir  # noqa: E402
 from quantgate.env import apply_defaults  # noqa: E402
-from quantgate.loadgen.report import machine, write_json  # noqa: E402
+from serving.loadgen.report import machine, write_json  # noqa: E402
 
 MMLU = ("mmlu_marketing", "mmlu_high_school_geography", "mmlu_high_school_psychology")
 DEFAULT_TASKS = ("hellaswag", "arc_easy", "arc_challenge", "piqa", "winogrande", *MMLU)

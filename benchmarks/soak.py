@@ -29,11 +29,11 @@ from pathlib import Path
 import aiohttp
 
 from benchmarks.common import fmt, output_dir, pyplot, save_figure
-from quantgate.loadgen.client import session, stream_completion
-from quantgate.loadgen.prompts import load_prompts
-from quantgate.loadgen.report import machine, write_json
-from quantgate.loadgen.stats import summarize
 from serving.http.serve_process import spawn_serve, stop_serve, wait_serve_up
+from serving.loadgen.client import session, stream_completion
+from serving.loadgen.prompts import load_prompts
+from serving.loadgen.report import machine, write_json
+from serving.loadgen.stats import summarize
 
 
 @dataclass
@@ -317,7 +317,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--sample-every", type=float, default=2.0, help="seconds between RSS / metrics samples")
     p.add_argument("--concurrency", type=int, default=4, help="clients in the closed loop")
     p.add_argument("--max-tokens", type=_range, default=(16, 64), metavar="N|LO-HI")
-    p.add_argument("--prompts", default=None, help="JSONL prompts (default: quantgate/loadgen/prompts.jsonl)")
+    p.add_argument("--prompts", default=None, help="JSONL prompts (default: serving/loadgen/prompts.jsonl)")
     p.add_argument("--num-kv-blocks", type=int, default=None)
     p.add_argument("--max-waiting", type=int, default=256)
     p.add_argument("--threads", type=int, default=None)

@@ -16,7 +16,7 @@ from typing import Any
 
 from benchmarks.common import output_dir, pyplot, save_figure
 from benchmarks.hol_lab import kv_blocks_for, make_workload, run_workload, summarize_run
-from quantgate.loadgen.report import machine, write_json
+from serving.loadgen.report import machine, write_json
 
 MARKERS = "osD^v<>"
 

@@ -29,8 +29,8 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import fmt, output_dir, pyplot, save_figure
-from quantgate.loadgen.report import machine, write_json
-from quantgate.loadgen.stats import ratio, summarize
+from serving.loadgen.report import machine, write_json
+from serving.loadgen.stats import ratio, summarize
 
 KEYS = {"sk-bench-tenant-a": "a", "sk-bench-tenant-b": "b"}
 METRICS_KEY = "sk-bench-metrics"

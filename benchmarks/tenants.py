@@ -21,8 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import fmt, output_dir, pyplot, save_figure
-from quantgate.loadgen.report import machine, write_json
-from quantgate.loadgen.stats import ratio, summarize
+from serving.loadgen.report import machine, write_json
+from serving.loadgen.stats import ratio, summarize
 
 RUNS = ("alone", "fair", "fifo")
 COLORS = {"alone": "#2ca02c", "fair": "#1f77b4", "fifo": "#d62728"}

@@ -15,7 +15,7 @@ to the baseline side by side, writes JSON and a PNG bar chart.
 All variants are loaded first and timed in interleaved rounds (each round times every variant once), so a
 change in the machine's speed during the run falls on all of them alike; each figure is the best round, and
 each speed ratio to the baseline is also given as the geometric mean of the rounds' paired ratios with its
-95 % t interval (`gates.speed.ratio_ci`, as the release's speed gates compute it). Batch-1 decode is set
+95 % t interval (`gates.judging.speed_verdicts.ratio_ci`, as the release's speed gates compute it). Batch-1 decode is set
 against the machine's read bandwidth measured in the same run (weight bytes x tokens/s / GB/s: the share
 of the bound a step that reads every weight once can reach).
 """
@@ -38,7 +38,7 @@ if __package__ in (None, ""):  # run as a script: import the repo's packages
 from benchmarks import peer_isa  # noqa: E402
 from benchmarks.common import fmt, output_dir, pyplot, save_figure  # noqa: E402
 from quantgate.env import apply_defaults  # noqa: E402
-from quantgate.loadgen.report import machine, write_json  # noqa: E402
+from serving.loadgen.report import machine, write_json  # noqa: E402
 
 BLOCK_SIZE = 16
 FIXED_TEXT = (
@@ -193,7 +193,7 @@ def run_all(names: list[str], args, text_ids: list[int]) -> tuple[list[VariantRe
 
 def paired_ratios(speeds: dict[str, list], batches: list[int]) -> dict[str, dict[str, dict[str, float]]]:
     """Per variant and speed: the rounds' variant/baseline ratios, geometric mean and 95 % t interval."""
-    from gates.speed import ratio_ci
+    from gates.judging.speed_verdicts import ratio_ci
 
     base = speeds["baseline"]
     if len(base) < 2:
@@ -297,7 +297,7 @@ def main(argv: list[str] | None = None) -> dict:
     base = results[0]
     header = f"{'variant':<15}{'MiB':>8}{'load s':>8}{'prefill t/s':>13}" + "".join(
         f"{f'decode b{b} t/s':>16}" for b in args.batches) + f"{'top-1':>8}{'bpb':>7}{'KV B/blk':>10}{'max seqs':>11}"
-    from quantgate.kernels import isa
+    from serving.kernels.cpu import isa
 
     cpu = isa.describe()
     print(f"\n{args.model} on {args.device} ({cpu['cpu_model']}; {' '.join(cpu['cpu_flags'])}; kernel path "

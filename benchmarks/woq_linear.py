@@ -1,4 +1,4 @@
-"""Linear layers on CPU as a decode step streams them: quantgate's kernels (quantgate/kernels/woq) for bf16,
+"""Linear layers on CPU as a decode step streams them: quantgate's kernels (serving/kernels/cpu/wo_bf16) for bf16,
 int8 and int4 weights beside oneDNN's packed bf16 and torch's own int8/int4 CPU kernels, in one run.
 
 One pass = SmolLM2-135M's 7 projection shapes for each of `--layers` layers (30: the model's weights,
@@ -30,15 +30,15 @@ import torch.nn.functional as F  # noqa: E402
 from benchmarks.common import add_kernel_bench_options, mean_seconds, pyplot, save_figure, write_rows_report  # noqa: E402
 from benchmarks.peers import cpu_info  # noqa: E402
 from quantgate import settings  # noqa: E402
-from quantgate.kernels import woq  # noqa: E402
-from quantize.int4 import pack_for_cpu, quantize_groups, unpack_nibbles  # noqa: E402
-from quantize.weight_only import FAST_PATH_MAX_ROWS, quantize_per_channel  # noqa: E402
+from serving.kernels.cpu import wo_bf16  # noqa: E402
 from serving.model.packed_linear import PackedLinear  # noqa: E402
+from serving.model.quant.int4 import pack_for_cpu, quantize_groups, unpack_nibbles  # noqa: E402
+from serving.model.quant.int8 import FAST_PATH_MAX_ROWS, quantize_per_channel  # noqa: E402
 
 # (out, in) of q, k, v, o, gate, up, down, then the lm_head
 SHAPES = ((576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536), (49152, 576))
 PATHS = ("bf16", "bf16_onednn", "int8_torch", "int8_ours", "int4_torch", "int4_ours")
-if woq.cpu_has_amx():  # our kernel's build without AMX tiles: what they buy
+if wo_bf16.cpu_has_amx():  # our kernel's build without AMX tiles: what they buy
     PATHS = (*PATHS, "bf16_dpbf16", "int8_dpbf16", "int4_dpbf16")
 
 
@@ -46,12 +46,12 @@ def _layer_calls(out_features: int, in_features: int, seed: int) -> dict[str, Ca
     weight = torch.randn(out_features, in_features, generator=torch.Generator().manual_seed(seed))
     linear = torch.nn.Linear(in_features, out_features, bias=False)
     linear.weight.data = weight.bfloat16()
-    onednn, pairs = PackedLinear(linear), woq.pack_bf16(linear.weight.data)
+    onednn, pairs = PackedLinear(linear), wo_bf16.pack_bf16(linear.weight.data)
     q, scales = quantize_per_channel(weight)
-    int8_packed, int8_pairs, scales_bf16 = woq.pack_int8(q), woq.pack_int8(q, 2), scales.bfloat16()
+    int8_packed, int8_pairs, scales_bf16 = wo_bf16.pack_int8(q), wo_bf16.pack_int8(q, 2), scales.bfloat16()
     no_amx = "avx512bf16"  # the build without AMX tiles
     codes, sz = quantize_groups(weight, 32)
-    int4_torch, int4_ours = pack_for_cpu(unpack_nibbles(codes)), woq.pack_int4(unpack_nibbles(codes))
+    int4_torch, int4_ours = pack_for_cpu(unpack_nibbles(codes)), wo_bf16.pack_int4(unpack_nibbles(codes))
 
     def int8_torch(x: torch.Tensor):
         if x.shape[0] <= FAST_PATH_MAX_ROWS:
@@ -59,15 +59,15 @@ def _layer_calls(out_features: int, in_features: int, seed: int) -> dict[str, Ca
         return F.linear(x, q.to(torch.bfloat16)) * scales
 
     return {
-        "bf16": lambda x: woq.bf16_linear(x, pairs, torch.bfloat16),
+        "bf16": lambda x: wo_bf16.bf16_linear(x, pairs, torch.bfloat16),
         "bf16_onednn": onednn,
         "int8_torch": int8_torch,
-        "int8_ours": lambda x: woq.int8_linear(x, int8_packed, scales, torch.bfloat16),
+        "int8_ours": lambda x: wo_bf16.int8_linear(x, int8_packed, scales, torch.bfloat16),
         "int4_torch": lambda x: torch.ops.aten._weight_int4pack_mm_for_cpu(x, int4_torch, 32, sz),
-        "int4_ours": lambda x: woq.int4_linear(x, int4_ours, sz, 32, out_features, torch.bfloat16),
-        "bf16_dpbf16": lambda x: woq.bf16_linear(x, pairs, torch.bfloat16, no_amx),
-        "int8_dpbf16": lambda x: woq.int8_linear(x, int8_pairs, scales, torch.bfloat16, no_amx),
-        "int4_dpbf16": lambda x: woq.int4_linear(x, int4_ours, sz, 32, out_features, torch.bfloat16, no_amx),
+        "int4_ours": lambda x: wo_bf16.int4_linear(x, int4_ours, sz, 32, out_features, torch.bfloat16),
+        "bf16_dpbf16": lambda x: wo_bf16.bf16_linear(x, pairs, torch.bfloat16, no_amx),
+        "int8_dpbf16": lambda x: wo_bf16.int8_linear(x, int8_pairs, scales, torch.bfloat16, no_amx),
+        "int4_dpbf16": lambda x: wo_bf16.int4_linear(x, int4_ours, sz, 32, out_features, torch.bfloat16, no_amx),
     }
 
 
@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    if not woq.available():
+    if not wo_bf16.available():
         print("quantgate's weight-only kernel does not run here (no AVX-512-BF16, no compiler, or "
               f"{settings.WOQ_KERNEL.name}=0)")
         return 1

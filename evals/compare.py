@@ -115,7 +115,7 @@ def paired_delta_ci(base_scores: np.ndarray, variant_scores: np.ndarray, weights
                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Percentile bootstrap CI of variant - baseline over paired items (the last axis): (low, high, deltas).
 
-    Leading axes are independent replicates (e.g. simulated draws in gates.power) judged on one set of
+    Leading axes are independent replicates (e.g. simulated draws in gates.judging.power) judged on one set of
     resamples, as one comparison is."""
     n = base_scores.shape[-1]
     rng = np.random.default_rng(seed)

@@ -1,6 +1,6 @@
 """The release canary's two versions on a local Ray Serve fleet instead of two loopback servers.
 
-Same surface as flows.canary.Canary (`url`, `served_kv`, `decide`, a `with` block); the flow adds the
+Same surface as flows.canary_stage.Canary (`url`, `served_kv`, `decide`, a `with` block); the flow adds the
 replay. One replica per version; the ingress's promote/rollback is the decision, and its history is
 written to the decisions log as JSON lines.
 """

@@ -5,7 +5,7 @@ In the flow: `wait_for_decision(report, candidates, offered=...)` pauses with `p
 the form with each blind gate's reason, approved only when the release manager names them.
 From anywhere that reaches the same Prefect API: the Prefect UI's resume form, or
 `quantgate approve RUN_ID [--reject] --comment ...` which calls `submit_decision`. The flow records the
-decision in MLflow (`gates.registry.record_approval`) once it resumes, whichever way it was resumed.
+decision in MLflow (`gates.records.registry.record_approval`) once it resumes, whichever way it was resumed.
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ def blind_blockers(row: Any) -> list[str]:
 
 def recorded_reasons(run_id: str) -> dict[str, str]:
     """Each gate's recorded reason on a variant's MLflow run (what `gates.md` shows)."""
-    from gates.evaluate import read_evaluation
+    from gates.records.evaluation import read_evaluation
 
     evaluation = read_evaluation(run_id, "release")
     return {} if evaluation is None else {r.name: r.reason for r in evaluation.results}
@@ -139,7 +139,7 @@ UNINFORMATIVE_BANNER = ("> **Some gates could not have failed** at this baseline
 
 def form_description(report_markdown: str) -> str:
     """The resume form's text: the gate report, led by a warning when any gate was uninformative."""
-    from gates.verdicts import UNINFORMATIVE
+    from gates.judging.verdicts import UNINFORMATIVE
 
     if f"**{UNINFORMATIVE.upper()}**" in report_markdown or f"{UNINFORMATIVE} (reported)" in report_markdown:
         return UNINFORMATIVE_BANNER + report_markdown

@@ -78,12 +78,12 @@ def _release_args(p: argparse.ArgumentParser) -> None:
 
 
 def _plan_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("--plan: size n per task instead of releasing (gates/plan.py)")
+    g = p.add_argument_group("--plan: size n per task instead of releasing (gates/release_plan.py)")
     g.add_argument("--plan", action="store_true", help="print the n per task at which a variant equal to the baseline "
                    "passes every task gate with the policy's power.family_harmless_pass, and its eval time; exit")
     g.add_argument("--plan-level", type=float, default=None, help="family harmless-pass level (default: the policy's)")
     g.add_argument("--flip-rate", type=float, default=None, help="per-item answer changes of a harmless variant "
-                   "(default: the --from-run run's per task, else gates.power.DEFAULT_FLIP_RATE)")
+                   "(default: the --from-run run's per task, else gates.judging.power.DEFAULT_FLIP_RATE)")
     g.add_argument("--from-run", default=None, help="a recorded variant run: its flip rates, baseline scores, CIs")
     g.add_argument("--seconds-per-item", default=None, help="eval seconds per item and model: S or TASK=S,...")
 
@@ -186,8 +186,8 @@ def run_release(args: argparse.Namespace, model: str, methods: list[str]) -> int
 
 def _release(args: argparse.Namespace) -> int:
     if args.plan:
-        from gates.plan import plan_report
-        from gates.policy import load_policy
+        from gates.judging.policy import load_policy
+        from gates.release_plan import plan_report
 
         models = 1 + len(chosen_methods(args))
         print(plan_report(load_policy(_policy(args.policy)), _methods(args.suites), models=models,

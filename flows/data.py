@@ -70,7 +70,7 @@ class MeasureConfig:
 
 @dataclass(frozen=True)
 class SpeedPlan:
-    """The paired speed measurement (flows.speed): every model at every operating point in each round.
+    """The paired speed measurement (flows.speed_rounds): every model at every operating point in each round.
     Small token counts, so that every round of every model fits in a release's time on a small CPU (how long
     they took: docs/results/design-figures.md)."""
 
@@ -92,7 +92,7 @@ class SpeedPlan:
 
 @dataclass
 class SpeedResult:
-    metrics: dict[str, dict[str, float]]  # model name -> its paired speed metrics (gates.metrics names)
+    metrics: dict[str, dict[str, float]]  # model name -> its paired speed metrics (gates.metric_names names)
     machine: str  # the machine, in words (flows.machine.describe_line)
     report: str = ""  # the JSON file of every round's figures
 

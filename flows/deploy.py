@@ -107,7 +107,7 @@ def serve_deployment(name: str = DEPLOYMENT_NAME, on_serving: Callable[[str], No
 
     from flows.runtime import shared_api
     from flows.stopping import Stopper
-    from gates.orphans import prepare_sweep
+    from gates.records.orphans import prepare_sweep
 
     prepare_sweep()  # now: on a stop, these imports would take the GIL from the runner for seconds
     stopper = Stopper()

@@ -4,7 +4,7 @@ They run inside the `measure` stage on the engine it already loaded (no second l
 cached with it: the policy's plan is part of `MeasureConfig`, so its key covers them. Per model:
 `fidelity.json` (top-k logprobs of the held text, `evals.fidelity`) and, for the models the policy
 probes, `long_context.json` (`evals.long_context`). The comparison with the baseline runs where the
-task comparison does (`flows.measuring.compare`) and yields `gates.fidelity_gates`' metrics plus a
+task comparison does (`flows.measuring.compare`) and yields `gates.judging.fidelity_gates`' metrics plus a
 report artifact naming the flipped positions and the lost pass keys.
 """
 
@@ -87,7 +87,7 @@ def compare(base_dir: Path, var_dir: Path, out: Path) -> tuple[dict[str, float],
 
 
 def fidelity_metrics(r: Any) -> dict[str, float]:
-    from gates import fidelity_gates as G
+    from gates.judging import fidelity_gates as G
 
     return {G.FIDELITY_KL: r.kl, G.ci_key(G.FIDELITY_KL, "low"): r.kl_ci_low,
             G.ci_key(G.FIDELITY_KL, "high"): r.kl_ci_high, G.FIDELITY_FLIP_RATE: r.flip_rate,
@@ -96,7 +96,7 @@ def fidelity_metrics(r: Any) -> dict[str, float]:
 
 
 def long_context_metrics(row: Any) -> dict[str, float]:
-    from gates import fidelity_gates as G
+    from gates.judging import fidelity_gates as G
 
     values = {"baseline": row.baseline, "variant": row.variant, "delta": row.delta, "delta_ci_low": row.ci_low,
               "delta_ci_high": row.ci_high, "n": float(row.n)}

@@ -88,7 +88,7 @@ def describe(device: str | None = None) -> dict[str, object]:
     version. `device`: the release's (None: `resolve_device()`)."""
     import torch
 
-    from quantgate.kernels import isa, sources_hash
+    from serving.kernels.cpu import isa, sources_hash
     from serving.model.device import resolve_dtype
 
     device = resolve_device(device)

@@ -1,7 +1,7 @@
 """What the flow measures for each model, through the layers below: quantize, serving benchmark, evals,
-comparison. Thin calls into `quantize`, `quantgate.loadgen`, `evals`; the flow's tasks wrap these.
+comparison. Thin calls into `quantize`, `serving.loadgen`, `evals`; the flow's tasks wrap these.
 
-Metric keys are `gates.metrics`' (the gate evaluator reads them back from MLflow).
+Metric keys are `gates.metric_names`' (the gate evaluator reads them back from MLflow).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 from flows import fidelity_stage
 from flows.data import MeasureConfig, Measured, Variant
-from gates import metrics as M
+from gates import metric_names as M
 
 if TYPE_CHECKING:
     from evals.results import EvalResult
@@ -65,7 +65,7 @@ def quantize(source_dir: Path, method: str) -> Path:
 
 
 def read_manifest(variant_dir: Path) -> dict:
-    from quantize.integrity import read_manifest as read
+    from serving.model.quant.integrity import read_manifest as read
 
     return read(Path(variant_dir))
 
@@ -84,7 +84,7 @@ def source_hash(model_dir: Path) -> str:
 def variant_intact(variant_dir: Path) -> bool:
     """A cached variant is reused only while every file matches its manifest's sha256, whatever its size:
     a release must never measure (or register) weights that differ from what was quantized."""
-    from quantize.integrity import verify_variant
+    from serving.model.quant.integrity import verify_variant
 
     try:
         verify_variant(Path(variant_dir), full=True)

@@ -110,7 +110,7 @@ def estimate_weight_bytes(config: dict, recipe: Recipe) -> int:
     multiple of the kernel's rows stays float32, as int4wo leaves it), int8wo and others by quantize.capacity."""
     from quantize.capacity import ModelShape
     from quantize.capacity import estimate_weight_bytes as estimate
-    from quantize.int4 import KERNEL_ROWS
+    from serving.model.quant.int4 import KERNEL_ROWS
 
     shape = ModelShape.from_config(config)
     g = recipe.group_size

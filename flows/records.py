@@ -13,19 +13,19 @@ INITIAL_CHAMPION_REASON = "no champion yet: the release's baseline becomes the i
 
 
 def policy_path(policy: str | None) -> Path:
-    from gates.policy import DEFAULT_POLICY
+    from gates.judging.policy import DEFAULT_POLICY
 
     return Path(policy).expanduser().resolve() if policy else DEFAULT_POLICY
 
 
 def load_policy(policy: str | None):
-    from gates.policy import load_policy as load
+    from gates.judging.policy import load_policy as load
 
     return load(policy_path(policy))
 
 
 def tag_release(run_id: str, tags: dict[str, str]) -> None:
-    from gates.tracking import get_client
+    from gates.records.tracking import get_client
 
     client = get_client()
     for key, value in tags.items():
@@ -33,15 +33,15 @@ def tag_release(run_id: str, tags: dict[str, str]) -> None:
 
 
 def log_comparison(release_run_id: str) -> None:
-    from gates.compare import log_release_comparison
+    from gates.records.comparison import log_release_comparison
 
     log_release_comparison(release_run_id)
 
 
 def approval_report(summary: ReleaseSummary) -> str:
     """The Markdown the release manager sees on the paused run: every variant's gates, then the ask."""
-    from gates.evaluate import read_evaluation
-    from gates.report import render_markdown
+    from gates.judging.gate_report import render_markdown
+    from gates.records.evaluation import read_evaluation
 
     parts = [
         f"# Release of `{summary.model}` waits for a decision",
@@ -66,8 +66,8 @@ def approval_report(summary: ReleaseSummary) -> str:
 
 def _model_version(model: str, version: str):
     """The MLflow client and the registered version `version` of `model` (source or registered name)."""
-    from gates.registry import resolve_registered_model
-    from gates.tracking import get_client
+    from gates.records.registry import resolve_registered_model
+    from gates.records.tracking import get_client
 
     client = get_client()
     return client, client.get_model_version(resolve_registered_model(model, client), str(version))
@@ -75,7 +75,7 @@ def _model_version(model: str, version: str):
 
 def version_source(model: str, version: str) -> Path:
     """The weights a registered version points at (the flow registers variant directories)."""
-    from gates.tracking import version_weights
+    from gates.records.tracking import version_weights
 
     _, mv = _model_version(model, version)
     path = Path(version_weights(mv))  # a tracking server's versions carry their weights' path in a tag
@@ -95,8 +95,8 @@ def version_kv_cache_dtype(model: str, version: str) -> str:
 
 def champion_or_baseline(summary: ReleaseSummary, source: Source) -> tuple[str, Path]:
     """The current champion; with none yet, register this release's baseline and make it champion."""
-    from gates.registry import CHAMPION, aliases, set_initial_champion
-    from gates.tracking import register_variant
+    from gates.records.registry import CHAMPION, aliases, set_initial_champion
+    from gates.records.tracking import register_variant
 
     current = aliases(source.name).get(CHAMPION)
     if current is not None:
@@ -129,27 +129,27 @@ def snapshot(model_dir: Path, digest: str) -> Path:
 
 
 def set_challenger(model: str, version: str, reason: str) -> None:
-    from gates.registry import set_challenger as set_alias
+    from gates.records.registry import set_challenger as set_alias
 
     set_alias(model, version, reason=reason)
 
 
 def promote(model: str, version: str, reason: str) -> None:
-    from gates.registry import promote as promote_version
+    from gates.records.registry import promote as promote_version
 
     promote_version(model, version, reason=reason)
 
 
 def record_approval(model: str, version: str, by: str, decision: str, comment: str) -> None:
-    from gates.registry import record_approval as record
+    from gates.records.registry import record_approval as record
 
     record(model, version, by=by, decision=decision, comment=comment)
 
 
 def aliases(model: str) -> dict[str, str]:
     """The registered model's aliases; none while nothing is registered under `model`."""
-    from gates.registry import aliases as read
-    from gates.registry import resolve_registered_model
+    from gates.records.registry import aliases as read
+    from gates.records.registry import resolve_registered_model
 
     try:
         resolve_registered_model(model)
@@ -160,15 +160,15 @@ def aliases(model: str) -> dict[str, str]:
 
 def clear_challenger(model: str, version: str, reason: str) -> None:
     """Withdraw `challenger` if it still points at `version` (a failed canary, or a failed flow)."""
-    from gates.registry import clear_challenger as clear
+    from gates.records.registry import clear_challenger as clear
 
     clear(model, reason=reason, version=version)
 
 
 def record_canary_metrics(release_run_id: str, challenger_run_id: str, result: dict[str, Any]) -> None:
     """Challenger's canary numbers on its run (what the canary gates judge); champion's on the release."""
-    from gates import metrics as M
-    from gates.tracking import log_metrics
+    from gates import metric_names as M
+    from gates.records.tracking import log_metrics
 
     ch = result["challenger"]
     metrics = {M.CANARY_REQUESTS: ch["requests"], M.CANARY_ERROR_RATE: ch["error_rate"]}
@@ -190,7 +190,7 @@ def record_canary_metrics(release_run_id: str, challenger_run_id: str, result: d
 
 
 def log_canary_artifacts(challenger_run_id: str, result: dict[str, Any]) -> None:
-    from gates.tracking import log_evidence
+    from gates.records.tracking import log_evidence
 
     files = [Path(p) for p in result.get("artifacts", []) if Path(p).exists()]
     if files:
@@ -199,7 +199,7 @@ def log_canary_artifacts(challenger_run_id: str, result: dict[str, Any]) -> None
 
 def log_summary(release_run_id: str, summary: ReleaseSummary) -> None:
     from flows.summary import render_markdown
-    from gates.tracking import get_client
+    from gates.records.tracking import get_client
 
     client = get_client()
     client.log_text(release_run_id, render_markdown(summary), "summary.md")
@@ -209,7 +209,7 @@ def log_summary(release_run_id: str, summary: ReleaseSummary) -> None:
 
 def check_signing_key() -> None:
     """A configured signing key that cannot be read fails the release before anything runs."""
-    from gates.signing import load_private_key
+    from gates.evidence.signing import load_private_key
     from quantgate import settings
 
     path = settings.key_path(settings.SIGNING_KEY)
@@ -218,11 +218,11 @@ def check_signing_key() -> None:
 
 
 def write_evidence(release_run_id: str) -> None:
-    """The release's evidence manifest (gates.evidence). Aliases have moved by now, so a failure to write
+    """The release's evidence manifest (gates.evidence.manifest). Aliases have moved by now, so a failure to write
     it is recorded on the run and said, not turned into a failed release; `quantgate verify` reports it."""
     from flows.progress import note
-    from gates.evidence import ERROR_TAG
-    from gates.evidence import write_evidence as write
+    from gates.evidence.manifest import ERROR_TAG
+    from gates.evidence.manifest import write_evidence as write
 
     try:
         written = write(release_run_id)

@@ -19,8 +19,12 @@ prepare()
 from prefect import flow, task  # noqa: E402
 from prefect.cache_policies import NO_CACHE  # noqa: E402
 
-from flows import canary as canary_stage  # noqa: E402
-from flows import fidelity_stage, measuring, records  # noqa: E402
+from flows import (  # noqa: E402
+    canary_stage,  # noqa: E402
+    fidelity_stage,
+    measuring,
+    records,  # noqa: E402
+)
 from flows.approval import APPROVE_MODES  # noqa: E402
 from flows.data import (  # noqa: E402
     BASELINE,
@@ -121,15 +125,16 @@ def _measure_key(context, parameters) -> str:
 
 
 def _speed_key(context, parameters) -> str:
-    from flows import speed
+    from flows import speed_rounds as speed
 
     return f"{speed.cache_key(parameters['models'], parameters['plan'])}-v{CACHE_VERSION}"
 
 
 @task(name="measure-speed", cache_key_fn=_speed_key, persist_result=True, **RETRIED)
 def measure_speed(models: list[Variant], plan: SpeedPlan) -> SpeedResult:
-    """Baseline and variants loaded together, timed in paired interleaved rounds (flows.speed)."""
-    from flows import machine, speed
+    """Baseline and variants loaded together, timed in paired interleaved rounds (flows.speed_rounds)."""
+    from flows import machine
+    from flows import speed_rounds as speed
     from flows.runtime import work_dir
 
     with stage(f"paired speed: {len(models)} models x {len(plan.points())} points x {plan.rounds} rounds",
@@ -151,8 +156,8 @@ def measure(variant: Variant, config: MeasureConfig) -> Measured:
 
 @task(name="start-release", cache_policy=NO_CACHE, **RETRIED)
 def start_release(source: Source, config: dict) -> str:
-    from gates.orphans import fail_orphaned_releases
-    from gates.tracking import start_release as open_run
+    from gates.records.orphans import fail_orphaned_releases
+    from gates.records.tracking import start_release as open_run
 
     for orphan in fail_orphaned_releases(source.name, found_by=f"the next release of {source.name}"):
         note(f"MLflow release run {orphan} was left RUNNING by a process that is gone: marked FAILED")
@@ -164,8 +169,8 @@ def record(release_run_id: str, measured: Measured, baseline: Measured | None,
            speed: SpeedResult | None = None, register: bool = True) -> tuple[str, str | None]:
     """Compare with the baseline (variants only), log the run in MLflow, register the variant (unless
     `register` is False: `quantgate tune`'s candidates are recorded, never registered)."""
-    from gates.metrics import MACHINE_TAG
-    from gates.tracking import log_variant, register_variant
+    from gates.metric_names import MACHINE_TAG
+    from gates.records.tracking import log_variant, register_variant
 
     v = measured.variant
     with stage(f"{v.name}: compare and record in MLflow"):
@@ -200,7 +205,7 @@ def record(release_run_id: str, measured: Measured, baseline: Measured | None,
 
 @task(name="evaluate-gates", cache_policy=NO_CACHE, **RETRIED)
 def evaluate_gates(run_id: str, policy: str | None, stage_name: str = "release"):
-    from gates.evaluate import evaluate_run
+    from gates.records.evaluation import evaluate_run
 
     return evaluate_run(run_id, records.load_policy(policy), stage=stage_name)
 
@@ -211,7 +216,7 @@ def canary(champion_dir: str, challenger_dir: str, requests: int, share: float, 
            backend: str = "local", device: str = "cpu") -> dict:
     """Replay traffic through the router; the challenger's numbers go to MLflow and are judged there
     (canary gates) before the router is told to promote or roll back."""
-    from gates.evaluate import evaluate_run
+    from gates.records.evaluation import evaluate_run
 
     def judge(result: dict) -> tuple[bool, str]:
         records.record_canary_metrics(release_run_id, challenger_run_id, result)
@@ -251,7 +256,7 @@ def release_flow(
     picks the default `methods` (quantize/methods.py) and is part of every measurement's key."""
     from prefect.runtime import flow_run
 
-    from gates.tracking import end_release, registered_model_name, tracking_uri
+    from gates.records.tracking import end_release, registered_model_name, tracking_uri
 
     device = resolve_device(device)
     methods = list(methods or default_methods(device))

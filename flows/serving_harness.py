@@ -2,7 +2,7 @@
 
 The model's engine is served by our OpenAI-compatible server (`serving.http.server`) on a free loopback port
 in this process, stepped on the calling thread (where torch's ops run fastest: `run_beside_engine`), and
-`quantgate.loadgen.run` drives it from another thread: the shipped prompt set, a fixed concurrency
+`serving.loadgen.run` drives it from another thread: the shipped prompt set, a fixed concurrency
 (`bench_concurrency` streaming clients in a closed loop), greedy, `ignore_eos` so every request decodes
 exactly `bench_max_tokens` tokens. TTFT and TPOT are measured on the client side, as a user sees them.
 """
@@ -12,16 +12,16 @@ from __future__ import annotations
 from pathlib import Path
 
 from flows.data import MeasureConfig
-from gates import metrics as M
+from gates import metric_names as M
 
 _STAT_FOR_QUANTILE = {50: "median", 95: "p95", 99: "p99"}
 
 
 def benchmark(engine, config: MeasureConfig, name: str, out_json: Path) -> dict:
-    from quantgate.loadgen.run import run_serving_benchmark
     from serving import SamplingParams
     from serving.http.server import build_app
     from serving.http.server_thread import ServerThread, run_beside_engine
+    from serving.loadgen.run import run_serving_benchmark
 
     engine.generate(["warm up"], SamplingParams(max_tokens=2, temperature=0.0))  # first-call costs out
     app = build_app(engine, served_model_name=name, version=name, engine_thread=False)
@@ -34,9 +34,9 @@ def benchmark(engine, config: MeasureConfig, name: str, out_json: Path) -> dict:
 
 
 def to_metrics(report: dict) -> dict[str, float]:
-    """The report (flattened by `quantgate.loadgen.run.flat_metrics`) in `gates.metrics` names: latency
+    """The report (flattened by `serving.loadgen.run.flat_metrics`) in `gates.metric_names` names: latency
     quantiles in seconds, tokens/s."""
-    from quantgate.loadgen.run import flat_metrics
+    from serving.loadgen.run import flat_metrics
 
     flat = flat_metrics(report, prefix="")
     metrics: dict[str, float] = {}

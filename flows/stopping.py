@@ -3,7 +3,7 @@ a clear state.
 
 The flow-run processes get SIGTERM (the flow records its failure: Prefect Crashed, MLflow FAILED) and
 `STOP_GRACE_S` to exit; what is left of their process trees is then killed (Prefect's runner reports
-those runs Crashed), the release runs they left RUNNING are marked FAILED in MLflow (`gates.orphans`),
+those runs Crashed), the release runs they left RUNNING are marked FAILED in MLflow (`gates.records.orphans`),
 and the runner stops (deployment paused, as Prefect's `serve` does). Nothing outlives
 `STOP_DEADLINE_S`; a second signal stops at once.
 """
@@ -136,7 +136,7 @@ def _wait_gone(processes: list, timeout_s: float) -> None:
 
 
 def _fail_orphaned_releases(signum: int | None) -> None:
-    from gates.orphans import fail_orphaned_releases
+    from gates.records.orphans import fail_orphaned_releases
 
     name = signal.Signals(signum).name if signum is not None else "a signal"
     try:

@@ -30,7 +30,12 @@ prepare()
 from prefect import flow  # noqa: E402
 from pydantic import BaseModel, ConfigDict, Field  # noqa: E402
 
-from flows import fidelity_stage, measuring, recipes, records  # noqa: E402
+from flows import (  # noqa: E402
+    fidelity_stage,
+    measuring,
+    recipes,
+    records,  # noqa: E402
+)
 from flows import release as R  # noqa: E402
 from flows import tune_report as T  # noqa: E402
 from flows.data import BASELINE, MeasureConfig, Measured, Source, SpeedPlan, Variant  # noqa: E402
@@ -71,7 +76,7 @@ def check_options(candidates: list[str] | None, objective: str, limit: int, poli
 
 def _speed_score(metrics: dict[str, float], plan: SpeedPlan) -> float:
     """Geometric mean of a model's speed ratios over every timed point (prefill, each decode batch)."""
-    from flows.speed import point_key
+    from flows.speed_rounds import point_key
 
     ratios = [metrics[point_key(p)] for p in plan.points() if metrics.get(point_key(p), 0) > 0]
     return math.exp(sum(math.log(r) for r in ratios) / len(ratios)) if ratios else 0.0
@@ -188,7 +193,7 @@ def tune_flow(
 
     from prefect.runtime import flow_run
 
-    from gates.tracking import end_release, tracking_uri
+    from gates.records.tracking import end_release, tracking_uri
 
     opts = check_options(candidates, objective, limit, policy, suites)
     pol = records.load_policy(policy)
@@ -251,7 +256,7 @@ def _outcome(result: T.TuneResult) -> str:
 
 
 def _log(tune_id: str, result: T.TuneResult) -> None:
-    from gates.tracking import get_client
+    from gates.records.tracking import get_client
 
     tags = {"tune.objective": result.objective, "tune.chosen": result.chosen or "none", "tune.outcome": result.outcome[:5000]}
     for r in result.rows:

@@ -67,11 +67,11 @@ def _console():
 def _show(args: argparse.Namespace) -> int:
     from rich.table import Table
 
-    from gates.evaluate import read_evaluation
-    from gates.power import family_line, power_cell
-    from gates.registry import _version, read_approval, resolve_registered_model
-    from gates.tracking import get_client
-    from gates.verdicts import NOT_MEASURED, UNINFORMATIVE
+    from gates.judging.power import family_line, power_cell
+    from gates.judging.verdicts import NOT_MEASURED, UNINFORMATIVE
+    from gates.records.evaluation import read_evaluation
+    from gates.records.registry import _version, read_approval, resolve_registered_model
+    from gates.records.tracking import get_client
 
     client = get_client()
     name = resolve_registered_model(args.model, client)
@@ -126,8 +126,8 @@ def _show(args: argparse.Namespace) -> int:
 
 
 def _evaluate(args: argparse.Namespace) -> int:
-    from gates.evaluate import evaluate_run
-    from gates.verdicts import UNINFORMATIVE
+    from gates.judging.verdicts import UNINFORMATIVE
+    from gates.records.evaluation import evaluate_run
 
     evaluation = evaluate_run(args.run_id, args.policy, stage=args.stage)
     for r in evaluation.results:
@@ -139,7 +139,7 @@ def _evaluate(args: argparse.Namespace) -> int:
 
 
 def _approve(args: argparse.Namespace) -> int:
-    from gates.registry import record_approval
+    from gates.records.registry import record_approval
 
     approval = record_approval(args.model, args.version, by=args.by, comment=args.comment,
                                decision="rejected" if args.reject else "approved")
@@ -150,7 +150,7 @@ def _approve(args: argparse.Namespace) -> int:
 def _history(args: argparse.Namespace) -> int:
     from rich.table import Table
 
-    from gates.registry import alias_history, resolve_registered_model
+    from gates.records.registry import alias_history, resolve_registered_model
 
     name = resolve_registered_model(args.model)
     table = Table(title=f"{name}: alias moves")
@@ -163,7 +163,7 @@ def _history(args: argparse.Namespace) -> int:
 
 
 def _promote(args: argparse.Namespace) -> int:
-    from gates.registry import promote
+    from gates.records.registry import promote
 
     move = promote(args.model, args.version, reason=args.reason, by=args.by)
     print(f"champion: v{move.previous or '—'} -> v{move.version} ({move.reason})")
@@ -171,7 +171,7 @@ def _promote(args: argparse.Namespace) -> int:
 
 
 def _rollback(args: argparse.Namespace) -> int:
-    from gates.registry import rollback
+    from gates.records.registry import rollback
 
     move = rollback(args.model, reason=args.reason, by=args.by)
     print(f"champion: v{move.previous} -> v{move.version} (rolled back: {move.reason})")
@@ -182,7 +182,7 @@ def _mlflow_ui(args: argparse.Namespace) -> int:
     import shlex
     import subprocess
 
-    from gates.tracking import is_local_store, tracking_uri, ui_command, ui_env
+    from gates.records.tracking import is_local_store, tracking_uri, ui_command, ui_env
 
     uri = tracking_uri()
     if not is_local_store(uri):

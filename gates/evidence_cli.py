@@ -25,7 +25,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _verify(args: argparse.Namespace) -> int:
-    from gates.verify import render, verify
+    from gates.evidence.verify import render, verify
 
     report = verify(args.run_id, verify_key=args.key)
     print(render(report, verbose=args.verbose))
@@ -33,7 +33,7 @@ def _verify(args: argparse.Namespace) -> int:
 
 
 def _keygen(args: argparse.Namespace) -> int:
-    from gates.signing import generate_keypair, key_id, load_public_key
+    from gates.evidence.signing import generate_keypair, key_id, load_public_key
 
     private, public = generate_keypair(args.directory)
     print(f"private key {private} (keep it secret; QUANTGATE_SIGNING_KEY={private} where releases run)")
@@ -43,7 +43,7 @@ def _keygen(args: argparse.Namespace) -> int:
 
 
 def _write(args: argparse.Namespace) -> int:
-    from gates.evidence import MANIFEST_PATH, write_evidence
+    from gates.evidence.manifest import MANIFEST_PATH, write_evidence
 
     written = write_evidence(args.run_id, signing_key=args.key)
     signed = f"signed with key {written.key_id}" if written.key_id else "unsigned (no signing key configured)"

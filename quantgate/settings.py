@@ -45,7 +45,7 @@ DECODE_STEP = _switch("QUANTGATE_DECODE_STEP", "1", "0 runs decode steps' layers
 PACK_WEIGHTS = _switch("QUANTGATE_PACK_WEIGHTS", "1", "0 keeps plain nn.Linear for bf16 weights")
 FAST_FORWARD = _switch("QUANTGATE_FAST_FORWARD", "1", "0 runs the model's own forward instead of llama_forward")
 TRITON_INTERPRET = _switch("TRITON_INTERPRET", "0", "Triton's own (read when kernels are defined): 1 runs "
-                            "serving/model/cuda's kernels on CPU tensors in its interpreter (tests)")
+                            "serving/kernels/cuda's kernels on CPU tensors in its interpreter (tests)")
 TCMALLOC = _switch("QUANTGATE_TCMALLOC", "1", "0: the CLI does not re-execute itself with tcmalloc preloaded")
 USER = _switch("QUANTGATE_USER", "", "who approves and registers (recorded with each decision); the login name")
 FLEET_ADMIN_KEY = _switch("QUANTGATE_FLEET_ADMIN_KEY", "", "bearer key `quantgate fleet` admin calls send")

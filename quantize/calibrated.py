@@ -21,7 +21,7 @@ from torch import nn
 from quantize import awq
 from quantize.gptq import DEFAULT_DAMP, Hessian, gptq_quantize
 from quantize.group_grid import GroupCodes, check_bits, round_to_nearest
-from quantize.weight_only import int4_fits
+from serving.model.quant.int8 import int4_fits
 
 log = logging.getLogger(__name__)
 

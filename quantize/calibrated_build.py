@@ -16,8 +16,8 @@ from torch import nn
 
 from quantize.calibrated import Recipe, calibrate
 from quantize.group_grid import GroupCodes, round_to_nearest
-from quantize.int4 import Int4Embedding, Int4WeightOnlyLinear, check_group_size
-from quantize.weight_only import keep_embedding_scale
+from serving.model.quant.int4 import Int4Embedding, Int4WeightOnlyLinear, check_group_size
+from serving.model.quant.int8 import keep_embedding_scale
 
 ALGORITHM_OPTIONS = {"gptq": ("damp",), "awq": ("grid",), "rtn": ()}
 

@@ -269,7 +269,7 @@ def rows_as_dicts(rows: list[CapacityRow]) -> list[dict[str, Any]]:
 
 def weight_bytes_of(model_dir: str | Path) -> int:
     """Weight bytes of any model directory: a variant's manifest, else its safetensors headers."""
-    from quantize.integrity import is_variant, read_manifest, weight_bytes
+    from serving.model.quant.integrity import is_variant, read_manifest, weight_bytes
 
     if is_variant(model_dir):
         return int(read_manifest(model_dir)["weight_bytes"])

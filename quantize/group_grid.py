@@ -1,7 +1,7 @@
 """The int4 layout's grid, for methods that choose their own codes (GPTQ, AWQ, round-to-nearest at 3 bits).
 
 The engine serves w = (q - 8) * scale + zero per group of inputs, scale and zero in bf16, q in 0..15
-(quantize/int4.py). A method here picks q in 0..2**bits - 1 (bits 3 or 4: a 3-bit grid is the same layout
+(serving/model/quant/int4.py). A method here picks q in 0..2**bits - 1 (bits 3 or 4: a 3-bit grid is the same layout
 with half the codes unused) against the scale and zero *as stored* (rounded to bf16), so what it optimises
 is exactly what the kernels compute.
 """
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from quantize.int4 import pack_nibbles
+from serving.model.quant.int4 import pack_nibbles
 
 BITS = (3, 4)
 

@@ -1,12 +1,11 @@
 """The method table: one entry per quantization method; another backend is one more entry.
 
-A method builds a quantized model from a plain HF directory, saves it into a directory, and (when
-plain `AutoModelForCausalLM.from_pretrained` cannot) loads it back.
+A method builds a quantized model from a plain HF directory and saves it into a directory; the engine loads
+it back by its weight files (serving/model/quant/loader.py).
 """
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,8 +28,6 @@ class Method:
     group_size: int | None
     build: Callable[[Path, dict[str, Any]], PreTrainedModel]
     save: Callable[[PreTrainedModel, Path], None]
-    # None: the saved directory loads with plain `AutoModelForCausalLM.from_pretrained`.
-    load: Callable[[Path, str, torch.dtype | None], PreTrainedModel] | None = None
     defaults: dict[str, Any] = field(default_factory=dict)
     # Names of the saved weight files, so verification knows what must be there.
     weight_files: tuple[str, ...] = ("model.safetensors",)
@@ -50,20 +47,6 @@ class Method:
         if "group_size" in merged and merged["group_size"] not in (32, 64, 128, 256):
             raise ValueError(f"group_size must be 32, 64, 128 or 256, got {merged['group_size']!r}")
         return merged
-
-
-def quiet_bitsandbytes() -> None:
-    """bitsandbytes logs a line per 8-bit matmul on CPU and one about an optional package at import."""
-
-    class _Drop(logging.Filter):
-        def filter(self, record: logging.LogRecord) -> bool:
-            message = record.getMessage()
-            return "inputs will be cast" not in message and "kernels" not in message
-
-    for name in ("bitsandbytes.autograd._functions", "bitsandbytes.backends.cpu.ops"):
-        logger = logging.getLogger(name)
-        if not any(isinstance(f, _Drop) for f in logger.filters):
-            logger.addFilter(_Drop())
 
 
 def _torch_dtype(name: str) -> torch.dtype:
@@ -87,8 +70,10 @@ def _bnb_config(method: str, opts: dict[str, Any]):
 
 def _bnb_builder(method: str) -> Callable[[Path, dict[str, Any]], PreTrainedModel]:
     def build(source: Path, opts: dict[str, Any]) -> PreTrainedModel:
-        quiet_bitsandbytes()
         from quantgate.loading import load_causal_lm
+        from serving.model.quant.loader import quiet_bitsandbytes
+
+        quiet_bitsandbytes()
 
         # Linear4bit packs its weights when placed on a device; device_map places them during load.
         model = load_causal_lm(
@@ -117,11 +102,11 @@ def _weight_only(method: str):
         import torch
 
         from quantgate.loading import load_causal_lm
-        from quantize.weight_only import quantize_model
+        from serving.model.quant.int8 import quantize_model
 
         model = load_causal_lm(source, dtype=_torch_dtype(opts["dtype"])).eval()
         if opts.get("group_size"):
-            from quantize.int4 import check_group_size
+            from serving.model.quant.int4 import check_group_size
 
             check_group_size(model, opts["group_size"], opts["quantize_lm_head"], opts["quantize_embeddings"])
         with torch.no_grad():
@@ -132,16 +117,11 @@ def _weight_only(method: str):
         return model
 
     def save(model: PreTrainedModel, out: Path) -> None:
-        from quantize.weight_only_io import save_weight_only
+        from serving.model.quant.checkpoint import save_weight_only
 
         save_weight_only(model, out, method)
 
-    def load(directory: Path, device: str, dtype: torch.dtype | None) -> PreTrainedModel:
-        from quantize.weight_only_io import load_weight_only
-
-        return load_weight_only(directory, device, dtype, method)
-
-    return build, save, load
+    return build, save
 
 
 def _bitsandbytes(name: str, bits: int, description: str, group_size: int | None,
@@ -166,8 +146,8 @@ def _calibrated(algorithm: str, description: str, defaults: dict[str, Any]) -> M
 
         return build_calibrated(source, opts, algorithm)
 
-    _, save, load = _weight_only("int4wo")
-    return Method(f"int4-{algorithm}", 4, "quantgate", description, 32, build, save, load,
+    _, save = _weight_only("int4wo")
+    return Method(f"int4-{algorithm}", 4, "quantgate", description, 32, build, save,
                   defaults={"group_size": 32, "bits": 4, "calibration_tokens": 2048, "seq_len": 256,
                             "quantize_lm_head": True, "quantize_embeddings": True, "dtype": "float32", **defaults},
                   weight_files=("int4wo.safetensors",))
@@ -203,7 +183,7 @@ INT4_DEFAULT = "int4-awq"
 
 # A release's methods when none are named, by the device it serves on: those with real kernels there. CPU:
 # our weight-only kernels (bitsandbytes' CPU kernels are slower than bf16). CUDA: the same formats through
-# serving/model/cuda/woq.py's Triton GEMMs, and bitsandbytes LLM.int8() and NF4 through its CUDA kernels.
+# serving/kernels/cuda/wo_gemm.py's Triton GEMMs, and bitsandbytes LLM.int8() and NF4 through its CUDA kernels.
 DEFAULT_METHODS: dict[str, tuple[str, ...]] = {
     "cpu": (INT8_DEFAULT, INT4_DEFAULT),
     "cuda": (INT8_DEFAULT, INT4_DEFAULT, "int8", "nf4"),

@@ -10,8 +10,8 @@ from torch import nn
 
 def tensor_table(model: nn.Module) -> dict[str, dict[str, Any]]:
     """{module name: {"format", "shape", "tensors", ...}} for every linear and embedding of `model`."""
-    from quantize.int4 import Int4Embedding, Int4WeightOnlyLinear
-    from quantize.weight_only import Int8Embedding, Int8WeightOnlyLinear
+    from serving.model.quant.int4 import Int4Embedding, Int4WeightOnlyLinear
+    from serving.model.quant.int8 import Int8Embedding, Int8WeightOnlyLinear
 
     owners: dict[int, str] = {}
     table: dict[str, dict[str, Any]] = {}

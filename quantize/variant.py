@@ -14,9 +14,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from quantgate.env import apply_defaults, home
-from quantgate.loading import load_causal_lm
 from quantgate.models import content_hash, resolve_model
-from quantize.integrity import (
+from quantize.methods import Method, get_method
+from quantize.probe import check_built
+from serving.model.quant.integrity import (
     FORMAT_VERSION,
     KIND,
     MANIFEST,
@@ -27,12 +28,9 @@ from quantize.integrity import (
     verify_variant,
     weight_bytes,
 )
-from quantize.methods import Method, get_method, quiet_bitsandbytes
-from quantize.probe import check_built
 
 if TYPE_CHECKING:
-    import torch
-    from transformers import PreTrainedModel
+    pass
 
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".safetensors.index.json", ".bin.index.json")
 _NOT_COPIED = {"config.json", MANIFEST, "quantgate-converted.json"}
@@ -240,29 +238,6 @@ def cached_content_hash(model_dir: Path) -> str:
     tmp.write_text(json.dumps(memo, indent=1))
     os.replace(tmp, memo_path)
     return digest
-
-
-def load_variant(directory: str | Path, device: str = "cpu", dtype: torch.dtype | None = None) -> PreTrainedModel:
-    """Load a verified variant directory as a ready causal LM on `device`."""
-    directory = Path(directory)
-    manifest = verify_variant(directory)
-    spec = get_method(manifest["method"])
-    if spec.load is not None:
-        return spec.load(directory, device, dtype).eval()
-    quiet_bitsandbytes()
-    return load_causal_lm(directory, dtype=dtype or "auto", device_map={"": device}).eval()
-
-
-def load_model(model_dir: str | Path, device: str = "cpu", dtype: torch.dtype | None = None) -> PreTrainedModel:
-    """Any model the engine may serve: a plain HF directory, a variant (verified first), or a reference.
-
-    `dtype=None` keeps the dtype the directory was saved in.
-    """
-    apply_defaults()
-    path = resolve_model(model_dir)
-    if (path / MANIFEST).exists():
-        return load_variant(path, device, dtype)
-    return load_causal_lm(path, dtype=dtype or "auto", device_map={"": device}).eval()
 
 
 _SAFETENSORS_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}

@@ -25,8 +25,8 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # Engines default to bf16 on CPUs with native bf16; tests compare token by token with HF in fp32, so
 # they pin fp32 (test_device.py checks the automatic choice itself).
 os.environ["QUANTGATE_DTYPE"] = "float32"
-# serving/model/cuda's Triton kernels run on CPU tensors in Triton's interpreter, which triton reads when a kernel
-# is defined: set for the whole session, before any test module imports serving.model.cuda.
+# serving/kernels/cuda's Triton kernels run on CPU tensors in Triton's interpreter, which triton reads when a kernel
+# is defined: set for the whole session, before any test module imports serving.kernels.cuda.
 if os.environ.get("QUANTGATE_TEST_DEVICE", "cpu") == "cpu":
     os.environ["TRITON_INTERPRET"] = "1"
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 
-from gates import metrics as M
+from gates import metric_names as M
 
 POLICY_YAML = """\
 version: 1
@@ -55,7 +55,7 @@ NO_TPOT = {k: v for k, v in GOOD.items() if k != M.SERVE_TPOT_P99_S}
 def make_release(model: str, variants: dict[str, dict[str, float]], baseline: dict | None = BASELINE,
                  register: bool = True) -> dict[str, tuple[str, str | None]]:
     """Record a release with a baseline and the given variants; returns name -> (run id, version)."""
-    from gates.tracking import log_variant, register_variant, start_release
+    from gates.records.tracking import log_variant, register_variant, start_release
 
     release = start_release(model, "sha256:feedbeef", {"eval": {"limit": 50, "tasks": ["arc", "hellaswag"]}})
     out: dict[str, tuple[str, str | None]] = {"release": (release, None)}

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 from gates_fixtures import make_release
 
-from gates import metrics as M
+from gates import metric_names as M
 
 # The baseline refuses 2.5 % of harmful prompts: the refusal-fall gate cannot see a fall (blocks by default).
 BLIND_BASE = {M.SAFETY_REFUSAL_RATE: 0.025, M.WEIGHTS_BYTES: 538e6,
@@ -27,7 +27,7 @@ def summary(tmp_path_factory):
     patch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
     patch.setenv("QUANTGATE_HOME", str(tmp_path / "home"))
     from flows.release import ReleaseSummary, VariantResult
-    from gates.evaluate import evaluate_run
+    from gates.records.evaluation import evaluate_run
 
     runs = make_release("m-offer", {"int4wo": ONLY_BLIND, "int8wo": ALSO_REAL}, baseline=BLIND_BASE)
     policy = tmp_path / "policy.yaml"

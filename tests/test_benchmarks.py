@@ -188,7 +188,7 @@ def test_variants_on_the_avx2_path_times_torch_on_avx2_too(tiny_model_dir, tmp_p
     """An AVX2-only CPU runs the baseline's GEMMs in AVX2: on a CPU with more, the benchmark re-runs itself
     with torch forced there (on an AVX2-only CPU it already is)."""
     from benchmarks import variants
-    from quantgate.kernels import isa
+    from serving.kernels.cpu import isa
 
     if "avx2" not in isa.cpu_flags():
         pytest.skip("not an x86 CPU with AVX2")

@@ -16,7 +16,7 @@ from benchmarks.peer_isa import SITE_DIR, forced_env
 from benchmarks.peer_runs import check_exact, median_of_rounds
 from benchmarks.peer_servers import LLAMA_DEFAULT_ARGS, PeerPaths, ServerSpec, command, parse_serve
 from benchmarks.peers import Workload, cpu_info, pick_reference, run_peers
-from quantgate.loadgen.run import run_serving_benchmark
+from serving.loadgen.run import run_serving_benchmark
 
 
 def test_specs_workload_and_cpu_flags(tmp_path):

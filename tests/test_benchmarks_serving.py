@@ -1,4 +1,4 @@
-"""The load generator (quantgate/loadgen/run.py) against a stub server that answers at once."""
+"""The load generator (serving/loadgen/run.py) against a stub server that answers at once."""
 
 from __future__ import annotations
 
@@ -7,15 +7,15 @@ import json
 import pytest
 from benchmarks_fixtures import stub_server
 
-from quantgate.loadgen.run import (
+from quantgate.ports import free_port
+from serving.loadgen.run import (
     arrival_gaps,
     build_requests,
     completions_url,
     flat_metrics,
     run_serving_benchmark,
 )
-from quantgate.loadgen.stats import percentile, summarize
-from quantgate.ports import free_port
+from serving.loadgen.stats import percentile, summarize
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""The decode step as one compiled call (serving/model/decode_step.py, quantgate/kernels/decode_step.cpp): the
+"""The decode step as one compiled call (serving/model/decode_step.py, serving/kernels/cpu/decode_step.cpp): the
 same tokens and the same logprobs, bit for bit, as the Python loop over the same ops, on every kernel path
 this CPU runs; taken only for decode-only steps over a cache in the model's dtype."""
 
@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 
 import quantize
-from quantgate.kernels import decoder_ops
-from quantgate.kernels import isa as isas
 from serving import LLMEngine, SamplingParams
+from serving.kernels.cpu import decoder_ops
+from serving.kernels.cpu import isa as isas
 from serving.model.decode_step import DecodeStep
 
 PATHS = [i for i in isas.supported() if i != "torch"]

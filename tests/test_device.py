@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from quantgate.kernels import isa as isas
 from serving import LLMEngine
+from serving.kernels.cpu import isa as isas
 from serving.model.device import DTYPE_ENV, cpu_flags, default_dtype, native_bf16, parse_dtype, resolve_dtype
 
 

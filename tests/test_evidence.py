@@ -1,4 +1,4 @@
-"""gates/evidence.py, gates/verify.py, gates/signing.py: a release's evidence manifest, its signature, and
+"""gates/evidence/manifest.py, gates/evidence/verify.py, gates/evidence/signing.py: a release's evidence manifest, its signature, and
 `quantgate verify` catching one changed byte of a weight, an output, the policy or a verdict.
 
 Each case records a small release of its own (real MLflow sqlite store in tmp, a real nf4 variant of a
@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from evals.results import EvalResult, SampleResult, TaskResult
-from gates import metrics as M
+from gates import metric_names as M
 
 POLICY = """\
 version: 1
@@ -54,7 +54,7 @@ def module_store(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def keys(tmp_path_factory) -> dict[str, tuple[Path, Path]]:
-    from gates.signing import generate_keypair
+    from gates.evidence.signing import generate_keypair
 
     root = tmp_path_factory.mktemp("keys")
     return {name: generate_keypair(root / name) for name in ("ours", "other")}
@@ -71,12 +71,12 @@ def _evals(out: Path, correct: list[bool]) -> Path:
 
 def _record(tmp_path: Path, built: dict[str, Path], signing_key: Path | None) -> dict:
     """A release of the copied source and variant: measured, gated, registered, approved, evidence written."""
-    from gates.evaluate import evaluate_run
-    from gates.evidence import write_evidence
-    from gates.registry import record_approval
-    from gates.tracking import end_release, log_variant, register_variant, start_release
+    from gates.evidence.manifest import write_evidence
+    from gates.records.evaluation import evaluate_run
+    from gates.records.registry import record_approval
+    from gates.records.tracking import end_release, log_variant, register_variant, start_release
     from quantgate.models import content_hash
-    from quantize.integrity import read_manifest, weight_bytes
+    from serving.model.quant.integrity import read_manifest, weight_bytes
 
     src, nf4 = shutil.copytree(built["src"], tmp_path / "src"), shutil.copytree(built["nf4"], tmp_path / "nf4")
     policy = tmp_path / "policy.yaml"
@@ -113,7 +113,7 @@ def signed(module_store, tmp_path, built, keys) -> dict:
 
 
 def _artifact(run_id: str, path: str) -> Path:
-    from gates.tracking import get_run
+    from gates.records.tracking import get_run
 
     return Path(get_run(run_id).info.artifact_uri.removeprefix("file://")) / path
 
@@ -125,14 +125,14 @@ def _flip_byte(path: Path, offset: int) -> None:
 
 
 def _manifest(release: str) -> dict:
-    from gates.evidence import MANIFEST_PATH
+    from gates.evidence.manifest import MANIFEST_PATH
 
     return json.loads(_artifact(release, MANIFEST_PATH).read_bytes())
 
 
 def test_the_manifest_binds_weights_recipe_policy_data_outputs_verdicts_and_approval(pristine):
-    from gates.evidence import directory_hashes, sha256
-    from gates.tracking import get_client
+    from gates.evidence.manifest import directory_hashes, sha256
+    from gates.records.tracking import get_client
     from quantgate.models import file_sha256
 
     m = _manifest(pristine["release"])
@@ -161,8 +161,8 @@ def test_the_manifest_binds_weights_recipe_policy_data_outputs_verdicts_and_appr
 
 
 def test_verify_passes_on_an_untouched_release_with_our_key(pristine, keys, capsys):
-    from gates.signing import key_id, load_public_key
-    from gates.verify import verify
+    from gates.evidence.signing import key_id, load_public_key
+    from gates.evidence.verify import verify
     from quantgate.cli import main
 
     report = verify(pristine["run"], verify_key=keys["ours"][1])  # a variant run leads to its release
@@ -175,7 +175,7 @@ def test_verify_passes_on_an_untouched_release_with_our_key(pristine, keys, caps
 
 
 def test_without_a_key_only_integrity_is_checked_and_said(pristine, capsys):
-    from gates.verify import verify
+    from gates.evidence.verify import verify
     from quantgate.cli import main
 
     report = verify(pristine["release"])
@@ -185,7 +185,7 @@ def test_without_a_key_only_integrity_is_checked_and_said(pristine, capsys):
 
 
 def test_the_verify_key_comes_from_the_verifiers_configuration(pristine, keys, monkeypatch):
-    from gates.verify import verify
+    from gates.evidence.verify import verify
 
     monkeypatch.setenv("QUANTGATE_VERIFY_KEY", str(keys["other"][1]))
     report = verify(pristine["release"])
@@ -213,14 +213,14 @@ def _tamper_policy(s: dict) -> str:
 
 
 def _tamper_verdict_tag(s: dict) -> str:
-    from gates.tracking import get_client
+    from gates.records.tracking import get_client
 
     get_client().set_tag(s["run"], M.gate_key("task/arith/max_drop", "verdict"), "fail")
     return "release gate (MLflow tags) task/arith/max_drop"
 
 
 def _tamper_metric(s: dict) -> str:
-    from gates.tracking import get_client
+    from gates.records.tracking import get_client
 
     get_client().log_metric(s["run"], M.task_delta_ci_low("arith"), -0.2)
     return "nf4 (run " + s["run"][:8] + "): metric task/arith/delta_ci_low: manifest says -0.02, found -0.2"
@@ -229,7 +229,7 @@ def _tamper_metric(s: dict) -> str:
 @pytest.mark.parametrize("tamper", [_tamper_weight, _tamper_output, _tamper_policy, _tamper_verdict_tag, _tamper_metric],
                          ids=["weight", "output", "policy", "verdict-tag", "metric"])
 def test_verify_fails_on_one_changed_byte_naming_it(signed, keys, tamper, capsys):
-    from gates.verify import verify
+    from gates.evidence.verify import verify
     from quantgate.cli import main
 
     expected = tamper(signed)
@@ -241,8 +241,8 @@ def test_verify_fails_on_one_changed_byte_naming_it(signed, keys, tamper, capsys
 
 def _rewrite_manifest(release: str, change) -> None:
     """What someone with write access to the run can do: rewrite the manifest and the tag naming its hash."""
-    from gates.evidence import CARD_SHA_TAG, MANIFEST_PATH, canonical, sha256
-    from gates.tracking import get_client
+    from gates.evidence.manifest import CARD_SHA_TAG, MANIFEST_PATH, canonical, sha256
+    from gates.records.tracking import get_client
 
     manifest = _manifest(release)
     change(manifest)
@@ -257,7 +257,7 @@ def _flip_verdict(manifest: dict) -> None:
 
 
 def test_a_rewritten_verdict_is_caught_by_rejudging_and_by_the_signature(signed, keys):
-    from gates.verify import verify
+    from gates.evidence.verify import verify
 
     _rewrite_manifest(signed["release"], _flip_verdict)
     unsigned_check = verify(signed["release"])
@@ -267,8 +267,8 @@ def test_a_rewritten_verdict_is_caught_by_rejudging_and_by_the_signature(signed,
 
 
 def test_a_forged_missing_or_withdrawn_signature_fails_with_a_key(signed, keys):
-    from gates.evidence import SIGNATURE_PATH, write_evidence
-    from gates.verify import verify
+    from gates.evidence.manifest import SIGNATURE_PATH, write_evidence
+    from gates.evidence.verify import verify
 
     path = _artifact(signed["release"], SIGNATURE_PATH)
     record = json.loads(path.read_text())
@@ -288,7 +288,7 @@ def test_a_forged_missing_or_withdrawn_signature_fails_with_a_key(signed, keys):
 
 
 def test_keygen_writes_a_pair_and_never_replaces_one(tmp_path, capsys):
-    from gates.signing import PRIVATE_NAME, PUBLIC_NAME, load_private_key, load_public_key
+    from gates.evidence.signing import PRIVATE_NAME, PUBLIC_NAME, load_private_key, load_public_key
     from quantgate.cli import main
 
     assert main(["keygen", str(tmp_path / "k")]) == 0

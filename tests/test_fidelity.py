@@ -12,8 +12,8 @@ import torch
 
 from evals import fidelity as F
 from flows import fidelity_stage
-from gates import fidelity_gates as G
-from gates.policy import PolicyError, parse_policy
+from gates.judging import fidelity_gates as G
+from gates.judging.policy import PolicyError, parse_policy
 
 PLAN = F.FidelityPlan(chunks=6, chunk_tokens=48)
 POLICY = {"tasks": {"max_drop": 0.1}, "fidelity": {"max_kl": 0.05, "max_flip_rate": 0.2}}
@@ -51,7 +51,7 @@ def records(tiny_model_dir: Path, tmp_path_factory) -> dict[str, dict]:
 
 
 def _fidelity_verdicts(metrics: dict[str, float]) -> dict[str, str]:
-    from gates.evaluate import judge
+    from gates.judging.judge import judge
 
     return {r.name: r.verdict for r in judge(parse_policy(POLICY), metrics, {}) if r.name.startswith("fidelity/")}
 
@@ -121,8 +121,8 @@ def test_policy_sections_are_strict() -> None:
 
 def test_gate_verdicts_are_recorded_in_mlflow(store, records, tmp_path) -> None:
     """Baseline and variant measure dirs -> compare -> MLflow run -> evaluate_run: the refusal is recorded."""
-    from gates.evaluate import evaluate_run
-    from gates.tracking import get_client, log_variant, start_release
+    from gates.records.evaluation import evaluate_run
+    from gates.records.tracking import get_client, log_variant, start_release
 
     dirs = {}
     for name in ("baseline", "perturbed"):

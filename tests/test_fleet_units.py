@@ -120,7 +120,7 @@ def test_simulated_burst_predictive_matches_the_warm_pool_at_a_fraction_of_its_c
 
 def test_release_canary_backend_ray_puts_the_canary_on_the_fleet():
     from fleet.canary import FleetCanary
-    from flows import canary
+    from flows import canary_stage as canary
 
     assert canary.canary_class() is canary.Canary
     ray_canary = canary.canary_class("ray")

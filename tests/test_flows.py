@@ -125,9 +125,9 @@ def first_release(prefect_api, tiny_model_dir, policies) -> dict:
 
 
 def test_release_end_to_end_promotes_the_variant_after_the_canary(first_release):
-    from gates import registry
-    from gates.evaluate import read_evaluation
-    from gates.tracking import get_client, get_run, release_children
+    from gates.records import registry
+    from gates.records.evaluation import read_evaluation
+    from gates.records.tracking import get_client, get_run, release_children
 
     s = first_release
     assert [r["name"] for r in s["rows"]] == ["baseline", "nf4"]
@@ -167,9 +167,9 @@ def test_release_end_to_end_promotes_the_variant_after_the_canary(first_release)
 
 
 def test_the_release_writes_evidence_that_verify_accepts(first_release):
-    from gates.evidence import CARD_SHA_TAG
-    from gates.tracking import get_client, get_run
-    from gates.verify import verify
+    from gates.evidence.manifest import CARD_SHA_TAG
+    from gates.evidence.verify import verify
+    from gates.records.tracking import get_client, get_run
 
     s = first_release
     report = verify(s["release_run_id"])
@@ -181,8 +181,8 @@ def test_the_release_writes_evidence_that_verify_accepts(first_release):
 
 
 def test_a_failing_gate_promotes_nothing(first_release, tiny_model_dir, policies):
-    from gates import registry
-    from gates.evaluate import read_evaluation
+    from gates.records import registry
+    from gates.records.evaluation import read_evaluation
 
     before = registry.aliases(first_release["model"])
     s = _release(tiny_model_dir, policies["fail"])
@@ -203,8 +203,8 @@ def test_a_failing_gate_promotes_nothing(first_release, tiny_model_dir, policies
 
 
 def test_a_failing_canary_rolls_back(first_release, tiny_model_dir, policies):
-    from gates import registry
-    from gates.tracking import get_client, get_run
+    from gates.records import registry
+    from gates.records.tracking import get_client, get_run
 
     before = registry.aliases(first_release["model"])
     s = _release(tiny_model_dir, policies["canary_fail"])
@@ -252,7 +252,7 @@ def _paused_release(model: Path, policy: str, answer: dict) -> tuple[dict, str]:
 
 
 def test_manual_approval_pauses_and_resumes_with_approve(first_release, tiny_model_dir, policies):
-    from gates import registry
+    from gates.records import registry
 
     s, _ = _paused_release(tiny_model_dir, policies["pass"],
                            {"approve": True, "comment": "numbers look fine", "by": "ana"})
@@ -266,7 +266,7 @@ def test_manual_approval_pauses_and_resumes_with_approve(first_release, tiny_mod
 
 
 def test_manual_approval_pauses_and_resumes_with_reject(first_release, tiny_model_dir, policies):
-    from gates import registry
+    from gates.records import registry
 
     before = registry.aliases(first_release["model"])
     s, _ = _paused_release(tiny_model_dir, policies["pass"],

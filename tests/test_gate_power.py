@@ -1,7 +1,7 @@
-"""Power of the task gates (gates.power) against simulations through the real gate.
+"""Power of the task gates (gates.judging.power) against simulations through the real gate.
 
 Crafted binary tasks (no model): each simulated draw gives baseline and variant outcomes per item under
-the flip model, the CI comes from evals.compare.paired_delta_ci and the verdict from gates.evaluate.judge,
+the flip model, the CI comes from evals.compare.paired_delta_ci and the verdict from gates.judging.judge.judge,
 so the closed forms are checked against the code path a release takes. 200 draws a check, fixed seeds;
 a pass rate p from 200 draws has sd sqrt(p (1 - p) / 200) (0.034 at p = 0.65), so the 0.03 checks sit
 where p is near 0.95, where that noise is half the tolerance.
@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 from gates_fixtures import make_release
 
-from gates import metrics as M
-from gates import power as P
-from gates import power_sim as S
-from gates.evaluate import judge
-from gates.policy import PolicyError, parse_policy
+from gates import metric_names as M
+from gates.judging import power as P
+from gates.judging import power_sim as S
+from gates.judging.judge import judge
+from gates.judging.policy import PolicyError, parse_policy
 
 POLICY = parse_policy({"tasks": {"max_drop": 0.05, "overrides": {"t03": {"max_drop": 0.08}}}})
 DRAWS = 200
@@ -131,9 +131,9 @@ def test_underpowered_is_reported_beside_the_verdict_never_instead() -> None:
 
 
 def test_power_is_recorded_in_mlflow_and_shown(store, tmp_path, capsys) -> None:
-    from gates.evaluate import evaluate_run, read_evaluation
-    from gates.report import render_markdown
-    from gates.tracking import get_client
+    from gates.judging.gate_report import render_markdown
+    from gates.records.evaluation import evaluate_run, read_evaluation
+    from gates.records.tracking import get_client
 
     variant = {**M.task_metrics("arc_easy", 0.60, delta=0.0, ci_low=-0.05, ci_high=0.05, n=100),
                **M.task_metrics("piqa", 0.64, delta=0.0, ci_low=-0.02, ci_high=0.02, n=1000)}
@@ -158,8 +158,8 @@ def test_power_is_recorded_in_mlflow_and_shown(store, tmp_path, capsys) -> None:
     report = render_markdown(back, "int4wo")
     assert f"{arc.harmless_pass:.2f} / {arc.refusal80_drop:.3g} **underpowered**" in report
     assert f"probability {arc.harmless_pass * piqa.harmless_pass:.3f}" in report
-    from gates.plan import plan_report
-    from gates.policy import load_policy
+    from gates.judging.policy import load_policy
+    from gates.release_plan import plan_report
     from quantgate.cli import main
 
     assert main(["gates", "show", "--model", "m-power", "--version", version]) == 0

@@ -9,10 +9,10 @@ from __future__ import annotations
 import pytest
 from gates_fixtures import make_release
 
-from gates import metrics as M
-from gates.evaluate import judge
-from gates.policy import PolicyError, parse_policy
-from gates.verdicts import UNINFORMATIVE
+from gates import metric_names as M
+from gates.judging.judge import judge
+from gates.judging.policy import PolicyError, parse_policy
+from gates.judging.verdicts import UNINFORMATIVE
 
 BASE_POLICY = {"tasks": {"max_drop": 0.05}, "safety": {"refusal_rate_max_fall": 0.05}}
 
@@ -86,7 +86,7 @@ def test_sensitivity_policy_is_parsed_strictly() -> None:
         _policy(safety="ignore")
     with pytest.raises(PolicyError, match="unknown key 'sensitivity.refusal'"):
         _policy(refusal="block")
-    from gates.policy import load_policy
+    from gates.judging.policy import load_policy
 
     default = load_policy()
     assert (default.uninformative_tasks, default.uninformative_safety, default.min_baseline_refusal_rate) == \
@@ -95,9 +95,9 @@ def test_sensitivity_policy_is_parsed_strictly() -> None:
 
 
 def test_uninformative_verdict_is_recorded_in_mlflow_and_shown(store, tmp_path, capsys, monkeypatch) -> None:
-    from gates.evaluate import evaluate_run, read_evaluation
-    from gates.report import render_markdown
-    from gates.tracking import get_client
+    from gates.judging.gate_report import render_markdown
+    from gates.records.evaluation import evaluate_run, read_evaluation
+    from gates.records.tracking import get_client
 
     base = {**BLIND_BASE, M.WEIGHTS_BYTES: 538e6}
     variant = {**BLIND_VARIANT, M.WEIGHTS_BYTES: 200e6}

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from gates_fixtures import BAD_ARC, GOOD, NO_TPOT, POLICY_YAML, fluent_tracking, make_release
 
-from gates import metrics as M
+from gates import metric_names as M
 from quantgate.ports import free_port
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -35,7 +35,7 @@ def policy_file(tmp_path_factory) -> Path:
 
 
 def _client():
-    from gates.tracking import get_client
+    from gates.records.tracking import get_client
 
     return get_client()
 
@@ -47,8 +47,8 @@ def _artifact(run_id: str, path: str, tmp_path: Path) -> Path:
 def test_passing_variant_is_promotable_and_readable_back(store, policy_file, tmp_path):
     import mlflow
 
-    from gates.evaluate import evaluate_run
-    from gates.registry import PromotionRefused, promote, read_approval, record_approval
+    from gates.records.evaluation import evaluate_run
+    from gates.records.registry import PromotionRefused, promote, read_approval, record_approval
 
     runs = make_release("m-pass", {"int8": GOOD})
     run_id, version = runs["int8"]
@@ -101,8 +101,8 @@ def test_passing_variant_is_promotable_and_readable_back(store, policy_file, tmp
 
 
 def test_failing_task_gate_is_refused_with_the_reason(store, policy_file):
-    from gates.evaluate import evaluate_run
-    from gates.registry import PromotionRefused, aliases, promote, record_approval
+    from gates.records.evaluation import evaluate_run
+    from gates.records.registry import PromotionRefused, aliases, promote, record_approval
 
     run_id, version = make_release("m-fail", {"int4": BAD_ARC})["int4"]
     evaluation = evaluate_run(run_id, str(policy_file))
@@ -120,8 +120,8 @@ def test_failing_task_gate_is_refused_with_the_reason(store, policy_file):
 
 
 def test_missing_metric_fails_its_gate(store, policy_file):
-    from gates.evaluate import evaluate_run, read_evaluation
-    from gates.verdicts import NOT_MEASURED
+    from gates.judging.verdicts import NOT_MEASURED
+    from gates.records.evaluation import evaluate_run, read_evaluation
 
     run_id, _ = make_release("m-missing", {"nf4": NO_TPOT})["nf4"]
     evaluation = evaluate_run(run_id, str(policy_file))
@@ -141,9 +141,9 @@ def test_missing_metric_fails_its_gate(store, policy_file):
 
 
 def test_verdicts_come_from_the_store_and_approval_must_follow_them(store, policy_file):
-    from gates.evaluate import evaluate_run
-    from gates.registry import PromotionRefused, check_promotable, promote, record_approval
-    from gates.tracking import log_metrics
+    from gates.records.evaluation import evaluate_run
+    from gates.records.registry import PromotionRefused, check_promotable, promote, record_approval
+    from gates.records.tracking import log_metrics
 
     run_id, version = make_release("m-store", {"int8": GOOD})["int8"]
     assert check_promotable("m-store", version)[0].startswith("no gate evaluation recorded")
@@ -174,8 +174,8 @@ def test_verdicts_come_from_the_store_and_approval_must_follow_them(store, polic
 
 
 def test_rollback_restores_the_previous_champion(store, policy_file):
-    from gates.evaluate import evaluate_run
-    from gates.registry import (
+    from gates.records.evaluation import evaluate_run
+    from gates.records.registry import (
         alias_history,
         aliases,
         clear_challenger,
@@ -185,7 +185,7 @@ def test_rollback_restores_the_previous_champion(store, policy_file):
         set_challenger,
         set_initial_champion,
     )
-    from gates.tracking import register_variant
+    from gates.records.tracking import register_variant
 
     runs = make_release("m-roll", {"int8": GOOD, "nf4": GOOD})
     for name in ("int8", "nf4"):
@@ -267,8 +267,8 @@ def test_cli_show_approve_promote_rollback(store, policy_file, capsys, monkeypat
 
 
 def test_release_comparison_is_logged_on_the_release_run(store, policy_file, tmp_path):
-    from gates.compare import log_release_comparison
-    from gates.evaluate import evaluate_run
+    from gates.records.comparison import log_release_comparison
+    from gates.records.evaluation import evaluate_run
 
     runs = make_release("m-compare", {"int8": GOOD, "int4": BAD_ARC}, register=False)
     for name in ("int8", "int4"):
@@ -283,8 +283,8 @@ def test_release_comparison_is_logged_on_the_release_run(store, policy_file, tmp
 
 
 def test_recording_rejects_bad_input(store):
-    from gates.evaluate import evaluate_run
-    from gates.tracking import log_variant, register_variant, start_release
+    from gates.records.evaluation import evaluate_run
+    from gates.records.tracking import log_variant, register_variant, start_release
 
     release = start_release("m-bad", "sha256:0", {})
     with pytest.raises(ValueError, match="'task/arc/score' is nan"):
@@ -326,8 +326,8 @@ def test_mlflow_server_serves_runs_over_rest(store, policy_file, tmp_path, monke
 
     import httpx
 
-    from gates.evaluate import evaluate_run
-    from gates.tracking import ui_command, ui_env
+    from gates.records.evaluation import evaluate_run
+    from gates.records.tracking import ui_command, ui_env
 
     run_id, version = make_release("m-rest", {"int8": GOOD})["int8"]
     evaluate_run(run_id, str(policy_file))

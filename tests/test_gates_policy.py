@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 from gates_fixtures import BAD_ARC, BASELINE, GOOD, POLICY_YAML
 
-from gates import metrics as M
-from gates.evaluate import judge
-from gates.policy import DEFAULT_POLICY, PolicyError, load_policy, parse_policy
-from gates.verdicts import NOT_MEASURED
+from gates import metric_names as M
+from gates.judging.judge import judge
+from gates.judging.policy import DEFAULT_POLICY, PolicyError, load_policy, parse_policy
+from gates.judging.verdicts import NOT_MEASURED
 
 
 def _policy(tmp_path, text: str = POLICY_YAML):

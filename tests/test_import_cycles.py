@@ -110,8 +110,40 @@ def test_no_cycle_inside_a_folder():
 
 
 def test_the_release_never_imports_the_lab():
-    """flows/ and gates/ drive servers through quantgate/loadgen; benchmarks/ may build on them, not the reverse."""
+    """flows/ and gates/ drive servers through serving/loadgen; benchmarks/ may build on them, not the reverse."""
     graph = import_graph()
     reaching = {m: sorted(t for t in ts if t.startswith("benchmarks")) for m, ts in graph.items()
                 if m.split(".")[0] in ("flows", "gates", "evals", "serving", "quantize", "quantgate")}
     assert {m: ts for m, ts in reaching.items() if ts} == {}
+
+
+def _reaching(graph: dict[str, set[str]], source: str, targets: tuple[str, ...]) -> dict[str, list[str]]:
+    found = {m: sorted(t for t in ts if t.split(".")[0] in targets) for m, ts in graph.items()
+             if m.split(".")[0] == source}
+    return {m: ts for m, ts in found.items() if ts}
+
+
+def test_the_engine_imports_nothing_above_it():
+    """serving/ holds the quantized layers, their kernels and the variant loader: the quantizer, the flows, the
+    gates and the evals are built on it, never the reverse."""
+    assert _reaching(import_graph(), "serving", ("quantize", "flows", "gates", "evals")) == {}
+
+
+def test_the_foundation_imports_no_layer_above_it():
+    graph = import_graph()
+    above = ("quantize", "serving", "evals", "gates", "flows", "fleet", "benchmarks")
+    assert _reaching(graph, "quantgate", above) == {}
+
+
+def test_gates_rooms_depend_one_way():
+    """judging (pure verdicts) <- records (MLflow) <- evidence (the bundle); the CLIs sit at the edge."""
+    graph = import_graph()
+
+    def room(module: str) -> str:
+        return module.split(".")[1] if module.startswith("gates.") and module.count(".") >= 2 else ""
+
+    up = {m: sorted(t for t in ts if room(t) in ("records", "evidence")) for m, ts in graph.items()
+          if room(m) == "judging"}
+    assert {m: ts for m, ts in up.items() if ts} == {}
+    up = {m: sorted(t for t in ts if room(t) == "evidence") for m, ts in graph.items() if room(m) == "records"}
+    assert {m: ts for m, ts in up.items() if ts} == {}

@@ -7,12 +7,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-import quantize.int4 as int4
-from quantgate.kernels import isa as isas
-from quantgate.kernels import wo_linear as wo
-from quantize.int4 import Int4WeightOnlyLinear, cpu_layout_known, quantize_groups, unpack_cpu_layout
+import serving.model.quant.int4 as int4
+from serving.kernels.cpu import isa as isas
+from serving.kernels.cpu import wo_fp32
+from serving.model.quant.int4 import (
+    Int4WeightOnlyLinear,
+    cpu_layout_known,
+    quantize_groups,
+    unpack_cpu_layout,
+)
 
-OWN_PATHS = [i for i in (*isas.BF16_PATHS, *wo.PATHS) if i in isas.supported()]
+OWN_PATHS = [i for i in (*isas.BF16_PATHS, *wo_fp32.PATHS) if i in isas.supported()]
 
 
 def test_this_torch_packs_the_layout_we_unpack_or_we_keep_the_codes():
@@ -62,9 +67,9 @@ def test_kernel_and_wide_paths_agree_and_codes_can_be_dropped(monkeypatch):
 
 @pytest.mark.parametrize("isa", OWN_PATHS)
 def test_own_kernels_give_the_group_sums_and_serve_after_dropping_codes(isa):
-    from quantgate.kernels import woq
+    from serving.kernels.cpu import wo_bf16
 
-    assert woq.available(isa=isa) == (isa in isas.BF16_PATHS)  # a compiler is there wherever the tests run
+    assert wo_bf16.available(isa=isa) == (isa in isas.BF16_PATHS)  # a compiler is there wherever the tests run
     torch.manual_seed(0)
     linear = torch.nn.Linear(128, 192, bias=True)
     with isas.using(isa):

@@ -15,7 +15,7 @@ from quantize.awq import search_scales
 from quantize.calibration import calibration_set
 from quantize.gptq import Hessian, gptq_quantize
 from quantize.group_grid import fake_quantize, round_to_nearest
-from quantize.int4 import Int4WeightOnlyLinear, unpack_nibbles
+from serving.model.quant.int4 import Int4WeightOnlyLinear, unpack_nibbles
 
 CALIBRATION = {"calibration_tokens": 512, "seq_len": 128}
 

@@ -1,4 +1,4 @@
-"""quantgate/kernels/build.py: a process killed while it built or loaded a kernel (a server stopped, a Ray
+"""serving/kernels/cpu/build.py: a process killed while it built or loaded a kernel (a server stopped, a Ray
 replica scaled down) leaves torch's `lock` file in the build folder; the next process builds and loads
 anyway instead of waiting for it forever (a spawned parallel rank once hung there for 10 minutes)."""
 
@@ -8,7 +8,7 @@ import threading
 
 import torch
 
-from quantgate.kernels import build
+from serving.kernels.cpu import build
 
 SOURCE = """
 #include <torch/library.h>

@@ -192,7 +192,7 @@ def test_a_release_with_a_kv_variant_records_and_gates_its_capacity(tiny_model_d
     from prefect.testing.utilities import prefect_test_harness
 
     from flows.release import release_flow
-    from gates.tracking import get_client, get_run
+    from gates.records.tracking import get_client, get_run
 
     policy = tmp_path / "policy.yaml"
     policy.write_text(RELEASE_POLICY)

@@ -1,4 +1,4 @@
-"""gates.lineage on a real, temporary MLflow sqlite store: the flips table and the eval datasets of a release,
+"""gates.records.lineage on a real, temporary MLflow sqlite store: the flips table and the eval datasets of a release,
 derived from the evidence the runs hold; the experiment kind the UI reads; grant_path for PostgreSQL."""
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def _evidence(root: Path, with_compare: bool) -> list[Path]:
 
 
 def test_flip_rows_name_every_flipped_item_with_both_outputs():
-    from gates.lineage import flip_rows
+    from gates.records.lineage import flip_rows
 
     rows = flip_rows(COMPARE)
     assert [(r["task"], r["direction"], r["item_id"]) for r in rows] == [
@@ -46,8 +46,14 @@ def test_flip_rows_name_every_flipped_item_with_both_outputs():
 
 
 def test_release_lineage_logs_flips_table_and_dataset_inputs(store, tmp_path):
-    from gates.compare import log_release_comparison
-    from gates.tracking import EXPERIMENT_KIND, EXPERIMENT_KIND_TAG, get_client, log_variant, start_release
+    from gates.records.comparison import log_release_comparison
+    from gates.records.tracking import (
+        EXPERIMENT_KIND,
+        EXPERIMENT_KIND_TAG,
+        get_client,
+        log_variant,
+        start_release,
+    )
 
     release = start_release("lin-model", "sha256:abc", {})
     base = log_variant(release, "baseline", {"method": "none"}, {"task/arith/score": 0.5},

@@ -8,19 +8,18 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
 
-from quantgate.kernels import isa as isas
-from quantgate.kernels import wo_linear as wo
-from quantgate.kernels import woq
-from quantgate.kernels.decoder_ops import fused_ops
-from quantize.int4 import Int4WeightOnlyLinear
-from quantize.weight_only import Int8WeightOnlyLinear
 from serving import LLMEngine, SamplingParams
+from serving.kernels.cpu import isa as isas
+from serving.kernels.cpu import wo_bf16, wo_fp32
+from serving.kernels.cpu.decoder_ops import fused_ops
 from serving.model.fused_linear import fuse
 from serving.model.llama_forward import FAST_FORWARD_ENV, LlamaForward, supports
 from serving.model.packed_linear import PairPackedLinear, WoLinear
+from serving.model.quant.int4 import Int4WeightOnlyLinear
+from serving.model.quant.int8 import Int8WeightOnlyLinear
 
 OPS = fused_ops()
-OWN_PATHS = [i for i in (*isas.BF16_PATHS, *wo.PATHS) if i in isas.supported()]
+OWN_PATHS = [i for i in (*isas.BF16_PATHS, *wo_fp32.PATHS) if i in isas.supported()]
 pytestmark = pytest.mark.skipif(OPS is None, reason="no C++ compiler for quantgate's kernels")
 ROWS = [1, 5, 16, 17, 300]  # one row, a few, the parallel grain and one past it, a prefill chunk
 
@@ -157,7 +156,7 @@ def test_fp32_engine_decodes_as_with_the_models_own_forward(model, tiny_model_di
     assert max(abs(a - b) for a, b in zip(lps_fast, lps_hf, strict=True)) < 1e-4
 
 
-@pytest.mark.skipif(not woq.cpu_has_avx512_bf16(), reason="quantgate's kernel needs AVX-512-BF16")
+@pytest.mark.skipif(not wo_bf16.cpu_has_avx512_bf16(), reason="quantgate's kernel needs AVX-512-BF16")
 def test_bf16_engine_on_the_default_model_agrees_with_the_models_own_forward(default_model_dir, monkeypatch):
     """bf16 rounds where HF rounds, but a variance summed in another order flips a rounding now and then
     (3 of 19 000 values in one layer of a 33-row prefill): texts agree, logprobs within bf16 noise. A text
@@ -181,7 +180,7 @@ def _linears(kind: str, sizes: list[int], isa: str = OWN_PATHS[0], k: int = 64) 
     plain = [torch.nn.Linear(k, n, bias=False).to(torch.bfloat16) for n in sizes]
     if kind == "bf16":
         if isa in isas.BF16_PATHS:
-            assert woq.available(isa=isa)  # builds and loads quantgate's bf16 kernel (pack_linears does in the engine)
+            assert wo_bf16.available(isa=isa)  # builds and loads quantgate's bf16 kernel (pack_linears does in the engine)
             return [PairPackedLinear.of(m, isa) for m in plain]
         return [WoLinear.of(m, isa) for m in plain]
     with isas.using(isa):

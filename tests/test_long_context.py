@@ -20,7 +20,7 @@ import pytest
 
 from evals import long_context as L
 from flows import fidelity_stage
-from gates.policy import parse_policy
+from gates.judging.policy import parse_policy
 
 POLICY = {"tasks": {"max_drop": 0.1}, "long_context": {"max_drop": 0.2}}
 PLAN = L.ProbePlan(lengths=(512, 4096), probes_per_length=6)
@@ -82,7 +82,7 @@ def tokenizer(tiny_model_dir: Path):
 
 
 def _verdicts(base: StandInEngine, variant: StandInEngine, policy: dict = POLICY) -> dict[str, object]:
-    from gates.evaluate import judge
+    from gates.judging.judge import judge
 
     rows = L.compare(L.run_probes(base, PLAN), L.run_probes(variant, PLAN))
     metrics: dict[str, float] = {}

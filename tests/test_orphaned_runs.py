@@ -15,7 +15,7 @@ MODEL = "orphan-test-model"
 
 # A release process: opens its release run and a variant run that is still being recorded, then works on.
 RELEASE = f"""
-from gates.tracking import TAG_PARENT, TAG_RELEASE, ensure_experiment, get_client, start_release
+from gates.records.tracking import TAG_PARENT, TAG_RELEASE, ensure_experiment, get_client, start_release
 release = start_release({MODEL!r}, "hash0")
 client = get_client()
 child = client.create_run(ensure_experiment({MODEL!r}, client), run_name="int8",
@@ -45,14 +45,14 @@ def _start_release_processes(n: int) -> list[tuple[subprocess.Popen, str, str]]:
 
 
 def _fake_release(client, tags: dict[str, str]) -> str:
-    from gates.tracking import TAG_KIND, TAG_MODEL, ensure_experiment
+    from gates.records.tracking import TAG_KIND, TAG_MODEL, ensure_experiment
 
     return client.create_run(ensure_experiment(MODEL, client), tags={TAG_KIND: "release", TAG_MODEL: MODEL,
                                                                      **tags}).info.run_id
 
 
 def test_the_next_release_fails_runs_whose_process_is_gone_and_leaves_live_ones(store):
-    from gates.orphans import (
+    from gates.records.orphans import (
         TAG_FAILURE,
         TAG_MACHINE,
         TAG_PID,
@@ -60,7 +60,7 @@ def test_the_next_release_fails_runs_whose_process_is_gone_and_leaves_live_ones(
         ReleaseProcess,
         fail_orphaned_releases,
     )
-    from gates.tracking import get_client
+    from gates.records.tracking import get_client
 
     client = get_client()
     client.search_experiments()  # creates the store's tables once: two processes doing it at once collide
@@ -103,7 +103,7 @@ def test_the_next_release_fails_runs_whose_process_is_gone_and_leaves_live_ones(
 
 def test_two_releases_creating_the_experiment_at_once_share_it(store, monkeypatch):
     """The other process inserts the experiment between our lookup and our insert: we take theirs."""
-    from gates.tracking import ensure_experiment, experiment_name, get_client
+    from gates.records.tracking import ensure_experiment, experiment_name, get_client
 
     client = get_client()
     theirs = ensure_experiment("race-model", client)

@@ -7,10 +7,9 @@ import torch
 import torch.nn.functional as F
 
 from quantgate import settings
-from quantgate.kernels import isa as isas
-from quantgate.kernels import wo_linear as wo
-from quantgate.kernels import woq
 from serving import LLMEngine, SamplingParams
+from serving.kernels.cpu import isa as isas
+from serving.kernels.cpu import wo_bf16, wo_fp32
 from serving.model.packed_linear import (
     PackedLinear,
     PairPackedEmbedding,
@@ -23,7 +22,7 @@ from serving.model.packed_linear import (
 )
 
 PACK_ENV = settings.PACK_WEIGHTS.name
-WO_PATHS = [i for i in wo.PATHS if i in isas.supported()]
+WO_PATHS = [i for i in wo_fp32.PATHS if i in isas.supported()]
 BF16 = next((i for i in isas.BF16_PATHS if i in isas.supported()), None)  # our bf16 kernel's best build here
 needs_onednn = pytest.mark.skipif(not onednn_bf16(), reason="oneDNN packs bf16 only with AVX-512 (BW/VL/DQ) or AVX-NE-CONVERT")
 
@@ -58,7 +57,7 @@ def test_pack_linears_swaps_plain_bf16_layers_and_keeps_tied_weights(tiny_model_
 @pytest.mark.parametrize("rows", [1, 7, 300])
 @pytest.mark.parametrize("bias", [False, True])
 def test_pair_packed_linear_is_f_linear_to_bf16_rounding(rows, bias):
-    assert woq.available(isa=BF16)
+    assert wo_bf16.available(isa=BF16)
     torch.manual_seed(rows)
     linear = torch.nn.Linear(96, 80, bias=bias).to(torch.bfloat16)
     x = torch.randn(2, rows, 96, dtype=torch.bfloat16)

@@ -1,4 +1,4 @@
-"""The compiled paged-attention decode kernel (quantgate/kernels) against a plain torch reference, and the
+"""The compiled paged-attention decode kernel (serving/kernels/cpu) against a plain torch reference, and the
 engine with it against the engine's torch path and HF."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ import torch
 from engine_helpers import hf_greedy
 from test_engine import assert_no_leak, engine_for, random_prompts
 
-from quantgate.kernels import decoder_ops as kernels
-from quantgate.kernels import isa as isas
 from serving import SamplingParams
+from serving.kernels.cpu import decoder_ops as kernels
+from serving.kernels.cpu import isa as isas
 from serving.model import attention
 
 PATHS = [i for i in isas.ISAS if i in isas.supported() and i != "torch"]  # every build this CPU runs

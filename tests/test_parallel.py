@@ -100,8 +100,8 @@ def test_two_ranks_match_one_process_then_a_dead_rank_stops_all(tiny_model_dir, 
 
 
 def test_tensor_parallel_refuses_quantized_layers(tiny_model_dir):
-    from quantize.weight_only import Int8WeightOnlyLinear
     from serving.model.model_runner import load_model
+    from serving.model.quant.int8 import Int8WeightOnlyLinear
 
     model = load_model(tiny_model_dir, torch.device("cpu"), torch.float32)
     check_shardable(model, 2)

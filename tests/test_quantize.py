@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 import quantize
 from quantgate.cli import main as cli_main
 from quantgate.models import content_hash
-from quantize.integrity import CorruptVariantError, safetensors_header, verify_variant
+from serving.model.quant.integrity import CorruptVariantError, safetensors_header, verify_variant
 
 METHODS = ["int8", "nf4", "fp4", "int8wo", "int4wo"]
 LAYER_TYPES = {"int8": "Linear8bitLt", "nf4": "Linear4bit", "fp4": "Linear4bit", "int8wo": "Int8WeightOnlyLinear",
@@ -274,7 +274,7 @@ def test_default_model_nf4_through_the_engine(default_model_dir):
 def test_int8wo_bf16_paths_match_the_dequantized_weight(rows):
     """The bf16 kernel path (scales inside the kernel) and the wide path agree with x @ dequant(W)^T
     to within bf16 rounding of the output."""
-    from quantize.weight_only import Int8WeightOnlyLinear
+    from serving.model.quant.int8 import Int8WeightOnlyLinear
 
     torch.manual_seed(rows)
     linear = torch.nn.Linear(256, 192, bias=True).to(torch.bfloat16)

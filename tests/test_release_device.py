@@ -74,7 +74,8 @@ def test_the_flows_engines_serve_a_cuda_release_through_the_triton_attention_pat
     the interpreter), greedy fp32 tokens identical to the CPU release's torch path."""
     from words_llama import build_words_llama, word_prompts
 
-    from flows import measuring, speed
+    from flows import measuring
+    from flows import speed_rounds as speed
     from serving import SamplingParams
 
     path = str(build_words_llama(tmp_path / "llama"))

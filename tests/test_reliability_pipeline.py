@@ -20,13 +20,13 @@ from reliability_fixtures import free_port
 
 
 def _history(model: str) -> list[tuple]:
-    from gates.registry import alias_history
+    from gates.records.registry import alias_history
 
     return [(m.seq, m.alias, m.version, m.kind) for m in alias_history(model)]
 
 
 def _aliases(model: str) -> dict[str, str]:
-    from gates.registry import aliases
+    from gates.records.registry import aliases
 
     return aliases(model)
 
@@ -57,9 +57,9 @@ def store(tmp_path, monkeypatch):
 @pytest.fixture
 def with_champion(store):
     """A model whose baseline is champion and whose int8 passed its gates and was approved."""
-    from gates.evaluate import evaluate_run
-    from gates.registry import record_approval, set_initial_champion
-    from gates.tracking import register_variant
+    from gates.records.evaluation import evaluate_run
+    from gates.records.registry import record_approval, set_initial_champion
+    from gates.records.tracking import register_variant
 
     model = f"rel-{os.urandom(3).hex()}"
     runs = make_release(model, {"int8": GOOD}, baseline=BASELINE)
@@ -73,9 +73,9 @@ def with_champion(store):
 def test_a_gate_evaluation_cut_off_halfway_never_promotes(store, with_champion):
     """A re-evaluation dies after writing some verdicts (its artifact store refuses the report): the run
     says `pending`, and promote refuses even though an approval and an older `pass` are recorded."""
-    from gates.evaluate import evaluate_run, read_evaluation
-    from gates.registry import PromotionRefused, check_promotable, promote, record_approval
-    from gates.tracking import get_client
+    from gates.records.evaluation import evaluate_run, read_evaluation
+    from gates.records.registry import PromotionRefused, check_promotable, promote, record_approval
+    from gates.records.tracking import get_client
 
     model, run_id, version = with_champion
     before, champion = _history(model), _aliases(model)["champion"]
@@ -106,7 +106,7 @@ def test_a_gate_evaluation_cut_off_halfway_never_promotes(store, with_champion):
 
 
 def test_an_unreachable_mlflow_store_refuses_every_move(store, with_champion, unreachable_mlflow):
-    from gates.registry import promote, record_approval, rollback, set_challenger
+    from gates.records.registry import promote, record_approval, rollback, set_challenger
 
     model, run_id, version = with_champion
     before, aliases_before = _history(model), _aliases(model)
@@ -142,7 +142,7 @@ def flow_env(tiny_model_dir, tmp_path_factory):
     from prefect.testing.utilities import prefect_test_harness
 
     from flows.release import model_name, release_flow
-    from gates.registry import CHAMPION
+    from gates.records.registry import CHAMPION
 
     d = tmp_path_factory.mktemp("reliability-policies")
     (d / "pass.yaml").write_text(POLICY % "60.0")
@@ -160,7 +160,7 @@ def flow_env(tiny_model_dir, tmp_path_factory):
 
 
 def _latest_release_status(model: str) -> str:
-    from gates.tracking import experiment_name, get_client
+    from gates.records.tracking import experiment_name, get_client
 
     client = get_client()
     exp = client.get_experiment_by_name(experiment_name(model))
@@ -214,7 +214,7 @@ def test_a_variant_damaged_between_runs_is_rebuilt_before_it_is_measured(flow_en
     """Same size, bytes flipped in the middle of the weights: the next release notices, quantizes again,
     and the registered version points at intact weights. (Its gates fail by policy: nothing may move.)"""
     from flows.release import release_flow
-    from quantize.integrity import verify_variant
+    from serving.model.quant.integrity import verify_variant
 
     model = flow_env["model"]
     variant = _variant_dir(tiny_model_dir, "nf4")
@@ -244,7 +244,7 @@ def test_a_champion_whose_weights_vanished_fails_the_release_and_leaves_no_chall
     was set before the failure, it was withdrawn)."""
     from flows.records import version_source
     from flows.release import release_flow
-    from gates.registry import CHALLENGER, CHAMPION
+    from gates.records.registry import CHALLENGER, CHAMPION
 
     model = flow_env["model"]
     champion_dir = version_source(model, _aliases(model)[CHAMPION])

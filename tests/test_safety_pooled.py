@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from evals.results import EvalResult, SampleResult, TaskResult, pooled_rate
-from gates import metrics as M
+from gates import metric_names as M
 
 
 def _task(name: str, metric: str, hits: int, n: int) -> TaskResult:
@@ -22,7 +22,7 @@ def _save(path, *tasks: TaskResult) -> None:
 
 def test_refusal_rate_is_pooled_over_harmbench_and_advbench_items(tmp_path) -> None:
     from flows.measuring import eval_metrics
-    from gates.sensitivity import refusal_fall_sensitivity
+    from gates.judging.sensitivity import refusal_fall_sensitivity
 
     # HarmBench 60/200 refused, AdvBench 13/520: pooled 73/720 = 0.1014; AdvBench alone (the old
     # "last task") 0.025, the unweighted mean of the two rates 0.1625.

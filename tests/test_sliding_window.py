@@ -10,8 +10,8 @@ import torch
 from engine_helpers import hf_greedy
 from test_engine import assert_no_leak, engine_for, random_prompts
 
-from quantgate.kernels import decoder_ops as kernels
 from serving import SamplingParams
+from serving.kernels.cpu import decoder_ops as kernels
 from serving.model import attention
 
 WINDOW = 8

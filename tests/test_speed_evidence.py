@@ -9,12 +9,12 @@ import math
 import pytest
 
 from flows.data import SpeedPlan, Variant
-from flows.speed import paired_rounds, speed_metrics
-from gates import metrics as M
-from gates.evaluate import judge
-from gates.policy import parse_policy
-from gates.speed import FAIL, PASS, outcome, ratio_ci
-from gates.verdicts import UNINFORMATIVE
+from flows.speed_rounds import paired_rounds, speed_metrics
+from gates import metric_names as M
+from gates.judging.judge import judge
+from gates.judging.policy import parse_policy
+from gates.judging.speed_verdicts import FAIL, PASS, outcome, ratio_ci
+from gates.judging.verdicts import UNINFORMATIVE
 
 NAMES = ["baseline", "fast", "slow"]
 POINTS = SpeedPlan().points()  # prefill, decode_b1, decode_b4, decode_b16
@@ -156,7 +156,7 @@ def _replay(champion_tpot: float, challenger_tpot: float, n: int = 24, slow_wind
 
 
 def test_canary_windows_pair_the_versions_and_judge_three_ways():
-    from flows.canary import paired_windows, speed_comparison
+    from flows.canary_stage import paired_windows, speed_comparison
 
     ratios = paired_windows(_replay(0.040, 0.020, slow_window=2))
     assert len(ratios) == 6 and ratios == pytest.approx([2.0] * 6)  # the slow window cancels within itself
@@ -185,7 +185,7 @@ def test_canary_windows_pair_the_versions_and_judge_three_ways():
 
 
 def test_canary_windows_skip_those_missing_a_version():
-    from flows.canary import paired_windows, speed_comparison
+    from flows.canary_stage import paired_windows, speed_comparison
 
     records = _replay(0.040, 0.020, n=8)
     for r in records[:4]:
@@ -200,22 +200,22 @@ def test_canary_windows_skip_those_missing_a_version():
 
 @pytest.fixture
 def machine_of(monkeypatch):
-    """Set what `quantgate.kernels` reports for this machine."""
-    import quantgate.kernels
-    from quantgate.kernels import isa
+    """Set what `serving.kernels.cpu` reports for this machine."""
+    import serving.kernels.cpu
+    from serving.kernels.cpu import isa
 
     base = {"cpu_model": "AMD EPYC 7B13", "cpu_flags": ["avx2", "fma", "f16c"], "isa": "avx2", "machine": "x86_64"}
 
     def set_machine(flags=None, sources="aaaa", **changes) -> None:
         info = {**base, **changes, **({"cpu_flags": flags} if flags is not None else {})}
         monkeypatch.setattr(isa, "describe", lambda: dict(info))
-        monkeypatch.setattr(quantgate.kernels, "sources_hash", lambda: sources)
+        monkeypatch.setattr(serving.kernels.cpu, "sources_hash", lambda: sources)
 
     return set_machine
 
 
 def _keys() -> tuple[str, str]:
-    from flows import speed
+    from flows import speed_rounds as speed
     from flows.data import MeasureConfig
     from flows.release import _measure_key
 
@@ -261,9 +261,9 @@ def test_the_machine_line_names_cpu_flags_kernel_path_and_threads(machine_of):
 def test_speed_verdicts_are_recorded_with_their_ci_and_the_machine(store, tmp_path):
     from gates_fixtures import make_release
 
-    from gates.evaluate import evaluate_run, read_evaluation
-    from gates.report import render_markdown
-    from gates.tracking import get_client
+    from gates.judging.gate_report import render_markdown
+    from gates.records.evaluation import evaluate_run, read_evaluation
+    from gates.records.tracking import get_client
 
     timer, _ = crafted({"baseline": 20.0, "int4wo": 30.0}, wobble={"int4wo": [0.6, 0.8, 0.62, 0.9, 1.0]})
     speeds = speed_metrics(paired_rounds(["baseline", "int4wo"], POINTS, timer, rounds=5))
@@ -288,7 +288,7 @@ def test_speed_verdicts_are_recorded_with_their_ci_and_the_machine(store, tmp_pa
 
 
 def test_the_policy_names_the_operating_points_and_what_an_uninformative_speed_does():
-    from gates.policy import PolicyError, load_policy
+    from gates.judging.policy import PolicyError, load_policy
 
     default = load_policy()
     assert (default.decode_batches, default.min_prefill_speedup, default.canary_min_tpot_speedup) == ((1, 4, 16), 0.8, 0.8)

@@ -1,4 +1,4 @@
-"""quantgate/loadgen/client.py against a raw asyncio HTTP server: a keep-alive connection the server drops
+"""serving/loadgen/client.py against a raw asyncio HTTP server: a keep-alive connection the server drops
 before answering is retried once; any other failure is reported, not retried."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 
-from quantgate.loadgen.client import session, stream_completion
+from serving.loadgen.client import session, stream_completion
 
 CHUNK = {"choices": [{"text": "hi"}], "usage": {"completion_tokens": 1, "prompt_tokens": 3}}
 BODY = f"data: {json.dumps(CHUNK)}\n\ndata: [DONE]\n\n".encode()

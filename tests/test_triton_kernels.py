@@ -1,4 +1,4 @@
-"""serving/model/cuda's Triton kernels against the torch path (serving/model/attention.py): the K/V store, paged decode,
+"""serving/kernels/cuda's Triton kernels against the torch path (serving/model/attention.py): the K/V store, paged decode,
 prefill over cached context; then the engine through them, greedy token-identical to the torch path in fp32
 (chunked prefill, prefix hits, preemption, graph buckets), bf16 within tolerance.
 
@@ -17,12 +17,12 @@ import torch  # noqa: E402
 
 pytest.importorskip("triton")
 
+from serving.kernels.cuda.attention import attend as triton_attend  # noqa: E402
+from serving.kernels.cuda.step import PagedStep  # noqa: E402
 from words_llama import VOCAB, build_words_llama, word_prompts  # noqa: E402
 
 from serving.model import attention  # noqa: E402
 from serving.model.attention import AttentionContext, DecodeGroup, PrefillChunk  # noqa: E402
-from serving.model.cuda.attention import attend as triton_attend  # noqa: E402
-from serving.model.cuda.step import PagedStep  # noqa: E402
 
 KV_HEADS, HEADS, HEAD_DIM, BLOCK_SIZE, NUM_BLOCKS = 2, 6, 16, 4, 24
 
@@ -141,8 +141,8 @@ def test_bf16_engine_through_triton_agrees_with_the_torch_path(llama_dir):
 
 
 def test_graph_buckets_and_padding_rows_leave_the_cache_alone():
-    from serving.model.cuda.graphs import StaticDecodeBuffers, batch_buckets, bucket_for
-    from serving.model.cuda.store import store_kv
+    from serving.kernels.cuda.graphs import StaticDecodeBuffers, batch_buckets, bucket_for
+    from serving.kernels.cuda.store import store_kv
 
     assert batch_buckets(256) == [1, 2, 4, 8, *range(16, 257, 16)]
     assert batch_buckets(20) == [1, 2, 4, 8, 16, 20] and batch_buckets(1) == [1]
@@ -164,8 +164,8 @@ def test_graph_buckets_and_padding_rows_leave_the_cache_alone():
 def test_fused_ops_round_as_the_torch_ops(dtype):
     """RMSNorm sums its variance in another order (a float32 ulp of the scale); rotary rounds op by op as
     HF does, so it agrees to the bit in bf16; K/V land in their slots, a padding row's (-1) nowhere."""
-    from serving.model.cuda.fused_ops import TritonOps
-    from serving.model.cuda.torch_ops import TorchOps
+    from serving.kernels.cuda.fused_ops import TritonOps
+    from serving.kernels.cuda.torch_ops import TorchOps
 
     gen = torch.Generator().manual_seed(1)
     tokens, heads, kv_heads, dim, hidden = 5, 6, 2, 16, 40
@@ -202,7 +202,7 @@ def test_fused_ops_round_as_the_torch_ops(dtype):
 
 
 def test_attention_choice_is_checked_before_anything_is_built():
-    from serving.model.cuda import resolve_backend
+    from serving.kernels.cuda import resolve_backend
 
     assert resolve_backend("auto", "cpu") == "torch" and resolve_backend("triton", "cpu") == "triton"
     assert resolve_backend("auto", "cuda", "int8") == "torch"  # the Triton kernels read the model's dtype only
@@ -232,8 +232,8 @@ def test_models_own_forward_through_triton_attention(llama_dir, monkeypatch):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_int8_weight_only_gemm_matches_the_dequantized_matmul(dtype):
-    from quantize.weight_only import quantize_per_channel
-    from serving.model.cuda.woq import int8_linear
+    from serving.kernels.cuda.wo_gemm import int8_linear
+    from serving.model.quant.int8 import quantize_per_channel
 
     gen = torch.Generator().manual_seed(2)
     codes, scales = quantize_per_channel(torch.randn(40, 150, generator=gen))  # N, K not multiples of the tiles
@@ -250,11 +250,11 @@ def test_weight_only_model_through_fused_triton_projections(llama_dir, group_siz
     """Every Linear of the decoder int8 (or int4, groups of 32) weight-only: q/k/v and gate/up fused into one
     GEMM each, o_proj and down_proj alone, against the model with those weights dequantized (fp32, one
     prefill). (Not the layers' own CPU forward: its kernel paths round activations their own way.)"""
+    from serving.kernels.cuda.projections import fuse_projections
     from transformers import AutoModelForCausalLM
 
-    from quantize.weight_only import replace_linears
     from serving import LLMEngine, SamplingParams
-    from serving.model.cuda.projections import fuse_projections
+    from serving.model.quant.int8 import replace_linears
 
     engine = LLMEngine.from_pretrained(str(llama_dir), device=DEVICE, dtype="float32", attention="triton",
                                        cuda_graphs=False, block_size=4, isa="torch")
@@ -278,8 +278,8 @@ def test_weight_only_model_through_fused_triton_projections(llama_dir, group_siz
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_int4_weight_only_gemm_matches_the_dequantized_matmul(dtype):
-    from quantize.int4 import dequantize_rows, quantize_groups
-    from serving.model.cuda.woq import int4_linear
+    from serving.kernels.cuda.wo_gemm import int4_linear
+    from serving.model.quant.int4 import dequantize_rows, quantize_groups
 
     gen = torch.Generator().manual_seed(3)
     codes, sz = quantize_groups(torch.randn(40, 192, generator=gen), 32)  # K spans tiles unevenly, N odd tiles

@@ -138,8 +138,8 @@ def test_held_out_split_is_disjoint_from_the_search_split(tiny_model_dir):
 
 
 def test_tune_stops_at_int8wo_when_int4_fails_and_reports_every_candidate(first_tune):
-    from gates.evaluate import read_evaluation
-    from gates.tracking import get_client, get_run, release_children
+    from gates.records.evaluation import read_evaluation
+    from gates.records.tracking import get_client, get_run, release_children
 
     r = first_tune
     rows = {row["name"]: row for row in r["rows"]}
@@ -199,7 +199,7 @@ def test_a_second_run_is_served_from_the_cache(first_tune, tiny_model_dir, polic
 
 
 def _flow_run_of(result: dict) -> str:
-    from gates.tracking import get_run
+    from gates.records.tracking import get_run
 
     return get_run(result["tune_run_id"]).data.params["prefect_flow_run_id"]
 
@@ -211,8 +211,8 @@ def test_a_held_out_failure_moves_on_to_the_next_candidate(first_tune, tiny_mode
 
     from flows import release
     from flows.tune_report import render
-    from gates.tracking import get_run
-    from gates.verdicts import GateResult
+    from gates.judging.verdicts import GateResult
+    from gates.records.tracking import get_run
 
     real = release.evaluate_gates.fn
 

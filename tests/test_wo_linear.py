@@ -1,4 +1,4 @@
-"""The weight-only kernels over fp32 activations (quantgate/kernels/wo_linear.cpp) on every instruction set
+"""The weight-only kernels over fp32 activations (serving/kernels/cpu/wo_fp32.cpp) on every instruction set
 this CPU runs: each format against its dequantized reference, at the row counts decode and prefill use."""
 
 from __future__ import annotations
@@ -6,12 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from quantgate.kernels import isa as isas
-from quantgate.kernels import wo_linear as wo
-from quantize.int4 import dequantize_rows, quantize_groups
-from quantize.weight_only import quantize_per_channel
+from serving.kernels.cpu import isa as isas
+from serving.kernels.cpu import wo_fp32
+from serving.model.quant.int4 import dequantize_rows, quantize_groups
+from serving.model.quant.int8 import quantize_per_channel
 
-PATHS = [i for i in wo.PATHS if i in isas.supported()]
+PATHS = [i for i in wo_fp32.PATHS if i in isas.supported()]
 ROWS = [1, 3, 8, 16, 64, 300]
 
 
@@ -27,7 +27,7 @@ def _close(y: torch.Tensor, ref: torch.Tensor) -> None:
 def test_every_x86_path_is_tested_here():
     assert "scalar" in PATHS
     if "avx2" in isas.cpu_flags():
-        assert "avx2" in PATHS and wo.ops("avx2").isa() == "avx2"
+        assert "avx2" in PATHS and wo_fp32.ops("avx2").isa() == "avx2"
 
 
 @pytest.mark.parametrize("isa", PATHS)
@@ -36,7 +36,7 @@ def test_int8_matches_dequantized_reference(isa, rows):
     w = torch.randn(96, 160, generator=_gen(0))
     q, scales = quantize_per_channel(w)
     x = torch.randn(rows, 160, generator=_gen(rows))
-    y = wo.linear_int8(isa, x, wo.tile(q), scales)
+    y = wo_fp32.linear_int8(isa, x, wo_fp32.tile(q), scales)
     _close(y, x @ (q.float() * scales[:, None]).T)
 
 
@@ -47,7 +47,7 @@ def test_int4_matches_dequantized_reference(isa, rows, group):
     w = torch.randn(48, 192, generator=_gen(1))
     codes, sz = quantize_groups(w, group)
     x = torch.randn(rows, 192, generator=_gen(rows))
-    y = wo.linear_int4(isa, x, wo.tile(codes), sz, group)
+    y = wo_fp32.linear_int4(isa, x, wo_fp32.tile(codes), sz, group)
     _close(y, x @ dequantize_rows(codes, sz, group, torch.float32).T)
 
 
@@ -56,24 +56,24 @@ def test_int4_matches_dequantized_reference(isa, rows, group):
 def test_bf16_and_fp32_match_torch(isa, rows):
     w = torch.randn(32, 72, generator=_gen(2))
     x = torch.randn(rows, 72, generator=_gen(rows))
-    _close(wo.linear_f32(isa, x, wo.tile(w)), x @ w.T)
+    _close(wo_fp32.linear_f32(isa, x, wo_fp32.tile(w)), x @ w.T)
     wb = w.to(torch.bfloat16)
-    _close(wo.linear_bf16(isa, x, wo.tile(wb)), x @ wb.float().T)
+    _close(wo_fp32.linear_bf16(isa, x, wo_fp32.tile(wb)), x @ wb.float().T)
 
 
 def test_layouts_round_trip_and_look_rows_up():
     w = torch.randint(-127, 128, (64, 40), generator=_gen(3), dtype=torch.int8)
-    packed = wo.tile(w)
-    assert packed.shape == (4, 40, 16) and torch.equal(wo.untile(packed), w)
+    packed = wo_fp32.tile(w)
+    assert packed.shape == (4, 40, 16) and torch.equal(wo_fp32.untile(packed), w)
     ids = torch.tensor([[0, 17], [63, 5]])
-    assert torch.equal(wo.tiled_rows(packed, ids), w[ids])
+    assert torch.equal(wo_fp32.tiled_rows(packed, ids), w[ids])
 
 
 @pytest.mark.parametrize("isa", PATHS)
 def test_bad_input_is_a_clear_error(isa):
-    packed = wo.tile(torch.zeros(16, 8, dtype=torch.int8))
+    packed = wo_fp32.tile(torch.zeros(16, 8, dtype=torch.int8))
     with pytest.raises(RuntimeError, match="x has 6 inputs"):
-        wo.linear_int8(isa, torch.zeros(1, 6), packed, torch.ones(16))
+        wo_fp32.linear_int8(isa, torch.zeros(1, 6), packed, torch.ones(16))
 
 
 def test_a_path_the_cpu_lacks_is_refused_by_name():
@@ -93,7 +93,7 @@ def test_prefill_rows_serve_under_inference_mode(isa, rows):
     q, scales = quantize_per_channel(w)
     x = torch.randn(rows, 96, generator=_gen(5))
     with torch.inference_mode():
-        y = wo.linear_int8(isa, x, wo.tile(q), scales)
+        y = wo_fp32.linear_int8(isa, x, wo_fp32.tile(q), scales)
     _close(y, x @ (q.float() * scales[:, None]).T)
 
 
@@ -104,5 +104,5 @@ def test_prefill_over_a_weight_wider_than_one_widened_buffer(isa):
     scales = torch.rand(2064, generator=_gen(7)) * 0.01
     x = torch.randn(260, 2048, generator=_gen(8))
     with torch.inference_mode():
-        y = wo.linear_int8(isa, x, wo.tile(q), scales)
+        y = wo_fp32.linear_int8(isa, x, wo_fp32.tile(q), scales)
     _close(y, x @ (q.float() * scales[:, None]).T)

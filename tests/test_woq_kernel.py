@@ -1,4 +1,4 @@
-"""quantgate's weight-only int8/int4 CPU kernel (quantgate/kernels/woq) against plain torch references, on
+"""quantgate's weight-only int8/int4 CPU kernel (serving/kernels/cpu/wo_bf16) against plain torch references, on
 each of its builds this CPU runs (`amx`, `avx512bf16`): every
 row-block and channel-block tail, both output dtypes, both paths of each format (x rounded to int16 and
 exact integer sums for few rows, a bf16 panel for many), the layouts' round trips, clear errors, the off
@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from quantgate import settings
-from quantgate.kernels import isa as isas
-from quantgate.kernels import woq
-from quantize.int4 import Int4WeightOnlyLinear, dequantize_rows, quantize_groups, unpack_nibbles
-from quantize.weight_only import Int8WeightOnlyLinear, quantize_per_channel
+from serving.kernels.cpu import isa as isas
+from serving.kernels.cpu import wo_bf16
+from serving.model.quant.int4 import Int4WeightOnlyLinear, dequantize_rows, quantize_groups, unpack_nibbles
+from serving.model.quant.int8 import Int8WeightOnlyLinear, quantize_per_channel
 
 PATHS = [p for p in isas.BF16_PATHS if p in isas.supported()]
 pytestmark = pytest.mark.skipif(not PATHS, reason="the kernel needs AVX-512-BF16")
@@ -25,7 +25,7 @@ ROWS = [1, 2, 3, 5, 7, 8, 9, 17, 23, 24, 33, 70]  # every register-block tail, b
 def panel_rows(int4: bool, k: int = 576) -> int:
     """From here the bf16 panel paths: 24 rows for int8 and 8 for int4 where AMX takes the call or on AMD,
     never on Intel without AMX."""
-    return woq.panel_rows_from(int4, k) if woq.available() else 0
+    return wo_bf16.panel_rows_from(int4, k) if wo_bf16.available() else 0
 
 
 def int16_rows(x: torch.Tensor) -> torch.Tensor:
@@ -41,7 +41,7 @@ def assert_close(out: torch.Tensor, reference: torch.Tensor, tolerance: float, w
 
 
 def test_the_kernel_builds_here():
-    assert woq.available()
+    assert wo_bf16.available()
 
 
 @pytest.fixture(autouse=True, params=PATHS or ["none"])
@@ -49,7 +49,7 @@ def path(request):
     """Every test runs on each build of the kernel this CPU runs (calls without an explicit isa take it)."""
     with isas.using(request.param):
         if "monkeypatch" not in request.fixturenames:  # the off-switch test loads it under its own env
-            assert woq.available()
+            assert wo_bf16.available()
         yield request.param
 
 
@@ -57,21 +57,21 @@ def path(request):
 def test_int8_matches_the_scaled_integer_matmul(n, k):
     torch.manual_seed(n + k)
     q, scales = quantize_per_channel(torch.randn(n, k))
-    packed = woq.pack_int8(q)
-    assert torch.equal(woq.unpack_int8(packed), q)
+    packed = wo_bf16.pack_int8(q)
+    assert torch.equal(wo_bf16.unpack_int8(packed), q)
     quads = packed.shape[3] == 4  # AMX-INT8 (and VPDPBUSD for 1-2 rows): int16 rows at every row count
     assert quads == (isas.resolve() == "amx" and k % 64 == 0)
     for rows in ROWS:
         x = torch.randn(rows, k).bfloat16()
         reference = (x.float() @ q.float().t()) * scales
-        out = woq.int8_linear(x, packed, scales, torch.float32)
+        out = wo_bf16.int8_linear(x, packed, scales, torch.float32)
         assert out.shape == (rows, n) and out.dtype == torch.float32
         if rows < panel_rows(False, k) or quads:  # exact sums of x rounded to int16; that rounding costs < 1e-4
             assert_close(out, (int16_rows(x) @ q.float().t()) * scales, 3e-5, f"{rows} rows")
             assert_close(out, reference, 1e-4, f"{rows} rows")
         else:
             assert_close(out, reference, 1e-5, f"{rows} rows")
-        out_bf16 = woq.int8_linear(x, packed, scales, torch.bfloat16)
+        out_bf16 = wo_bf16.int8_linear(x, packed, scales, torch.bfloat16)
         assert torch.equal(out_bf16, out.bfloat16())
 
 
@@ -80,19 +80,19 @@ def test_int4_gives_exact_group_sums_for_few_rows_and_a_bf16_panel_for_many(n, k
     torch.manual_seed(n * k)
     codes, sz = quantize_groups(torch.randn(n, k), 32)
     q = unpack_nibbles(codes)
-    packed = woq.pack_int4(q)
-    assert torch.equal(woq.unpack_int4(packed, n, k), q)
+    packed = wo_bf16.pack_int4(q)
+    assert torch.equal(wo_bf16.unpack_int4(packed, n, k), q)
     exact = dequantize_rows(codes, sz, 32, torch.float32)  # (q - 8) * scale + zero in fp32
     rounded = exact.bfloat16().float()  # the panel's weight: rounded once to bf16
     for rows in ROWS:
         x = torch.randn(rows, k).bfloat16()
-        out = woq.int4_linear(x, packed, sz, 32, n, torch.float32)
+        out = wo_bf16.int4_linear(x, packed, sz, 32, n, torch.float32)
         if rows < panel_rows(True, k):  # exact group sums of x rounded to int16, the weight never rounded
             assert_close(out, int16_rows(x) @ exact.t(), 3e-5, f"{rows} rows")
             assert_close(out, x.float() @ exact.t(), 1e-4, f"{rows} rows")
         else:
             assert_close(out, x.float() @ rounded.t(), 1e-5, f"{rows} rows")
-        assert torch.equal(woq.int4_linear(x, packed, sz, 32, n, torch.bfloat16), out.bfloat16())
+        assert torch.equal(wo_bf16.int4_linear(x, packed, sz, 32, n, torch.bfloat16), out.bfloat16())
 
 
 @pytest.mark.parametrize("rows", [7, 23, 40])
@@ -102,19 +102,19 @@ def test_each_row_is_computed_alone(rows):
     torch.manual_seed(0)
     q, scales = quantize_per_channel(torch.randn(192, 576))
     codes, sz = quantize_groups(torch.randn(192, 576), 32)
-    int8, int4 = woq.pack_int8(q), woq.pack_int4(unpack_nibbles(codes))
+    int8, int4 = wo_bf16.pack_int8(q), wo_bf16.pack_int4(unpack_nibbles(codes))
     x = torch.randn(rows, 576).bfloat16()
-    together8 = woq.int8_linear(x, int8, scales, torch.float32)
-    together4 = woq.int4_linear(x, int4, sz, 32, 192, torch.float32)
+    together8 = wo_bf16.int8_linear(x, int8, scales, torch.float32)
+    together4 = wo_bf16.int4_linear(x, int4, sz, 32, 192, torch.float32)
     for row in (0, rows // 2, rows - 1):
         alone = x[row:row + 1].contiguous()
         if rows < panel_rows(int4=False):
-            assert torch.equal(woq.int8_linear(alone, int8, scales, torch.float32)[0], together8[row])
+            assert torch.equal(wo_bf16.int8_linear(alone, int8, scales, torch.float32)[0], together8[row])
         if rows < panel_rows(int4=True):
-            assert torch.equal(woq.int4_linear(alone, int4, sz, 32, 192, torch.float32)[0], together4[row])
+            assert torch.equal(wo_bf16.int4_linear(alone, int4, sz, 32, 192, torch.float32)[0], together4[row])
         many = x[row:row + 1].expand(rows, -1).contiguous()  # the same row beside copies of itself
-        assert torch.equal(woq.int8_linear(many, int8, scales, torch.float32)[rows - 1], together8[row])
-        assert torch.equal(woq.int4_linear(many, int4, sz, 32, 192, torch.float32)[rows - 1], together4[row])
+        assert torch.equal(wo_bf16.int8_linear(many, int8, scales, torch.float32)[rows - 1], together8[row])
+        assert torch.equal(wo_bf16.int4_linear(many, int4, sz, 32, 192, torch.float32)[rows - 1], together4[row])
 
 
 @pytest.mark.parametrize("rows", [1, 5, 16, 17, 40])
@@ -128,19 +128,19 @@ def test_amx_tiles_give_the_dpbf16_paths_results_to_rounding(rows, path):
     torch.manual_seed(rows)
     n, k = 192, 576
     weight = torch.randn(n, k)
-    pairs = woq.pack_bf16(weight.bfloat16())
+    pairs = wo_bf16.pack_bf16(weight.bfloat16())
     q, scales = quantize_per_channel(weight)
-    int8, int8_pairs = woq.pack_int8(q), woq.pack_int8(q, 2)
+    int8, int8_pairs = wo_bf16.pack_int8(q), wo_bf16.pack_int8(q, 2)
     assert int8.shape[3] == 4  # int8 is packed in quads for AMX-INT8 here
     codes, sz = quantize_groups(weight, 32)
-    int4 = woq.pack_int4(unpack_nibbles(codes))
+    int4 = wo_bf16.pack_int4(unpack_nibbles(codes))
     calls = {
-        "bf16": (lambda x: woq.bf16_linear(x, pairs, torch.float32),
-                 lambda x: woq.bf16_linear(x, pairs, torch.float32, "avx512bf16")),
-        "int8": (lambda x: woq.int8_linear(x, int8, scales, torch.float32),
-                 lambda x: woq.int8_linear(x, int8_pairs, scales, torch.float32, "avx512bf16")),
-        "int4": (lambda x: woq.int4_linear(x, int4, sz, 32, n, torch.float32),
-                 lambda x: woq.int4_linear(x, int4, sz, 32, n, torch.float32, "avx512bf16")),
+        "bf16": (lambda x: wo_bf16.bf16_linear(x, pairs, torch.float32),
+                 lambda x: wo_bf16.bf16_linear(x, pairs, torch.float32, "avx512bf16")),
+        "int8": (lambda x: wo_bf16.int8_linear(x, int8, scales, torch.float32),
+                 lambda x: wo_bf16.int8_linear(x, int8_pairs, scales, torch.float32, "avx512bf16")),
+        "int4": (lambda x: wo_bf16.int4_linear(x, int4, sz, 32, n, torch.float32),
+                 lambda x: wo_bf16.int4_linear(x, int4, sz, 32, n, torch.float32, "avx512bf16")),
     }
     x = torch.randn(rows, k).bfloat16()
     for name, (call, pairs_call) in calls.items():
@@ -158,21 +158,21 @@ def test_amx_tiles_give_the_dpbf16_paths_results_to_rounding(rows, path):
 
 def test_bad_inputs_are_refused_with_the_reason():
     q, scales = quantize_per_channel(torch.randn(32, 64))
-    packed = woq.pack_int8(q)
+    packed = wo_bf16.pack_int8(q)
     with pytest.raises(RuntimeError, match="bfloat16"):
-        woq.int8_linear(torch.randn(2, 64), packed, scales, torch.float32)
+        wo_bf16.int8_linear(torch.randn(2, 64), packed, scales, torch.float32)
     with pytest.raises(RuntimeError, match="multiple of 16"):
-        woq.int8_linear(torch.randn(2, 64).bfloat16(), packed[:1].contiguous(), scales[:8].contiguous(),
+        wo_bf16.int8_linear(torch.randn(2, 64).bfloat16(), packed[:1].contiguous(), scales[:8].contiguous(),
                         torch.float32)
     with pytest.raises(RuntimeError, match="N\\*K elements"):
-        woq.int8_linear(torch.randn(2, 32).bfloat16(), packed, scales, torch.float32)
+        wo_bf16.int8_linear(torch.randn(2, 32).bfloat16(), packed, scales, torch.float32)
     codes, sz = quantize_groups(torch.randn(32, 64), 32)
-    words = woq.pack_int4(unpack_nibbles(codes))
+    words = wo_bf16.pack_int4(unpack_nibbles(codes))
     with pytest.raises(RuntimeError, match="multiple of 8"):
-        woq.int4_linear(torch.randn(2, 64).bfloat16(), words, sz, 12, 32, torch.float32)
+        wo_bf16.int4_linear(torch.randn(2, 64).bfloat16(), words, sz, 12, 32, torch.float32)
     with pytest.raises(RuntimeError, match="bf16"):
-        woq.int4_linear(torch.randn(2, 64).bfloat16(), words, sz.float(), 32, 32, torch.float32)
-    assert woq.int8_linear(torch.empty(0, 64).bfloat16(), packed, scales, torch.float32).shape == (0, 32)
+        wo_bf16.int4_linear(torch.randn(2, 64).bfloat16(), words, sz.float(), 32, 32, torch.float32)
+    assert wo_bf16.int8_linear(torch.empty(0, 64).bfloat16(), packed, scales, torch.float32).shape == (0, 32)
 
 
 def test_layers_use_it_drop_their_plain_weights_and_the_switch_turns_it_off(monkeypatch):
@@ -191,7 +191,7 @@ def test_layers_use_it_drop_their_plain_weights_and_the_switch_turns_it_off(monk
     assert torch.equal(int8.dequantized_weight(), weight8) and torch.equal(int4.dequantized_weight(), weight4)
 
     monkeypatch.setenv(settings.WOQ_KERNEL.name, "0")
-    assert not woq.available()
+    assert not wo_bf16.available()
     fresh8, fresh4 = Int8WeightOnlyLinear.from_linear(linear), Int4WeightOnlyLinear.from_linear(linear, 32)
     torch_y8, torch_y4 = fresh8(x), fresh4(x)
     assert fresh8._woq_weight is None and fresh4._woq_codes is None
@@ -267,7 +267,7 @@ def test_a_loaded_variant_holds_one_copy_of_its_tied_table(tiny_model_dir, metho
 
 
 def test_the_build_cache_is_keyed_by_the_headers_beside_the_source_too(tmp_path, monkeypatch):
-    from quantgate import kernels
+    from serving.kernels import cpu as kernels
 
     monkeypatch.setenv("QUANTGATE_KERNEL_DIR", str(tmp_path / "cache"))
     (tmp_path / "op.cpp").write_text('#include "op.h"\n')

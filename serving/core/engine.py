@@ -11,7 +11,6 @@ from pathlib import Path
 
 import torch
 
-from quantgate.kernels import isa as isas
 from serving.core.block_manager import BlockManager
 from serving.core.engine_interface import EngineConfig, EngineStats, RequestOutput
 from serving.core.fairness import TenantFairness
@@ -20,7 +19,8 @@ from serving.core.sampling_params import SamplingParams
 from serving.core.scheduler import MAX_NUM_BATCHED_TOKENS
 from serving.core.schedulers import SCHEDULERS
 from serving.core.sequence import Sequence, SequenceStatus
-from serving.model.cuda import resolve_backend
+from serving.kernels.cpu import isa as isas
+from serving.kernels.cuda import resolve_backend
 from serving.model.device import default_device, resolve_dtype
 from serving.model.llama_forward import supports
 from serving.model.model_runner import KVCacheShape, ModelRunner, load_model
@@ -61,7 +61,7 @@ class LLMEngine:
         cuda_graphs: bool | None = None,
         batch_timeout_s: float | None = None,
     ):
-        """`attention`: auto (Triton kernels on CUDA, torch elsewhere), torch, or triton (serving/model/cuda; on CPU
+        """`attention`: auto (Triton kernels on CUDA, torch elsewhere), torch, or triton (serving/kernels/cuda; on CPU
         in Triton's interpreter). `cuda_graphs`: decode replayed from CUDA graphs per batch bucket (None: on
         wherever Triton attention runs on CUDA; True on CPU runs the eager stand-in). `batch_timeout_s`: the
         dynamic scheduler's batch timeout (None: its default; an error with another scheduler)."""

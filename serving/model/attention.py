@@ -81,7 +81,7 @@ class DecodeGroup:
 
 @dataclass
 class DecodeBatch:
-    """Every decode row at once for the compiled kernel (quantgate/kernels): it reads blocks in place."""
+    """Every decode row at once for the compiled kernel (serving/kernels/cpu): it reads blocks in place."""
 
     block_tables: torch.Tensor  # [n, max_blocks] int64, padded with block 0
     context_lens: torch.Tensor  # [n] int64: tokens each sequence attends to (its new one included)
@@ -106,7 +106,7 @@ class AttentionContext:
     kv_format: str = "auto"
     k_scale: list[torch.Tensor] | None = None  # int8: per layer [kv_heads, num_blocks * block_size]
     v_scale: list[torch.Tensor] | None = None
-    paged: Any = None  # a serving.model.cuda.step.PagedStep: the step runs through the Triton kernels instead
+    paged: Any = None  # a serving.kernels.cuda.step.PagedStep: the step runs through the Triton kernels instead
 
 
 _local = threading.local()  # per thread: engines stepping on different threads each see their own step
@@ -145,7 +145,7 @@ def attend(ctx: AttentionContext, layer: int, q: torch.Tensor, key: torch.Tensor
     dim]; stores K/V in the cache (unless the caller has: `stored`) and returns [tokens, heads, dim].
     A sliding-window layer passes its `window`: each token then sees only the last `window` positions."""
     if ctx.paged is not None:
-        from serving.model.cuda.attention import attend as triton_attend
+        from serving.kernels.cuda.attention import attend as triton_attend
 
         return triton_attend(ctx.paged, ctx.k_cache[layer], ctx.v_cache[layer], ctx.block_size, ctx.slot_mapping,
                              q, key, value, scaling if scaling is not None else q.shape[-1] ** -0.5, stored, window)

@@ -1,4 +1,4 @@
-"""A decode step's decoder stack as one compiled call (quantgate/kernels/decode_step.cpp).
+"""A decode step's decoder stack as one compiled call (serving/kernels/cpu/decode_step.cpp).
 
 `LlamaForward` runs each layer's dozen ops from Python; at batch 1 that Python costs about as much as the
 matmuls. Where every projection of every layer is one of quantgate's own kernel calls (`KernelCall`), the
@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from quantgate import settings
-from quantgate.kernels import decoder_ops
+from serving.kernels.cpu import decoder_ops
 from serving.model.attention import AttentionContext
 
 SLOTS = ("qkv", "o", "gate_up", "down", "q", "k", "v", "gate", "up")  # decode_step.cpp's `Slot`, in order

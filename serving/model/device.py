@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from quantgate import settings
-from quantgate.kernels import isa as isas
+from serving.kernels.cpu import isa as isas
 
 DTYPE_ENV = settings.DTYPE.name
 _NAMES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,

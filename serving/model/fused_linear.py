@@ -17,11 +17,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from quantgate.kernels import wo_linear as wo
-from quantgate.kernels import woq
-from quantize.int4 import Int4WeightOnlyLinear
-from quantize.weight_only import Int8WeightOnlyLinear
+from serving.kernels.cpu import wo_bf16, wo_fp32
 from serving.model.packed_linear import PairPackedLinear, WoLinear
+from serving.model.quant.int4 import Int4WeightOnlyLinear
+from serving.model.quant.int8 import Int8WeightOnlyLinear
 
 Projection = Callable[[torch.Tensor], torch.Tensor]
 
@@ -29,9 +28,9 @@ Projection = Callable[[torch.Tensor], torch.Tensor]
 @dataclass(frozen=True)
 class KernelCall:
     """One compiled linear op with its weights bound: `op(rows, *tensors, *ints)`. A woq_linear op (`bf16_rows`)
-    reads bf16 rows and writes `woq.out_dtype` of the input's dtype (its last int); a wo_linear op (or torch's
+    reads bf16 rows and writes `wo_bf16.out_dtype` of the input's dtype (its last int); a wo_linear op (or torch's
     own linear over an fp32 weight) reads fp32 rows and writes fp32. Either way the caller gets its own dtype back. The decode-step plan
-    (quantgate/kernels/decode_step.cpp) calls the same op with the same arguments."""
+    (serving/kernels/cpu/decode_step.cpp) calls the same op with the same arguments."""
 
     op: torch._ops.OpOverload
     tensors: tuple[torch.Tensor, ...]
@@ -40,7 +39,7 @@ class KernelCall:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.bf16_rows:
-            return self.op(x.to(torch.bfloat16).contiguous(), *self.tensors, *self.ints, woq.out_dtype(x.dtype))
+            return self.op(x.to(torch.bfloat16).contiguous(), *self.tensors, *self.ints, wo_bf16.out_dtype(x.dtype))
         rows = x if x.dtype is torch.float32 and x.is_contiguous() else x.to(torch.float32).contiguous()
         return self.op(rows, *self.tensors, *self.ints).to(x.dtype)
 
@@ -69,9 +68,9 @@ def fuse(modules: list) -> KernelCall | None:
         return None
     paths = {m.kernel_path() for m in modules}
     path = paths.pop() if len(paths) == 1 else None
-    if path is not None and path.kind == "wo":
+    if path is not None and path.kind == "wo_fp32":
         return _fused_wo(modules)
-    if path is None or path.kind != "woq":
+    if path is None or path.kind != "wo_bf16":
         return None
     if kind is Int8WeightOnlyLinear:
         tensors = (_share(modules, "_woq_weight"), _share(modules, "scales"))
@@ -86,7 +85,7 @@ def fuse(modules: list) -> KernelCall | None:
 
 
 def _woq_op(isa: str | None, kind: str) -> torch._ops.OpOverload:
-    return getattr(woq._kernel(isa), kind)
+    return getattr(wo_bf16._kernel(isa), kind)
 
 
 def _fused_wo(modules: list) -> KernelCall | None:
@@ -95,16 +94,16 @@ def _fused_wo(modules: list) -> KernelCall | None:
     if isinstance(first, WoLinear):
         packed = _share(modules, "packed_weight")
         name = "linear_f32" if packed.dtype == torch.float32 else "linear_bf16"
-        return KernelCall(wo._op(first.isa, name), (packed,), (), False)
+        return KernelCall(wo_fp32._op(first.isa, name), (packed,), (), False)
     isa = first.kernel_path().isa
     if isinstance(first, Int8WeightOnlyLinear):
         tensors = (_share(modules, "_wo_weight"), _share(modules, "scales"))
-        return KernelCall(wo._op(isa, "linear_int8"), tensors, (), False)
+        return KernelCall(wo_fp32._op(isa, "linear_int8"), tensors, (), False)
     if len({m.group_size for m in modules}) != 1:
         return None
     codes = _share(modules, "_wo_codes")
     scales = _share(modules, "scales_and_zeros", [m._scales_for_kernel() for m in modules], dim=1)
-    return KernelCall(wo._op(isa, "linear_int4"), (codes, scales), (first.group_size,), False)
+    return KernelCall(wo_fp32._op(isa, "linear_int4"), (codes, scales), (first.group_size,), False)
 
 
 def _share(modules: list, name: str, parts: list[torch.Tensor] | None = None, dim: int = 0) -> torch.Tensor:

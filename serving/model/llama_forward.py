@@ -2,7 +2,7 @@
 
 transformers' forward makes several times more torch ops and Python module calls per layer than the math
 needs, and at batch 1 that Python costs as much as the matmuls. Here a layer is ~12 ops: the
-fused RMSNorm, residual-add + RMSNorm and in-place rotary of quantgate/kernels (which also writes K and V to
+fused RMSNorm, residual-add + RMSNorm and in-place rotary of serving/kernels/cpu (which also writes K and V to
 their cache slots when the cache holds the model's dtype), the model's own projection modules (so quantized
 layers — ours, bitsandbytes, torchao — run unchanged), and paged attention called directly. The math is the model's, rounded where it rounds (fused_ops.cpp; only RMSNorm's variance is
 summed in another order), so greedy outputs stay token-identical to HF in fp32. Anything else (another architecture, a pipeline stage's stub layers,
@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from quantgate import settings
-from quantgate.kernels.decoder_ops import fused_ops
+from serving.kernels.cpu.decoder_ops import fused_ops
 from serving.model import attention
 from serving.model.attention import AttentionContext
 from serving.model.decode_step import DecodeStep

@@ -7,11 +7,11 @@ from pathlib import Path
 
 import torch
 
-from quantgate.kernels import isa as isas
-from quantgate.kernels.decoder_ops import paged_decode
 from quantgate.model_shape import kv_shape
 from serving.core.scheduler import ScheduledSeq
 from serving.core.sequence import Sequence, TokenLogprob
+from serving.kernels.cpu import isa as isas
+from serving.kernels.cpu.decoder_ops import paged_decode
 from serving.model import attention
 from serving.model.attention import SCALE_DTYPE, AttentionContext, DecodeBatch, DecodeGroup, PrefillChunk
 from serving.model.llama_forward import LlamaForward, supports
@@ -73,11 +73,11 @@ class StepResult:
 
 
 def load_model(model_dir: Path, device: torch.device, dtype: torch.dtype, isa: str | None = None):
-    """A plain HF dir loads here; a quantized variant (it has a quantgate.json) is loaded by quantize/.
-    Its layers take kernel path `isa` (None: the process default, `quantgate.kernels.isa`)."""
+    """A plain HF dir loads here; a quantized variant (it has a quantgate.json) by serving/model/quant/loader.py.
+    Its layers take kernel path `isa` (None: the process default, `serving.kernels.cpu.isa`)."""
     with isas.using(isa) as path:
         if (Path(model_dir) / "quantgate.json").is_file():
-            from quantize import load_model as load_variant
+            from serving.model.quant.loader import load_variant
 
             model = load_variant(Path(model_dir), str(device), dtype)
         else:
@@ -95,8 +95,8 @@ class ModelRunner:
                  kv_cache_dtype: str = "auto", isa: str | None = None, attention: str = "torch",
                  graph_shape: tuple[int, int] | None = None):
         """`attention`: "torch" (serving/model/attention.py, the compiled CPU kernel where it runs) or "triton"
-        (serving/model/cuda). `graph_shape` (max batch, max blocks a table): decode steps replayed from captured
-        graphs (serving/model/cuda/graphs.py; on CPU its eager stand-in), Triton attention only."""
+        (serving/kernels/cuda). `graph_shape` (max batch, max blocks a table): decode steps replayed from captured
+        graphs (serving/kernels/cuda/graphs.py; on CPU its eager stand-in), Triton attention only."""
         self.model = model
         self.device = device
         self.block_size = block_size
@@ -118,8 +118,8 @@ class ModelRunner:
         self.fast_forward = LlamaForward.of(model, torch.device(device), isa)  # None: the model's own forward
         self.attention, self.graphs = attention, None
         if attention == "triton":
-            from serving.model.cuda.fused_ops import TritonOps
-            from serving.model.cuda.projections import fuse_projections
+            from serving.kernels.cuda.fused_ops import TritonOps
+            from serving.kernels.cuda.projections import fuse_projections
 
             self.decode_kernel = None
             self.fast_forward = LlamaForward(model, TritonOps()) if supports(model) else None
@@ -128,7 +128,7 @@ class ModelRunner:
         if graph_shape is not None:
             if self.attention != "triton" or self.fast_forward is None:
                 raise ValueError("decode graphs need attention='triton' and a Llama-family model (llama_forward)")
-            from serving.model.cuda.graphs import DecodeGraphs
+            from serving.kernels.cuda.graphs import DecodeGraphs
 
             self.graphs = DecodeGraphs(self.fast_forward, self.k_cache, self.v_cache, block_size, *graph_shape, device)
 
@@ -190,7 +190,7 @@ class ModelRunner:
             decode_batch=self._decode_batch(decode_seqs),
         )
         if self.attention == "triton":
-            from serving.model.cuda.step import PagedStep
+            from serving.kernels.cuda.step import PagedStep
 
             ctx.paged = PagedStep.build([s.block_table for s in decode_seqs],
                                         [s.num_computed_tokens + 1 for s in decode_seqs], prefill_tables,

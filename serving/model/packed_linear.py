@@ -7,14 +7,14 @@ bit-identical to `F.linear`; figures: docs/results/design-figures.md). This is w
 freezing do; we do it on the unmodified model by swapping `nn.Linear` modules, so quantized layers (ours,
 bitsandbytes) are untouched.
 
-Where quantgate's own kernel runs (quantgate/kernels/woq, AVX-512-BF16) it replaces oneDNN for every bf16
+Where quantgate's own kernel runs (serving/kernels/cpu/wo_bf16, AVX-512-BF16) it replaces oneDNN for every bf16
 projection: the weight is re-laid out once as bf16 pairs that `woq_linear_bf16` reads in place, which
 beats oneDNN's packed kernel most at decode sizes (`quantgate bench woq`; docs/results/design-figures.md).
 A tied lm_head shares its weight with the embedding, and oneDNN's packed tensor is opaque (no rows to
 look up); the pair layout has rows, so the embedding indexes the head's copy: one copy.
 
 On CPUs without native bf16 (AVX2-only, AVX-512 without BF16) a bf16 model is stored in bf16 and computed
-in fp32: `WoLinear` holds each weight tiled for quantgate/kernels/wo_linear, which widens it in registers
+in fp32: `WoLinear` holds each weight tiled for serving/kernels/cpu/wo_fp32, which widens it in registers
 (half the bytes of fp32; never torch's bf16 matmul, a scalar loop there, nor oneDNN's packing, which
 refuses bf16 on AVX2).
 """
@@ -25,9 +25,8 @@ import torch
 import torch.nn as nn
 
 from quantgate import settings
-from quantgate.kernels import isa as isas
-from quantgate.kernels import wo_linear as wo
-from quantgate.kernels import woq
+from serving.kernels.cpu import isa as isas
+from serving.kernels.cpu import wo_bf16, wo_fp32
 
 ONEDNN_BF16_FLAGS = (frozenset({"avx512bw", "avx512vl", "avx512dq"}), frozenset({"avx_ne_convert"}))
 
@@ -69,20 +68,20 @@ class PairPackedLinear(nn.Module):
 
     def __init__(self, packed: torch.Tensor, isa: str, bias: torch.Tensor | None = None):
         super().__init__()
-        self.out_features, self.in_features = packed.shape[0] * woq.TILE, packed.shape[1] * 2
+        self.out_features, self.in_features = packed.shape[0] * wo_bf16.TILE, packed.shape[1] * 2
         self.isa = isa  # amx or avx512bf16: which build of the kernel runs it
         self.register_buffer("packed_weight", packed, persistent=False)
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
 
     @classmethod
     def of(cls, linear: nn.Linear, isa: str) -> PairPackedLinear:
-        return cls(woq.pack_bf16(linear.weight.detach()), isa, linear.bias)
+        return cls(wo_bf16.pack_bf16(linear.weight.detach()), isa, linear.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 2 and x.dtype == torch.bfloat16 and self.bias is None:  # the decoder's rows: no reshapes
-            return woq.bf16_linear(x.contiguous(), self.packed_weight, torch.bfloat16, self.isa)
+            return wo_bf16.bf16_linear(x.contiguous(), self.packed_weight, torch.bfloat16, self.isa)
         flat = x.reshape(-1, self.in_features).to(torch.bfloat16).contiguous()
-        y = woq.bf16_linear(flat, self.packed_weight, woq.out_dtype(x.dtype), self.isa)
+        y = wo_bf16.bf16_linear(flat, self.packed_weight, wo_bf16.out_dtype(x.dtype), self.isa)
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
@@ -92,26 +91,26 @@ class PairPackedLinear(nn.Module):
 
 
 class WoLinear(nn.Module):
-    """A bf16 or fp32 `nn.Linear` over the tiled layout quantgate/kernels/wo_linear widens in registers
+    """A bf16 or fp32 `nn.Linear` over the tiled layout serving/kernels/cpu/wo_fp32 widens in registers
     (fp32 math on every x86 CPU); a tied lm_head shares it with `WoEmbedding`."""
 
     def __init__(self, packed: torch.Tensor, isa: str, bias: torch.Tensor | None = None):
         super().__init__()
-        self.out_features, self.in_features = packed.shape[0] * wo.TILE, packed.shape[1]
+        self.out_features, self.in_features = packed.shape[0] * wo_fp32.TILE, packed.shape[1]
         self.isa = isa
         self.register_buffer("packed_weight", packed, persistent=False)
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
 
     @classmethod
     def of(cls, linear: nn.Linear, isa: str) -> WoLinear:
-        return cls(wo.tile(linear.weight.detach()), isa, linear.bias)
+        return cls(wo_fp32.tile(linear.weight.detach()), isa, linear.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
         if self.packed_weight.dtype == torch.float32:
-            y = wo.linear_f32(self.isa, flat, self.packed_weight)
+            y = wo_fp32.linear_f32(self.isa, flat, self.packed_weight)
         else:
-            y = wo.linear_bf16(self.isa, flat, self.packed_weight)
+            y = wo_fp32.linear_bf16(self.isa, flat, self.packed_weight)
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
@@ -131,18 +130,18 @@ class WoEmbedding(nn.Module):
         return torch.empty(self.num_embeddings, self.embedding_dim, dtype=self.packed_weight.dtype, device="meta")
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return wo.tiled_rows(self.packed_weight, ids)
+        return wo_fp32.tiled_rows(self.packed_weight, ids)
 
 
 def pack_for_wo(model: nn.Module, isa: str) -> int:
     """Swap every plain bf16 `nn.Linear` (a tied lm_head with its embedding) for a `WoLinear` on path
     `isa`; returns how many. Shapes the kernel does not take stay plain."""
-    if not wo.available(isa):
+    if not wo_fp32.available(isa):
         return 0
     swapped = 0
     embed, head = model.get_input_embeddings(), model.get_output_embeddings()
     tied = type(embed) is nn.Embedding and type(head) is nn.Linear and head.weight is embed.weight
-    if tied and head.bias is None and wo.fits(head.in_features, head.out_features):
+    if tied and head.bias is None and wo_fp32.fits(head.in_features, head.out_features):
         new_head = WoLinear.of(head, isa)
         model.set_output_embeddings(new_head)
         model.set_input_embeddings(WoEmbedding(new_head))
@@ -150,7 +149,7 @@ def pack_for_wo(model: nn.Module, isa: str) -> int:
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is nn.Linear and child.weight.dtype == torch.bfloat16 and child.weight is not getattr(
-                    embed, "weight", None) and wo.fits(child.in_features, child.out_features):
+                    embed, "weight", None) and wo_fp32.fits(child.in_features, child.out_features):
                 setattr(parent, name, WoLinear.of(child, isa))
                 swapped += 1
     return swapped
@@ -168,7 +167,7 @@ class PairPackedEmbedding(nn.Module):
         return torch.empty(self.num_embeddings, self.embedding_dim, dtype=torch.bfloat16, device="meta")
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return woq.packed_rows(self.packed_weight, ids)
+        return wo_bf16.packed_rows(self.packed_weight, ids)
 
 
 def pack_tied_head(model: nn.Module, isa: str) -> bool:
@@ -178,7 +177,7 @@ def pack_tied_head(model: nn.Module, isa: str) -> bool:
         return False
     weight = head.weight
     if (weight.dtype != torch.bfloat16 or weight.device.type != "cpu" or head.bias is not None
-            or not woq.fits(weight.shape[1], weight.shape[0]) or not woq.available(isa=isa)):
+            or not wo_bf16.fits(weight.shape[1], weight.shape[0]) or not wo_bf16.available(isa=isa)):
         return False
     new_head = PairPackedLinear.of(head, isa)
     model.set_output_embeddings(new_head)
@@ -187,7 +186,7 @@ def pack_tied_head(model: nn.Module, isa: str) -> bool:
 
 
 def _packed(linear: nn.Linear, own_kernel: bool, isa: str) -> nn.Module:
-    if own_kernel and woq.fits(linear.in_features, linear.out_features):
+    if own_kernel and wo_bf16.fits(linear.in_features, linear.out_features):
         return PairPackedLinear.of(linear, isa)
     return PackedLinear(linear)
 
@@ -207,7 +206,7 @@ def pack_linears(model: nn.Module, isa: str | None = None) -> int:
     counts: dict[int, int] = {}
     for _, tensor in model.named_parameters(remove_duplicate=False):
         counts[id(tensor)] = counts.get(id(tensor), 0) + 1
-    own_kernel = path in isas.BF16_PATHS and woq.available(isa=path)
+    own_kernel = path in isas.BF16_PATHS and wo_bf16.available(isa=path)
     swapped = int(own_kernel and pack_tied_head(model, path))
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):

@@ -1,0 +1,171 @@
+"""Evaluate a policy against what MLflow recorded for a variant run and its release's baseline, and
+record every gate's verdict back on the run (metrics, tags, a `gates.md` report, a plot).
+
+Recorded per gate (name like `task/arc_easy/max_drop`): metrics `gate/<name>/pass` (1/0),
+`gate/<name>/threshold`, `gate/<name>/observed` (only when measured), `gate/<name>/uninformative` (1/0);
+tags `gate/<name>/verdict` ("pass"/"fail"/"uninformative": `gates.judging.sensitivity`, `gates.judging.speed_verdicts`), `.../blocks`
+("true"/"false": whether it stops the variant), `.../reason`, `.../rule`, `.../threshold`,
+`.../observed` ("not measured" when missing), `.../stage`; task gates also `.../harmless_pass`,
+`.../refusal80_drop`, `.../underpowered` (metrics and tags, gates.judging.power). Per stage: tags `gates/<stage>/verdict` (written last), `.../evaluated_at`,
+`.../policy_sha256`, `.../policy_source`, `.../baseline_run_id`, `.../failed`, `.../uninformative`; metric
+`gates/<stage>/pass`, `.../family_harmless_pass`; artifacts `gates/<stage>/gates.md`, `gates.json`, `policy.yaml`, `task_deltas.png`.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Mapping
+from dataclasses import asdict
+from typing import TYPE_CHECKING
+
+from gates import metric_names as M
+from gates.judging import power as P
+from gates.judging.gate_report import render_markdown
+from gates.judging.policy import Policy, load_policy
+from gates.judging.verdicts import NOT_MEASURED, UNINFORMATIVE, Evaluation, GateResult
+from gates.records.tracking import BASELINE, TAG_KIND, TAG_ROLE, baseline_run, get_client, get_run, log_batch
+
+if TYPE_CHECKING:
+    from mlflow import MlflowClient
+
+from gates.judging.judge import judge
+
+
+def evaluate_run(
+    run_id: str,
+    policy: Policy | str | None = None,
+    stage: str = "release",
+    client: MlflowClient | None = None,
+) -> Evaluation:
+    """Read the variant's and baseline's metrics back from MLflow, judge, and record the verdicts."""
+    client = client or get_client()
+    if not isinstance(policy, Policy):
+        policy = load_policy(policy)
+    run = get_run(run_id, client)
+    if run.data.tags.get(TAG_KIND) != "variant":
+        raise ValueError(f"run {run_id} is not a quantgate variant run; gates judge variant runs")
+    if run.data.tags.get(TAG_ROLE) == BASELINE:
+        raise ValueError(f"run {run_id} is the baseline; gates judge variants against it")
+    base = baseline_run(run_id, client)
+    rates = P.recorded_flip_rates(client, run_id) if stage == "release" else {}
+    results = judge(policy, run.data.metrics, base.data.metrics if base else None, stage, rates)
+    evaluation = Evaluation(
+        run_id=run_id,
+        stage=stage,
+        results=results,
+        evaluated_at=dt.datetime.now(dt.UTC).isoformat(timespec="milliseconds"),
+        policy_sha256=policy.sha256,
+        policy_source=policy.source,
+        baseline_run_id=base.info.run_id if base else "",
+        extra={"machine": run.data.tags.get(M.MACHINE_TAG, "")},
+    )
+    _record(client, run, evaluation, policy, base.data.metrics if base else {})
+    return evaluation
+
+
+def _record(client: MlflowClient, run, evaluation: Evaluation, policy: Policy, baseline: Mapping[str, float]) -> None:
+    run_id, stage = evaluation.run_id, evaluation.stage
+    # Nothing half-written looks complete: the stage verdict is "pending" until everything is recorded.
+    client.set_tag(run_id, M.stage_tag(stage, "verdict"), "pending")
+    for key, value in run.data.tags.items():
+        if key.startswith("gate/") and key.endswith("/stage") and value == stage:
+            name = key[len("gate/") : -len("/stage")]
+            for f in ("verdict", "blocks", "reason", "rule", "threshold", "observed", "stage", *P.POWER_FIELDS):
+                if M.gate_key(name, f) in run.data.tags:
+                    client.delete_tag(run_id, M.gate_key(name, f))
+    metrics: dict[str, float] = {}
+    tags: dict[str, str] = {}
+    for r in evaluation.results:
+        metrics[M.gate_key(r.name, "pass")] = 1.0 if r.passed else 0.0
+        metrics[M.gate_key(r.name, "threshold")] = r.threshold
+        metrics[M.gate_key(r.name, UNINFORMATIVE)] = 1.0 if r.verdict == UNINFORMATIVE else 0.0
+        if r.observed is not None:
+            metrics[M.gate_key(r.name, "observed")] = r.observed
+        power = P.power_tags(r)
+        metrics.update({M.gate_key(r.name, f): float(getattr(r, f)) for f in P.POWER_FIELDS if power})
+        tags.update({M.gate_key(r.name, f): value for f, value in power.items()})
+        fields = {
+            "verdict": r.verdict,
+            "blocks": "false" if r.passed else "true",
+            "reason": r.reason,
+            "rule": r.rule,
+            "threshold": repr(r.threshold),
+            "observed": NOT_MEASURED if r.observed is None else repr(r.observed),
+            "stage": stage,
+        }
+        tags.update({M.gate_key(r.name, f): value for f, value in fields.items()})
+    metrics[M.stage_tag(stage, "pass")] = 1.0 if evaluation.passed else 0.0
+    metrics.update(P.family_metric(evaluation.results, M.stage_tag(stage, "family_harmless_pass")))
+    stage_fields = {
+        "evaluated_at": evaluation.evaluated_at,
+        "policy_sha256": evaluation.policy_sha256,
+        "policy_source": evaluation.policy_source,
+        "baseline_run_id": evaluation.baseline_run_id,
+        "failed": ", ".join(r.name for r in evaluation.failed)[:7000],
+        UNINFORMATIVE: ", ".join(r.name for r in evaluation.uninformative)[:7000],
+        "underpowered": ", ".join(r.name for r in evaluation.results if r.underpowered)[:7000],
+    }
+    tags.update({M.stage_tag(stage, f): value for f, value in stage_fields.items()})
+    log_batch(client, run_id, metrics=metrics, tags=tags)
+    folder = f"gates/{stage}"
+    client.log_text(run_id, render_markdown(evaluation, run.info.run_name or run_id), f"{folder}/gates.md")
+    client.log_dict(run_id, _as_json(evaluation), f"{folder}/gates.json")
+    client.log_text(run_id, policy.text, f"{folder}/policy.yaml")
+    if stage == "release":
+        from gates.records.release_plots import task_delta_figure
+
+        figure = task_delta_figure(run.data.metrics, policy, title=f"{run.info.run_name}: paired deltas vs baseline")
+        if figure is not None:
+            client.log_figure(run_id, figure, f"{folder}/task_deltas.png")
+    verdict = "pass" if evaluation.passed else "fail"
+    version_tag = "verdict" if stage == "release" else f"{stage}_verdict"
+    for mv in client.search_model_versions(f"run_id = '{run_id}'"):
+        client.set_model_version_tag(mv.name, mv.version, version_tag, verdict)
+    client.set_tag(run_id, M.stage_tag(stage, "verdict"), verdict)
+
+
+def _as_json(evaluation: Evaluation) -> dict:
+    data = asdict(evaluation)
+    data["passed"] = evaluation.passed
+    return data
+
+
+def read_evaluation(run_id: str, stage: str = "release", client: MlflowClient | None = None) -> Evaluation | None:
+    """The verdicts recorded on a run (None when never evaluated), from tags alone."""
+    client = client or get_client()
+    tags = get_run(run_id, client).data.tags
+    if M.stage_tag(stage, "verdict") not in tags:
+        return None
+    results = []
+    for key, value in sorted(tags.items()):
+        if not (key.startswith("gate/") and key.endswith("/stage") and value == stage):
+            continue
+        name = key[len("gate/") : -len("/stage")]
+        observed = tags.get(M.gate_key(name, "observed"), NOT_MEASURED)
+        verdict = tags.get(M.gate_key(name, "verdict"), "fail")
+        blocks = tags.get(M.gate_key(name, "blocks"), "false" if verdict == "pass" else "true")
+        results.append(
+            GateResult(
+                name=name,
+                stage=stage,
+                rule=tags.get(M.gate_key(name, "rule"), ""),
+                threshold=float(tags.get(M.gate_key(name, "threshold"), "nan")),
+                observed=None if observed == NOT_MEASURED else float(observed),
+                passed=verdict == "pass" or (verdict == UNINFORMATIVE and blocks == "false"),
+                reason=tags.get(M.gate_key(name, "reason"), ""),
+                verdict=verdict,
+                **P.power_from_tags(tags, lambda f, name=name: M.gate_key(name, f)),
+            )
+        )
+    families = ("tasks", "task", "safety", "weights", "serve", "canary")
+    results.sort(key=lambda r: (families.index(r.name.split("/")[0]) if r.name.split("/")[0] in families else 99, r.name))
+    return Evaluation(
+        run_id=run_id,
+        stage=stage,
+        results=results,
+        evaluated_at=tags.get(M.stage_tag(stage, "evaluated_at"), ""),
+        policy_sha256=tags.get(M.stage_tag(stage, "policy_sha256"), ""),
+        policy_source=tags.get(M.stage_tag(stage, "policy_source"), ""),
+        baseline_run_id=tags.get(M.stage_tag(stage, "baseline_run_id"), ""),
+        extra={"verdict": tags[M.stage_tag(stage, "verdict")], "machine": tags.get(M.MACHINE_TAG, "")},
+    )

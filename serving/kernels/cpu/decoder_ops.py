@@ -1,0 +1,68 @@
+"""The decoder's own CPU kernels: the paged-attention decode kernel (paged_attention.cpp) and the fused
+small ops (fused_ops.cpp), built by `serving.kernels.cpu.build`.
+
+Both are plain C++ that compilers vectorise (paged attention adds AVX-512-BF16 code where the build has
+it). On the `amx` and `avx512bf16` paths they are built with `-march=native` under their historical op namespaces;
+on `avx512`, `avx2` and `scalar` with that instruction set's flags only, under namespaces of their own
+(`torch.ops.quantgate_avx2`), so a forced lower path runs what a real lower CPU would. `paged_decode()`
+returns the decode op, `fused_ops()` the namespace holding rms_norm, add_rms_norm and rotary, or None where
+they cannot run: another device, the `torch` path, no compiler, or `QUANTGATE_PAGED_KERNEL=0` /
+`QUANTGATE_FUSED_OPS=0`; callers then take the torch path.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from quantgate import settings
+from serving.kernels import cpu as kernels
+from serving.kernels.cpu import isa as isas
+
+SOURCE = Path(__file__).with_name("paged_attention.cpp")
+FUSED_SOURCE = Path(__file__).with_name("fused_ops.cpp")
+STEP_SOURCE = Path(__file__).with_name("decode_step.cpp")
+STEP_CFLAGS = ["-O2"]  # it only calls other ops: no instruction set of its own
+OWN_FLAG_PATHS = ("avx512", "avx2", "scalar")
+
+
+def enabled() -> bool:
+    return settings.enabled(settings.PAGED_KERNEL)
+
+
+def _namespace(source: Path, cflags: list[str], namespace: str, isa: str | None):
+    """Build `source` for path `isa` and return its op namespace, or None (torch path, no compiler)."""
+    path = isas.resolve(isa)
+    if path == "torch":
+        return None
+    if path in OWN_FLAG_PATHS:
+        namespace = f"{namespace}_{path}"
+        cflags = [f for f in cflags if f != "-march=native"] + isas.ISA_CFLAGS[path] + [f"-DQG_NAMESPACE={namespace}"]
+        loaded = kernels.load(source, cflags, name=f"{source.stem}_{path}")
+    else:
+        loaded = kernels.load(source, cflags)
+    return getattr(torch.ops, namespace) if loaded else None
+
+
+def paged_decode(device: torch.device | str = "cpu", isa: str | None = None):
+    """The compiled decode op for this device and kernel path, or None."""
+    if torch.device(device).type != "cpu" or not enabled():
+        return None
+    ops = _namespace(SOURCE, kernels.CFLAGS, "quantgate", isa)
+    return ops.paged_decode if ops is not None and hasattr(ops, "paged_decode") else None
+
+
+def fused_ops(device: torch.device | str = "cpu", isa: str | None = None):
+    """The fused-ops namespace (rms_norm, add_rms_norm, rotary) for this device and kernel path, or None."""
+    if torch.device(device).type != "cpu" or not settings.enabled(settings.FUSED_OPS):
+        return None
+    ops = _namespace(FUSED_SOURCE, kernels.PRECISE_CFLAGS, "quantgate_ops", isa)
+    return ops if ops is not None and hasattr(ops, "rotary") else None
+
+
+def decode_plan_class():
+    """`torch.classes.quantgate_step.DecodePlan` (decode_step.cpp), or None where it cannot be built."""
+    if not settings.enabled(settings.DECODE_STEP) or not kernels.load(STEP_SOURCE, STEP_CFLAGS):
+        return None
+    return torch.classes.quantgate_step.DecodePlan

@@ -1,0 +1,12 @@
+// The vector layer: `F16`, sixteen fp32 lanes (one tile of 16 output channels), for the instruction set
+// this translation unit is built for (serving/kernels/cpu/isa.py passes -DQG_ISA_<NAME> and that set's
+// flags only). The kernels are written once against it; each header is the whole of one ISA.
+#pragma once
+
+#if defined(QG_ISA_AVX512)
+#include "vec_avx512.h"
+#elif defined(QG_ISA_AVX2)
+#include "vec_avx2.h"
+#else
+#include "vec_scalar.h"
+#endif

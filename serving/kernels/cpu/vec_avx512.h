@@ -1,0 +1,47 @@
+// F16 on AVX-512 (F, BW, VL, DQ): one zmm register. For CPUs with AVX-512 but no native bf16
+// (Skylake-SP to Ice Lake, some cloud Xeons); where avx512_bf16 is present wo_bf16.cpp runs instead
+// for bf16 activations, and this build serves fp32 ones.
+#pragma once
+#include <immintrin.h>
+
+#include <cstdint>
+
+namespace qg {
+
+constexpr const char* kIsaName = "avx512";
+
+struct F16 {
+  __m512 v;
+  static constexpr int kRowsPerPass = 12;  // 12 accumulators of 32 zmm, the rest for weights and broadcasts
+  static constexpr int kDirectRows = 4;
+  static constexpr int kGemmRows = 48;  // from here torch's GEMM over widened blocks: the panel keeps up with MKL up to here
+
+  static F16 zero() { return {_mm512_setzero_ps()}; }
+  static F16 bcast(float x) { return {_mm512_set1_ps(x)}; }
+  static F16 load(const float* p) { return {_mm512_loadu_ps(p)}; }
+  static F16 from_i8(const int8_t* p) {
+    return {_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))))};
+  }
+  static void from_u4(const uint8_t* p, F16& even, F16& odd) {
+    const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    const __m512i mask = _mm512_set1_epi32(0x0F);
+    even = {_mm512_cvtepi32_ps(_mm512_and_si512(b, mask))};
+    odd = {_mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4))};
+  }
+  static F16 from_bf16(const uint16_t* p) {
+    const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    return {_mm512_castsi512_ps(_mm512_slli_epi32(w, 16))};
+  }
+  static void from_bf16_pairs(const uint16_t* p, F16& first, F16& second) {
+    const __m512i a = _mm512_loadu_si512(p);
+    first = {_mm512_castsi512_ps(_mm512_slli_epi32(a, 16))};
+    second = {_mm512_castsi512_ps(_mm512_and_si512(a, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))))};
+  }
+  void store(float* p) const { _mm512_storeu_ps(p, v); }
+};
+
+inline F16 fma(const F16& a, const F16& b, const F16& c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
+inline F16 fma(const F16& a, float b, const F16& c) { return {_mm512_fmadd_ps(a.v, _mm512_set1_ps(b), c.v)}; }
+inline F16 mul(const F16& a, const F16& b) { return {_mm512_mul_ps(a.v, b.v)}; }
+
+}  // namespace qg

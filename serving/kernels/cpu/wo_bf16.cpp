@@ -1,0 +1,340 @@
+// Weight-only int8 / int4 linear for CPUs with AVX-512-BF16: y[M, N] = x[M, K] @ dequant(w)[N, K]^T.
+//
+// torch's CPU kernels for these formats (_weight_int8pack_mm, _weight_int4pack_mm_for_cpu) dequantize the
+// weight again for every row of x, so past a few rows they fall behind a bf16 GEMM, and a dequantize-then-
+// GEMM path writes the whole bf16 weight to memory and reads it back. Here the weight is read from memory
+// once per call whatever M is. int16 rows (every call on Intel CPUs without AMX; elsewhere int8 under 24
+// rows, int4 under 8): x is rounded to int16 per row and the codes widened to int16 (in registers, or for
+// int4 from 8 rows once per 48 channels into an L2 panel), so vpdpwssd sums exact integer products with no
+// per-weight float conversion (a float conversion per weight cost more than the bytes it saved). The bf16
+// panel (AMD's many-row calls, AMX): blocks of 48 output channels are dequantized once into a bf16 panel
+// that stays in L2 and every row of x runs over it with dpbf16 (fp32 accumulators, 8 rows x 48 channels
+// in registers). A bf16 weight packed the same way (every bf16 projection of the baseline) runs in place.
+// Within a path each row's result depends on that row alone; the path follows the call's row count.
+// On CPUs with AMX the panel paths run on AMX-BF16 tiles (wo_bf16_amx.h) and int8 packed in quads on
+// AMX-INT8 / VNNI at every row count (wo_bf16_amx_int8.h).
+//
+// Packed layouts (serving/kernels/cpu/wo_bf16.py builds them; K even, N a multiple of 16):
+//   int8: [N/16, K/2, 16, 2] int8: one 32-byte load holds channels n..n+15 at inputs k, k+1; where
+//         AMX-INT8 runs, [N/16, K/4, 16, 4] (quads). Per-channel fp32 scales are applied to the fp32
+//         accumulators.
+//   int4: [N/16, K/8, 32] 16-bit words, four codes (0..15) each, see int4_rows; scales and zeros are the
+//         layer's own bf16 [K/g, N, 2]: w = (q - 8) * scale + zero, applied per group to exact sums.
+//   bf16: [N/16, K/2, 16, 2] bf16: the int8 layout, read by dpbf16 in place.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#include "wo_bf16_amx.h"
+#include "wo_bf16_amx_int8.h"
+#include "wo_bf16_common.h"
+#include "wo_bf16_few_rows.h"
+
+namespace {
+
+// int8: dequantize tiles [tile0, tile0 + tiles) into panel[kp * tiles + t] (32 bf16 each: 16 channels x 2 inputs).
+void dequant_int8(const Problem& p, int64_t tile0, int tiles, __m512i* panel) {
+  const int64_t pairs = p.k / 2;
+  const int8_t* base = static_cast<const int8_t*>(p.weight);
+  for (int t = 0; t < tiles; ++t) {
+    const int8_t* src = base + (tile0 + t) * pairs * 32;
+    for (int64_t kp = 0; kp < pairs; ++kp, src += 32) {
+      __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src))));
+      __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 16))));
+      panel[kp * tiles + t] = (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+    }
+  }
+}
+
+// Weights as bf16 pairs for dpbf16, 32 per zmm (16 channels x 2 inputs): vector (k-pair kp, tile t) at
+// base[kp * kp_stride + t * tile_stride]. A dequantized panel interleaves its tiles (kp_stride = tiles,
+// tile_stride = 1); a bf16 weight packed tile by tile is read in place (kp_stride = 1, tile_stride = K/2).
+struct Panel {
+  const __m512i* base;
+  int64_t kp_stride, tile_stride;
+};
+
+template <int ROWS, int TILES>
+void rows_over_panel(const Problem& p, int64_t row0, int64_t tile0, Panel panel) {
+  __m512 acc[ROWS][TILES];
+  for (int r = 0; r < ROWS; ++r)
+    for (int t = 0; t < TILES; ++t) acc[r][t] = _mm512_setzero_ps();
+  const int64_t pairs = p.k / 2;
+  const int32_t* x = reinterpret_cast<const int32_t*>(p.x + row0 * p.k);  // one int32 = inputs k, k+1
+  for (int64_t kp = 0; kp < pairs; ++kp) {
+    __m512i w[TILES];
+    for (int t = 0; t < TILES; ++t) w[t] = _mm512_loadu_si512(panel.base + kp * panel.kp_stride + t * panel.tile_stride);
+    for (int r = 0; r < ROWS; ++r) {
+      const __m512i xr = _mm512_set1_epi32(x[r * pairs + kp]);
+      for (int t = 0; t < TILES; ++t) acc[r][t] = _mm512_dpbf16_ps(acc[r][t], (__m512bh)xr, (__m512bh)w[t]);
+    }
+  }
+  store_rows<ROWS, TILES>(p, row0, tile0, acc, p.scales);
+}
+
+template <int TILES>
+void all_rows(const Problem& p, int64_t row0, int64_t end, int64_t tile0, Panel panel) {
+  for (; row0 + kRows <= end; row0 += kRows) rows_over_panel<kRows, TILES>(p, row0, tile0, panel);
+  switch (end - row0) {
+    case 7: rows_over_panel<7, TILES>(p, row0, tile0, panel); break;
+    case 6: rows_over_panel<6, TILES>(p, row0, tile0, panel); break;
+    case 5: rows_over_panel<5, TILES>(p, row0, tile0, panel); break;
+    case 4: rows_over_panel<4, TILES>(p, row0, tile0, panel); break;
+    case 3: rows_over_panel<3, TILES>(p, row0, tile0, panel); break;
+    case 2: rows_over_panel<2, TILES>(p, row0, tile0, panel); break;
+    case 1: rows_over_panel<1, TILES>(p, row0, tile0, panel); break;
+    default: break;
+  }
+}
+
+
+// Rows [begin, end) through AMX tiles where it runs (`tail`: the last rows zero-padded to 16), else with
+// dpbf16; begin a multiple of 16.
+void panel_rows(const Problem& p, int64_t tile0, int count, Panel panel, bool amx, const uint16_t* tail,
+                int64_t begin, int64_t end) {
+#ifdef QUANTGATE_AMX
+  const __m512i* w = panel.base;
+  if (amx && count == 3) return amx_rows_over<3>(p, tail, tile0, w, panel.kp_stride, panel.tile_stride, begin, end);
+  if (amx && count == 2) return amx_rows_over<2>(p, tail, tile0, w, panel.kp_stride, panel.tile_stride, begin, end);
+  if (amx) return amx_rows_over<1>(p, tail, tile0, w, panel.kp_stride, panel.tile_stride, begin, end);
+#endif
+  if (count == 3) all_rows<3>(p, begin, end, tile0, panel);
+  else if (count == 2) all_rows<2>(p, begin, end, tile0, panel);
+  else all_rows<1>(p, begin, end, tile0, panel);
+}
+
+// Whether AMX takes the call, and its zero-padded last rows; each thread configures its tiles for the
+// call (`Tiles`) and releases them after.
+struct AmxCall {
+  static bool takes(const Problem& p) {
+#ifdef QUANTGATE_AMX
+    return amx_takes(p);
+#else
+    (void)p;
+    return false;
+#endif
+  }
+  explicit AmxCall(const Problem& p) : used(takes(p)) {
+#ifdef QUANTGATE_AMX
+    if (used) tail = amx_tail(p);
+#endif
+  }
+  bool used;
+  std::vector<uint16_t> tail;
+};
+
+struct Tiles {
+  explicit Tiles(const AmxCall& call) : used(call.used) {
+#ifdef QUANTGATE_AMX
+    if (used) configure_tiles();
+#endif
+  }
+  ~Tiles() {
+#ifdef QUANTGATE_AMX
+    if (used) _tile_release();
+#endif
+  }
+  bool used;
+};
+
+constexpr int64_t kInt8AmxPanelRows = 24, kInt4AmxPanelRows = 8;  // where AMX takes the call: its panel from here
+
+// Calls with K inputs take the bf16 panel from this many rows (the int16 rows below it).
+int64_t panel_rows_from(bool int4, int64_t k) {
+  Problem p{};
+  p.k = k;
+  if (AmxCall::takes(p)) return int4 ? kInt4AmxPanelRows : kInt8AmxPanelRows;
+  return int16_rows_below(int4);
+}
+
+// int4 for many rows where the panel wins: the panel path of int8, the panel holding bf16((q - 8) * scale + zero)
+// (the weight rounded once to bf16, as a dequantize-then-GEMM would): its 8 x 48 register block reuses
+// each weight load for 8 rows, where the per-group sums above need twice the accumulators.
+void dequant_int4(const Problem& p, int64_t tile0, int tiles, __m512i table, __m512i* panel) {
+  const int64_t quads = p.k / 8, quads_per_group = p.group_size / 8, groups = p.k / p.group_size;
+  const uint16_t* codes = static_cast<const uint16_t*>(p.weight);
+  const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  alignas(64) int16_t order[32];  // cvtne2ps_pbh(hi, lo) gives [lo0..lo15, hi0..hi15]; dpbf16 wants pairs
+  for (int i = 0; i < 16; ++i) order[2 * i] = static_cast<int16_t>(i), order[2 * i + 1] = static_cast<int16_t>(16 + i);
+  const __m512i interleave = _mm512_load_si512(order);
+  prefetch_scales(p, tile0 + tiles, tiles);
+  for (int t = 0; t < tiles; ++t) {
+    for (int64_t g = 0; g < groups; ++g) {
+      const __m512i pair = _mm512_loadu_si512(p.scale_zero + g * p.n + (tile0 + t) * kTile);
+      const __m512 scale = _mm512_castsi512_ps(_mm512_slli_epi32(pair, 16));
+      const __m512 zero = _mm512_castsi512_ps(_mm512_and_si512(pair, high));
+      for (int64_t qd = g * quads_per_group; qd < (g + 1) * quads_per_group; ++qd) {
+        prefetch_ahead(codes + ((tile0 + t) * quads + qd) * 32);
+        const __m512i word = _mm512_loadu_si512(codes + ((tile0 + t) * quads + qd) * 32);
+        for (int i = 0; i < 4; ++i) {
+          const __m512i q = _mm512_permutexvar_epi16(_mm512_srli_epi16(word, 4 * i), table);
+          const __m512 lo = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_slli_epi32(q, 16)), scale, zero);
+          const __m512 hi = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_and_si512(q, high)), scale, zero);
+          panel[(qd * 4 + i) * tiles + t] =
+              _mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+        }
+      }
+    }
+  }
+}
+
+void run_int4(const Problem& p) {
+  if (p.m < panel_rows_from(true, p.k)) return run_small<true>(p);
+  const int64_t tiles = p.n / kTile, blocks = (tiles + kTilesPerBlock - 1) / kTilesPerBlock;
+  alignas(64) uint16_t values[32];
+  for (int i = 0; i < 32; ++i) {
+    const float v = static_cast<float>(i % 16 - 8);
+    uint32_t bits;
+    std::memcpy(&bits, &v, sizeof bits);
+    values[i] = static_cast<uint16_t>(bits >> 16);  // exact: small integers
+  }
+  const __m512i table = _mm512_load_si512(values);  // vpermw reads an index's low 5 bits: the 16 values twice
+  const AmxCall amx(p);
+  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<__m512i> panel(p.k / 2 * kTilesPerBlock);
+    const Tiles tile_state(amx);
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t tile0 = b * kTilesPerBlock;
+      const int count = static_cast<int>(std::min<int64_t>(kTilesPerBlock, tiles - tile0));
+      dequant_int4(p, tile0, count, table, panel.data());
+      panel_rows(p, tile0, count, Panel{panel.data(), count, 1}, amx.used, amx.tail.data(), 0, p.m);
+    }
+  });
+}
+
+void run_int8(const Problem& p) {
+  if (p.m < panel_rows_from(false, p.k)) return run_small<false>(p);
+  const int64_t tiles = p.n / kTile, blocks = (tiles + kTilesPerBlock - 1) / kTilesPerBlock;
+  const AmxCall amx(p);
+  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<__m512i> panel(p.k / 2 * kTilesPerBlock);
+    const Tiles tile_state(amx);
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t tile0 = b * kTilesPerBlock;
+      const int count = static_cast<int>(std::min<int64_t>(kTilesPerBlock, tiles - tile0));
+      dequant_int8(p, tile0, count, panel.data());
+      panel_rows(p, tile0, count, Panel{panel.data(), count, 1}, amx.used, amx.tail.data(), 0, p.m);
+    }
+  });
+}
+
+void run_bf16(const Problem& p) {
+  const int64_t tiles = p.n / kTile, blocks = (tiles + kTilesPerBlock - 1) / kTilesPerBlock, pairs = p.k / 2;
+  const __m512i* weight = static_cast<const __m512i*>(p.weight);
+  const AmxCall amx(p);
+  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+    const Tiles tile_state(amx);
+    for (int64_t row0 = 0; row0 < p.m; row0 += kChunkRows) {
+      for (int64_t b = begin; b < end; ++b) {
+        const int64_t tile0 = b * kTilesPerBlock;
+        const int count = static_cast<int>(std::min<int64_t>(kTilesPerBlock, tiles - tile0));
+        panel_rows(p, tile0, count, Panel{weight + tile0 * pairs, 1, pairs}, amx.used, amx.tail.data(), row0,
+                   std::min(p.m, row0 + kChunkRows));
+      }
+    }
+  });
+}
+
+// Whether an int8 weight of K inputs may be packed in quads for the AMX-INT8 path here.
+bool amx_int8_ready(int64_t k) {
+#ifdef QUANTGATE_AMX_INT8
+  return k % 64 == 0 && k <= kAmxQuadsMaxK && amx_allowed();
+#else
+  (void)k;
+  return false;
+#endif
+}
+
+at::Tensor prepare(const at::Tensor& x, int64_t n, at::ScalarType out_dtype, Problem& p) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(),
+              "woq linear: x must be a contiguous 2-D bfloat16 tensor, got ", x.sizes(), " ", x.scalar_type());
+  TORCH_CHECK(x.size(1) % 2 == 0 && n % kTile == 0, "woq linear: needs an even K and N a multiple of 16, got K=",
+              x.size(1), " N=", n);
+  TORCH_CHECK(out_dtype == at::kFloat || out_dtype == at::kBFloat16, "woq linear: output must be fp32 or bf16");
+  auto out = at::empty({x.size(0), n}, x.options().dtype(out_dtype));
+  p.x = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+  p.m = x.size(0), p.k = x.size(1), p.n = n;
+  p.out = out.data_ptr(), p.out_bf16 = out_dtype == at::kBFloat16;
+  return out;
+}
+
+at::Tensor woq_linear_int8(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
+                           at::ScalarType out_dtype) {
+  Problem p{};
+  auto out = prepare(x, scales.numel(), out_dtype, p);
+  TORCH_CHECK(packed.scalar_type() == at::kChar && packed.is_contiguous() && packed.numel() == p.n * p.k,
+              "woq_linear_int8: packed weight must be contiguous int8 with N*K elements");
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous(), "woq_linear_int8: fp32 scales");
+  p.weight = packed.data_ptr(), p.scales = scales.data_ptr<float>(), p.group_size = 0;
+  const bool quads = packed.dim() == 4 && packed.size(3) == 4;
+  TORCH_CHECK(!quads || amx_int8_ready(p.k), "woq_linear_int8: a weight packed in quads needs AMX-INT8 (the "
+              "amx build) and K a multiple of 64 up to 65536; got K=", p.k);
+  if (!p.m) return out;
+#ifdef QUANTGATE_AMX_INT8
+  if (quads) return run_int8_amx(p), out;
+#endif
+  run_int8(p);
+  return out;
+}
+
+at::Tensor woq_linear_int4(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales_zeros,
+                           int64_t group_size, int64_t n, at::ScalarType out_dtype) {
+  Problem p{};
+  auto out = prepare(x, n, out_dtype, p);
+  TORCH_CHECK(group_size > 0 && group_size % 8 == 0 && p.k % group_size == 0,
+              "woq_linear_int4: group size ", group_size, " must be a multiple of 8 dividing K=", p.k);
+  TORCH_CHECK(packed.scalar_type() == at::kShort && packed.is_contiguous() && packed.numel() == p.n * p.k / 4,
+              "woq_linear_int4: packed codes must be contiguous int16 with N*K/4 elements");
+  TORCH_CHECK(scales_zeros.scalar_type() == at::kBFloat16 && scales_zeros.is_contiguous() &&
+                  scales_zeros.numel() == p.n * (p.k / group_size) * 2,
+              "woq_linear_int4: scales and zeros must be contiguous bf16 [K/g, N, 2]");
+  p.weight = packed.data_ptr(), p.group_size = group_size;
+  p.scale_zero = reinterpret_cast<const uint32_t*>(scales_zeros.data_ptr<at::BFloat16>());
+  if (p.m) run_int4(p);
+  return out;
+}
+
+at::Tensor woq_linear_bf16(const at::Tensor& x, const at::Tensor& packed, at::ScalarType out_dtype) {
+  Problem p{};
+  TORCH_CHECK(packed.dim() == 4 && packed.size(2) == kTile && packed.size(3) == 2,
+              "woq_linear_bf16: packed weight must be [N/16, K/2, 16, 2], got ", packed.sizes());
+  auto out = prepare(x, packed.size(0) * kTile, out_dtype, p);
+  TORCH_CHECK(packed.scalar_type() == at::kBFloat16 && packed.is_contiguous() && packed.size(1) * 2 == p.k,
+              "woq_linear_bf16: packed weight must be contiguous bf16 with K/2 = ", p.k / 2, " pairs");
+  p.weight = packed.data_ptr();
+  if (p.m) run_bf16(p);
+  return out;
+}
+
+}  // namespace
+
+#ifndef QG_NAMESPACE
+#define QG_NAMESPACE quantgate_woq_amx
+#endif
+#define QG_LIBRARY(ns, m) TORCH_LIBRARY(ns, m)  // expands QG_NAMESPACE before TORCH_LIBRARY pastes it
+#define QG_LIBRARY_IMPL(ns, key, m) TORCH_LIBRARY_IMPL(ns, key, m)
+
+QG_LIBRARY(QG_NAMESPACE, m) {
+  m.def("woq_linear_bf16(Tensor x, Tensor packed, ScalarType out_dtype) -> Tensor");
+  m.def("amx_int8_ready(int k) -> bool", &amx_int8_ready);
+  m.def("panel_rows_from(bool int4, int k) -> int", &panel_rows_from);
+  m.def("woq_linear_int8(Tensor x, Tensor packed, Tensor scales, ScalarType out_dtype) -> Tensor");
+  m.def("woq_linear_int4(Tensor x, Tensor packed, Tensor scales_zeros, int group_size, int n, "
+        "ScalarType out_dtype) -> Tensor");
+}
+
+QG_LIBRARY_IMPL(QG_NAMESPACE, CPU, m) {
+  m.impl("woq_linear_int8", &woq_linear_int8);
+  m.impl("woq_linear_bf16", &woq_linear_bf16);
+  m.impl("woq_linear_int4", &woq_linear_int4);
+}
+
+#endif  // AVX-512-BF16: elsewhere nothing is registered and the layers keep torch's kernels

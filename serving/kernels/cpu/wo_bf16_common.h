@@ -1,0 +1,71 @@
+// Shared by wo_bf16.cpp and wo_bf16_few_rows.h: the problem, the block sizes and the output store.
+#pragma once
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+
+namespace {
+
+constexpr int kTile = 16;        // output channels per zmm of fp32 accumulators
+constexpr int kTilesPerBlock = 3;  // 48 channels per panel
+constexpr int kRound = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+constexpr int kRows = 8;         // rows of x per register block: 8 x 3 accumulators + 3 weights + 1 broadcast
+// Rows per chunk of a large call, so a chunk of x stays in L2 beside a block's weights: looping every block over
+// all 2048 rows of a prefill re-read x from memory per 48 channels (what that cost: docs/results/design-figures.md).
+constexpr int64_t kChunkRows = 256;
+
+struct Problem {
+  const uint16_t* x;  // bf16 bits [M, K]
+  int64_t m, k, n;
+  const void* weight;
+  const float* scales;  // int8: [N] fp32
+  const uint32_t* scale_zero;  // int4: [K/g, N] pairs of bf16 (scale low, zero high), the stored tensor
+  int64_t group_size;
+  void* out;  // [M, N], fp32 or bf16
+  bool out_bf16;
+};
+
+// How far ahead of a weight stream the kernels ask for lines: the hardware prefetchers do not run far
+// enough ahead of a kernel that spends cycles on every line (wo_fp32.cpp's kPrefetchBytes, the same).
+constexpr int64_t kPrefetchAhead = 4096;
+
+inline void prefetch_ahead(const void* p) {
+  _mm_prefetch(static_cast<const char*>(p) + kPrefetchAhead, _MM_HINT_T0);
+}
+
+// int4: the scales of channel tiles [tile0, tile0 + tiles), one line per group a row of [K/g, N] apart;
+// asked for together a block ahead, they arrive together instead of one miss per group.
+inline void prefetch_scales(const Problem& p, int64_t tile0, int tiles) {
+  if (tile0 * kTile >= p.n) return;
+  const int64_t groups = p.k / p.group_size, end = std::min<int64_t>(tile0 + tiles, p.n / kTile);
+  for (int64_t g = 0; g < groups; ++g)
+    for (int64_t t = tile0; t < end; ++t) _mm_prefetch(reinterpret_cast<const char*>(p.scale_zero + g * p.n + t * kTile), _MM_HINT_T0);
+}
+
+// Write ROWS x TILES accumulators to out, times the per-channel scales (int8) and the per-row scales
+// (x rounded to int16) where given.
+template <int ROWS, int TILES>
+void store_rows(const Problem& p, int64_t row0, int64_t tile0, const __m512 (&acc)[ROWS][TILES],
+                const float* scales, const float* row_scales = nullptr) {
+  for (int t = 0; t < TILES; ++t) {
+    const int64_t n0 = (tile0 + t) * kTile;
+    const __m512 scale = scales ? _mm512_loadu_ps(scales + n0) : _mm512_set1_ps(1.0f);
+    for (int r = 0; r < ROWS; ++r) {
+      // one product per output, the same in every instantiation: a row's result is the row's alone
+      // explicit rounding: -ffast-math may not reassociate these differently in each instantiation
+      const __m512 s = row_scales ? _mm512_mul_round_ps(scale, _mm512_set1_ps(row_scales[row0 + r]), kRound) : scale;
+      const __m512 y = _mm512_mul_round_ps(acc[r][t], s, kRound);
+      const int64_t at = (row0 + r) * p.n + n0;
+      if (p.out_bf16) {
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(p.out) + at),
+                            (__m256i)_mm512_cvtneps_pbh(y));
+      } else {
+        _mm512_storeu_ps(static_cast<float*>(p.out) + at, y);
+      }
+    }
+  }
+}
+
+}  // namespace

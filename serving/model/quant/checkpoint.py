@@ -1,0 +1,115 @@
+"""Saving and loading a weight-only int8 or int4 model.
+
+The weights go to `int8wo.safetensors` / `int4wo.safetensors` (not `model.safetensors`), so a plain
+`from_pretrained` on the directory fails loudly instead of loading codes as if they were weights;
+`quantize.load_model` knows the format. config.json stays the source model's config, so the
+architecture is unchanged.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
+
+from quantgate.loading import check_materialised, model_construction
+from serving.model.quant.int4 import Int4Embedding, Int4WeightOnlyLinear
+from serving.model.quant.int8 import (
+    Int8Embedding,
+    Int8WeightOnlyLinear,
+    keep_embedding_scale,
+    replace_linears,
+)
+
+WEIGHTS_FILES = {"int8wo": "int8wo.safetensors", "int4wo": "int4wo.safetensors"}
+
+
+def save_weight_only(model: PreTrainedModel, out: Path, method: str = "int8wo") -> None:
+    from safetensors.torch import save_file
+
+    state, tied, seen = {}, {}, {}
+    for key, tensor in model.state_dict().items():
+        ptr = (tensor.data_ptr(), tensor.dtype, tuple(tensor.shape))
+        if tensor.numel() and ptr in seen:  # tied (lm_head = embed_tokens): stored once
+            tied[key] = seen[ptr]
+            continue
+        seen[ptr] = key
+        state[key] = tensor.detach().contiguous().cpu()
+    modules = dict(model.named_modules())
+    linears = sorted(n for n, m in modules.items() if isinstance(m, Int8WeightOnlyLinear | Int4WeightOnlyLinear))
+    embeddings = sorted(n for n, m in modules.items() if isinstance(m, Int8Embedding | Int4Embedding))
+    group_size = next((m.group_size for m in modules.values() if isinstance(m, Int4WeightOnlyLinear)), None)
+    metadata = {"format": "pt", "quantgate_method": method, "linears": json.dumps(linears),
+                "embeddings": json.dumps(embeddings), "tied": json.dumps(tied), "group_size": json.dumps(group_size)}
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(state, str(out / WEIGHTS_FILES[method]), metadata=metadata)
+    model.config.save_pretrained(out)
+    if getattr(model, "generation_config", None) is not None and model.can_generate():
+        model.generation_config.save_pretrained(out)
+
+
+def load_weight_only(directory: Path, device: str = "cpu", dtype: torch.dtype | None = None,
+                     method: str = "int8wo") -> PreTrainedModel:
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+    from transformers.initialization import no_init_weights
+
+    path = Path(directory) / WEIGHTS_FILES[method]
+    with safe_open(str(path), framework="pt") as handle:
+        metadata = handle.metadata() or {}
+    if metadata.get("quantgate_method") != method:
+        raise ValueError(f"{path} is not a quantgate weight-only {method} file")
+    linears, embeddings = json.loads(metadata["linears"]), json.loads(metadata["embeddings"])
+    tied, group_size = json.loads(metadata["tied"]), json.loads(metadata.get("group_size", "null"))
+
+    config = AutoConfig.from_pretrained(directory)
+    dtype = dtype or _config_dtype(config)
+    with model_construction(), no_init_weights():
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    swapped = replace_linears(model, from_weights=False, only=linears, group_size=group_size)
+    if sorted(swapped) != linears:
+        raise ValueError(f"{directory}: quantized layers {sorted(set(linears) - set(swapped))} not in the model")
+    for name in embeddings:
+        old = model.get_submodule(name)
+        parent, _, child = name.rpartition(".")
+        table = (Int8Embedding(old.num_embeddings, old.embedding_dim, dtype) if group_size is None
+                 else Int4Embedding(old.num_embeddings, old.embedding_dim, dtype, group_size))
+        setattr(model.get_submodule(parent), child, keep_embedding_scale(old, table))
+    state = load_file(str(path), device="cpu")
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [k for k in missing if k not in tied]
+    if missing or unexpected:
+        raise ValueError(f"{path} does not match {type(model).__name__}: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    for key, source in tied.items():  # one tensor again, as when it was saved
+        module_name, _, attr = key.rpartition(".")
+        source_module, _, source_attr = source.rpartition(".")
+        setattr(model.get_submodule(module_name), attr, getattr(model.get_submodule(source_module), source_attr))
+    check_materialised(model, str(path))
+    model = model.to(device).eval()
+    _embedding_reads_head_layout(model)
+    shared = {id(m.codes) for m in model.modules() if isinstance(m, Int4Embedding)}
+    shared |= {id(m.weight_int8) for m in model.modules() if isinstance(m, Int8Embedding)}
+    for module in model.modules():  # serve from the CPU kernel's layout alone, unless an embedding reads it
+        if isinstance(module, Int4WeightOnlyLinear) and id(module.codes) not in shared:
+            module.drop_codes()
+        elif isinstance(module, Int8WeightOnlyLinear) and id(module.weight_int8) not in shared:
+            module.drop_plain()
+    return model
+
+
+def _embedding_reads_head_layout(model: PreTrainedModel) -> None:
+    """A tied embedding looks its rows up in the lm_head's kernel layout, so one copy serves both."""
+    embed, head = model.get_input_embeddings(), model.get_output_embeddings()
+    if isinstance(embed, Int8Embedding) and isinstance(head, Int8WeightOnlyLinear):
+        if embed.weight_int8 is head.weight_int8 and head._own_kernel():
+            embed.read_packed(head.kernel_layout(), head.kernel_path().kind)
+    elif isinstance(embed, Int4Embedding) and isinstance(head, Int4WeightOnlyLinear):
+        if embed.codes is head.codes and head._own_kernel():
+            embed.read_packed(head.kernel_layout(), head.kernel_path().kind)
+
+
+def _config_dtype(config) -> torch.dtype:
+    value = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.float32
+    return getattr(torch, value) if isinstance(value, str) else value
