@@ -69,8 +69,24 @@ def _evals(out: Path, correct: list[bool]) -> Path:
     return out / "accuracy"
 
 
-def _record(tmp_path: Path, built: dict[str, Path], signing_key: Path | None) -> dict:
-    """A release of the copied source and variant: measured, gated, registered, approved, evidence written."""
+BASE_ITEMS = [i % 5 < 3 for i in range(N)]
+# The variant loses items 5 and 6 and gains item 8 (item 3 stays wrong: _tamper_output edits its response).
+VAR_ITEMS = [(not ok) if i in (5, 6, 8) else ok for i, ok in enumerate(BASE_ITEMS)]
+
+
+def _paired(base_dir: Path, var_dir: Path, variant: str) -> dict[str, float]:
+    """The task metrics the release logs: the real paired delta and bootstrap CI of the items (evals.compare)."""
+    from evals.compare import compare
+
+    comparison = compare(EvalResult.load(base_dir), {variant: EvalResult.load(var_dir)})
+    row = comparison.row(variant, "arith")
+    return M.task_metrics("arith", row.variant_score, delta=row.delta, ci_low=row.ci_low, ci_high=row.ci_high, n=row.n)
+
+
+def _record(tmp_path: Path, built: dict[str, Path], signing_key: Path | None,
+            var_items: list[bool] = VAR_ITEMS, made_up_ci: tuple[float, float] | None = None) -> dict:
+    """A release of the copied source and variant: measured, gated, registered, approved, evidence written.
+    `made_up_ci`: log that CI instead of the items' (a writer whose aggregates contradict its items)."""
     from gates.evidence.manifest import write_evidence
     from gates.records.evaluation import evaluate_run
     from gates.records.registry import record_approval
@@ -83,21 +99,23 @@ def _record(tmp_path: Path, built: dict[str, Path], signing_key: Path | None) ->
     policy.write_text(POLICY)
     model = f"tiny-{tmp_path.name}"[:60].replace("[", "-").replace("]", "")
     release = start_release(model, content_hash(src), {"policy": str(policy)})
+    base_dir, var_dir = _evals(tmp_path / "evals-base", BASE_ITEMS), _evals(tmp_path / "evals-nf4", var_items)
     base_metrics = {**M.task_metrics("arith", 0.6, n=N), M.WEIGHTS_BYTES: float(weight_bytes(src)[0])}
-    var_metrics = {**M.task_metrics("arith", 0.6, delta=0.0, ci_low=-0.02, ci_high=0.02, n=N),
-                   M.WEIGHTS_BYTES: float(weight_bytes(nf4)[0])}
+    paired = _paired(base_dir, var_dir, "nf4")
+    if made_up_ci is not None:  # made up as a whole: the baseline's score, no change, a tight CI around it
+        paired.update(M.task_metrics("arith", 0.6, delta=0.0, ci_low=made_up_ci[0], ci_high=made_up_ci[1], n=N))
+    var_metrics = {**paired, M.WEIGHTS_BYTES: float(weight_bytes(nf4)[0])}
     base_run = log_variant(release, "baseline", {"method": "none", "variant_path": str(src)}, base_metrics,
-                           artifacts=[_evals(tmp_path / "evals-base", [i % 5 < 3 for i in range(N)])])
+                           artifacts=[base_dir])
     run = log_variant(release, "nf4", {"method": "nf4", "variant_path": str(nf4)}, var_metrics,
-                      artifacts=[_evals(tmp_path / "evals-nf4", [i % 5 < 3 for i in range(N)])],
-                      manifest=read_manifest(nf4))
+                      artifacts=[var_dir], manifest=read_manifest(nf4))
     version = register_variant(run, source=nf4)
     evaluation = evaluate_run(run, str(policy))
     record_approval(model, version, by="alice", comment="looks right")
     written = write_evidence(release, signing_key=signing_key)
     end_release(release)
     return {"model": model, "release": release, "run": run, "base_run": base_run, "version": version, "src": src, "nf4": nf4,
-            "policy": policy, "evaluation": evaluation, "written": written}
+            "policy": policy, "evaluation": evaluation, "written": written, "var_metrics": var_metrics}
 
 
 @pytest.fixture(scope="module")
@@ -153,7 +171,9 @@ def test_the_manifest_binds_weights_recipe_policy_data_outputs_verdicts_and_appr
         {"doc_id": 0, "item_id": "arith-0000", "target": "0", "response": "0", "score": 1.0, "correct": True,
          "weight": 1.0, "extra": {}}, ensure_ascii=False).encode())
     gates = {g["name"]: g for g in nf4["stages"]["release"]["gates"]}
-    assert gates["task/arith/max_drop"]["verdict"] == "pass" and gates["task/arith/max_drop"]["ci"] == [-0.02, 0.02]
+    ci = [pristine["var_metrics"][M.task_delta_ci_low("arith")], pristine["var_metrics"][M.task_delta_ci_high("arith")]]
+    assert gates["task/arith/max_drop"]["verdict"] == "pass" and gates["task/arith/max_drop"]["ci"] == ci
+    assert -0.05 < ci[0] < -0.005 < 0.0 <= ci[1]  # the items' own CI (delta -0.005), not a made-up one
     assert gates["weights/min_reduction"]["ci"] is None and nf4["stages"]["release"]["verdict"] == "pass"
     assert (nf4["approval"]["by"], nf4["approval"]["decision"]) == ("alice", "approved")
     card = get_client().get_model_version(f"{pristine['model']}-quantgate", pristine["version"]).description
@@ -170,6 +190,9 @@ def test_verify_passes_on_an_untouched_release_with_our_key(pristine, keys, caps
     assert report.release_run_id == pristine["release"]
     assert key_id(load_public_key(keys["ours"][1])) in report.authorship
     assert any("re-judged task/arith/max_drop" in c for c in report.checked)
+    assert any(c.endswith("task/arith/delta_ci_low re-derived from items") for c in report.checked)
+    assert any(g.endswith("release task/arith/max_drop") for g in report.rederived)
+    assert any(g.endswith("release weights/min_reduction") for g in report.hash_only)
     assert main(["verify", pristine["release"], "--key", str(keys["ours"][1])]) == 0
     assert "VERIFIED" in capsys.readouterr().out
 
@@ -223,7 +246,8 @@ def _tamper_metric(s: dict) -> str:
     from gates.records.tracking import get_client
 
     get_client().log_metric(s["run"], M.task_delta_ci_low("arith"), -0.2)
-    return "nf4 (run " + s["run"][:8] + "): metric task/arith/delta_ci_low: manifest says -0.02, found -0.2"
+    said = json.dumps(s["var_metrics"][M.task_delta_ci_low("arith")])
+    return "nf4 (run " + s["run"][:8] + f"): metric task/arith/delta_ci_low: manifest says {said}, found -0.2"
 
 
 @pytest.mark.parametrize("tamper", [_tamper_weight, _tamper_output, _tamper_policy, _tamper_verdict_tag, _tamper_metric],
@@ -264,6 +288,46 @@ def test_a_rewritten_verdict_is_caught_by_rejudging_and_by_the_signature(signed,
     assert any("re-judged task/arith/max_drop" in m for m in unsigned_check.mismatches)
     signed_check = verify(signed["release"], verify_key=keys["ours"][1])
     assert any("signature does not match the manifest" in m for m in signed_check.mismatches)
+
+
+def test_a_signed_manifest_whose_ci_contradicts_its_items_fails_naming_the_gate(module_store, tmp_path, built, keys,
+                                                                                capsys):
+    """The writer itself logs a made-up CI: the manifest is consistently hashed and signed with our key, the
+    recorded gate passed, and only re-deriving the CI from the items shows the variant fails."""
+    from gates.evidence.verify import verify
+    from quantgate.cli import main
+
+    worse = [ok and i % 5 != 0 for i, ok in enumerate(BASE_ITEMS)]  # 0.6 -> 0.4: a 20-point drop
+    forged = _record(tmp_path, built, keys["ours"][0], var_items=worse, made_up_ci=(-0.02, 0.02))
+    assert forged["evaluation"].passed  # the made-up CI passed the gate when the release judged it
+    report = verify(forged["release"], verify_key=keys["ours"][1])
+    assert "signature" in report.checked and not report.ok
+    where = f"nf4 (run {forged['run'][:8]})"
+    assert any(m.startswith(f"{where}: gate task/arith/max_drop: task/arith/delta_ci_low recorded -0.02, re-derived "
+                            "from the items -0.") for m in report.mismatches), report.mismatches
+    rejudged = next(m for m in report.mismatches if "release gate re-judged task/arith/max_drop" in m)
+    assert '"passed": false' in rejudged.split(", found ", 1)[1]  # judged again on the items: it fails
+    assert main(["verify", forged["release"], "--key", str(keys["ours"][1])]) == 1
+    assert "gate task/arith/max_drop" in capsys.readouterr().out
+
+
+def test_items_marked_wrong_and_the_bundle_rewritten_fail_verify(signed, keys, capsys):
+    """Issue 48's reproduction: every item of the variant's arith log marked wrong, the bundle re-written with
+    `quantgate evidence RUN_ID` (so every hash agrees), verify must still fail on the task gate."""
+    from gates.evidence.verify import verify
+    from quantgate.cli import main
+
+    path = _artifact(signed["run"], "evidence/accuracy/samples/arith.jsonl")
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    path.write_text("".join(json.dumps({**r, "score": 0.0, "correct": False}, ensure_ascii=False) + "\n" for r in rows))
+    assert main(["evidence", signed["release"], "--key", str(keys["ours"][0])]) == 0
+    report = verify(signed["release"], verify_key=keys["ours"][1])
+    assert "signature" in report.checked and not any("outputs" in m for m in report.mismatches)
+    assert any("gate task/arith/max_drop: task/arith/delta_ci_low recorded" in m for m in report.mismatches)
+    assert any("gate task/arith/max_drop: task/arith/score recorded 0.595" in m for m in report.mismatches)
+    assert any("release gate re-judged task/arith/max_drop" in m for m in report.mismatches)
+    capsys.readouterr()
+    assert main(["verify", signed["release"], "--key", str(keys["ours"][1])]) == 1
 
 
 def test_a_forged_missing_or_withdrawn_signature_fails_with_a_key(signed, keys):

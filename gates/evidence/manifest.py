@@ -292,7 +292,7 @@ def build_manifest(release_run_id: str, client: MlflowClient | None = None) -> d
 def write_evidence(release_run_id: str, signing_key: Path | None = None,
                    client: MlflowClient | None = None) -> Written:
     """Build, sign (when a key is given or configured) and record a release's manifest and model cards."""
-    from gates.evidence.manifest import signing
+    from gates.evidence import signing
     from quantgate import settings
 
     client = client or get_client()

@@ -3,9 +3,16 @@
 Checked: the signature (with the verifier's own key, never one the run carries), the manifest's shape,
 that the release still has the runs it names; per run the weight files on disk, the recipe, the metrics
 and per-item outputs recorded in MLflow, every stage's recorded verdicts (tags and `gates.json`), the
-verdicts re-judged from the manifest's metrics under the manifest's policy (`gates.judging.judge.judge`), the
 approval and the model card; release-wide the policies (their text, each variant's recorded copy, and the
 file at its source path while it exists), the source hash and the eval data files.
+
+Then the verdicts are re-derived from the evidence, not taken from the manifest's own aggregates: from the
+per-item records the hash checks just bound to the manifest (per-sample logs, fidelity.json,
+long_context.json, speed.json) `gates.evidence.rederive` recomputes every task, safety, fidelity,
+long-context and speed metric with the release's code and seeded resamples; each must equal what the run
+recorded (else a mismatch naming the gate), and every gate is judged again (`gates.judging.judge.judge`)
+on the recomputed numbers. The report lists which gates were re-derived from items and which (weights,
+capacity, latency, canary; any family whose records are absent) could only be hash-checked.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from gates.evidence import manifest as E
+from gates.evidence import rederive as R
 from gates.metric_names import EVIDENCE_DIR
 from gates.records.tracking import TAG_RELEASE, get_client, get_run, release_children
 
@@ -34,6 +42,8 @@ class Report:
     checked: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     authorship: str = ""  # what the signature check established, in words
+    rederived: list[str] = field(default_factory=list)  # gates judged again on metrics recomputed from items
+    hash_only: list[str] = field(default_factory=list)  # gates whose inputs could only be hash-checked
 
     @property
     def ok(self) -> bool:
@@ -114,7 +124,7 @@ def _check_release(report: Report, manifest: dict[str, Any], client: MlflowClien
 
 
 def _check_signature(report: Report, payload: bytes, sig_path: Path | None, key_path: Path | None) -> None:
-    from gates.evidence.manifest import signing
+    from gates.evidence import signing
 
     try:
         signature = signing.Signature.from_dict(json.loads(sig_path.read_text())) if sig_path else None
@@ -171,6 +181,10 @@ def _check_runs(report: Report, manifest: dict[str, Any], client: MlflowClient, 
     runs = {r.info.run_id: r for r in release_children(manifest["release_run_id"], client)}
     report.compare("the release's runs", sorted(e["run_id"] for e in manifest["runs"]), sorted(runs))
     baseline = next((e for e in manifest["runs"] if e["role"] == "baseline"), None)
+    evidence = {e["run_id"]: E.download(client, e["run_id"], EVIDENCE_DIR, work / str(i))
+                for i, e in enumerate(manifest["runs"]) if e["run_id"] in runs}
+    base_evidence = evidence.get(baseline["run_id"]) if baseline else None
+    base_derived = R.derive_model(base_evidence) if baseline and baseline["run_id"] in runs else None
     for i, entry in enumerate(manifest["runs"]):
         run = runs.get(entry["run_id"])
         if run is None:
@@ -179,14 +193,35 @@ def _check_runs(report: Report, manifest: dict[str, Any], client: MlflowClient, 
         _check_weights(report, manifest, entry, where)
         for key in sorted(set(entry["metrics"]) | set(run.data.metrics)):
             report.compare(f"{where}: metric {key}", entry["metrics"].get(key), run.data.metrics.get(key))
-        evidence = E.download(client, entry["run_id"], EVIDENCE_DIR, work / str(i))
-        _check_outputs(report, entry["outputs"], E.output_hashes(evidence), where)
-        now = E.artifact_hashes(evidence)
+        found = evidence[entry["run_id"]]
+        _check_outputs(report, entry["outputs"], E.output_hashes(found), where)
+        now = E.artifact_hashes(found)
         for name in sorted(set(entry["artifacts"]) | set(now)):
             report.compare(f"{where}: artifact {EVIDENCE_DIR}/{name}", entry["artifacts"].get(name, "absent"),
                            now.get(name, "absent"))
-        _check_stages(report, manifest, entry, baseline, client, where, _flip_rates(evidence), work / f"g{i}")
+        if entry is baseline:
+            derived = base_derived or R.Derived()
+        else:  # the items of this run paired with the baseline's, as the release compared them
+            derived = R.derive_pair(base_evidence, found, entry["name"], baseline["name"] if baseline else "baseline")
+        _check_derived(report, entry["metrics"], derived, where)
+        _check_flip_rates(report, derived, _flip_rates(found), where)
+        _check_stages(report, manifest, entry, baseline, client, where, (derived, base_derived), work / f"g{i}")
         _check_registration(report, entry, client, digest, where)
+
+
+def _check_derived(report: Report, recorded: dict[str, float], derived: R.Derived, where: str) -> None:
+    """Every metric recomputed from the items against the run's own (hence the manifest's) value."""
+    report.mismatches += [f"{where}: {p}" for p in derived.problems]
+    report.notes += [f"{where}: {n}" for n in derived.notes]
+    for key, value in sorted(derived.metrics.items()):
+        if _same(recorded.get(key), value):
+            report.checked.append(f"{where}: {key} re-derived from items")
+            continue
+        said = "none" if recorded.get(key) is None else _short(recorded[key])
+        report.mismatches.append(f"{where}: gate {R.gate_of(key)}: {key} recorded {said}, re-derived from the "
+                                 f"items {_short(value)}")
+    if derived.families:
+        report.notes.append(f"{where}: re-derived {'; '.join(derived.families)}")
 
 
 def _check_weights(report: Report, manifest: dict[str, Any], entry: dict[str, Any], where: str) -> None:
@@ -229,6 +264,16 @@ def _check_outputs(report: Report, recorded: dict[str, Any], now: dict[str, Any]
                                  + (f"; {extra:+d} items" if extra else ""))
 
 
+def _check_flip_rates(report: Report, derived: R.Derived, recorded: dict[str, float], where: str) -> None:
+    """The release judged power at the flip rates of `compare.json` (none: the default rate), so the re-judging
+    does too; where the items were re-derived, compare.json's rates must be theirs."""
+    if derived.flip_rates and recorded:
+        for task in sorted(set(derived.flip_rates) | set(recorded)):
+            report.compare(f"{where}: gate task/{task}/max_drop: flip rate in compare.json vs the items",
+                           recorded.get(task), derived.flip_rates.get(task))
+    derived.flip_rates = recorded
+
+
 def _flip_rates(evidence: Path | None) -> dict[str, float]:
     """Per-task flip rates from the run's `compare.json` (hash-checked above), as `evaluate_run` reads them."""
     from gates.judging.power import flip_rates
@@ -238,7 +283,7 @@ def _flip_rates(evidence: Path | None) -> dict[str, float]:
 
 
 def _check_stages(report: Report, manifest: dict[str, Any], entry: dict[str, Any], baseline: dict[str, Any] | None,
-                  client: MlflowClient, where: str, rates: dict[str, float], work: Path) -> None:
+                  client: MlflowClient, where: str, derived: tuple[R.Derived, R.Derived | None], work: Path) -> None:
     from gates.judging.judge import judge
     from gates.judging.policy import PolicyError, parse_policy
     from gates.records.evaluation import read_evaluation
@@ -265,11 +310,16 @@ def _check_stages(report: Report, manifest: dict[str, Any], entry: dict[str, Any
             continue
         if entry is baseline:
             continue
-        variant_metrics = _judged_metrics(entry["metrics"])
-        base_metrics = _judged_metrics(baseline["metrics"]) if baseline else None
-        results = judge(parsed, variant_metrics, base_metrics, stage, rates if stage == "release" else {})
+        mine, base = derived
+        # Judged on what the items give wherever they give it; the recorded numbers only where nothing does.
+        variant_metrics = {**_judged_metrics(entry["metrics"]), **mine.metrics}
+        base_metrics = {**_judged_metrics(baseline["metrics"]), **(base.metrics if base else {})} if baseline else None
+        results = judge(parsed, variant_metrics, base_metrics, stage, mine.flip_rates if stage == "release" else {})
         rejudged = {r.name: asdict(r) for r in results}
         _compare_gates(report, f"{where}: {stage} gate re-judged", record["gates"], rejudged)
+        for gate in record["gates"]:
+            items = stage == "release" and R.rederived(gate["name"], mine, base)
+            (report.rederived if items else report.hash_only).append(f"{where}: {stage} {gate['name']}")
 
 
 def _judged_metrics(metrics: dict[str, float]) -> dict[str, float]:
@@ -311,6 +361,10 @@ def render(report: Report, verbose: bool = False) -> str:
     lines.append(f"authorship: {report.authorship}")
     lines += [f"MISMATCH {m}" for m in report.mismatches]
     lines += [f"note     {n}" for n in report.notes]
+    lines.append(f"re-derived from items: {len(report.rederived)} gate(s)"
+                 + (f": {', '.join(report.rederived)}" if report.rederived else ""))
+    lines.append(f"hash-checked only:     {len(report.hash_only)} gate(s)"
+                 + (f": {', '.join(report.hash_only)}" if report.hash_only else ""))
     lines += [f"ok       {c}" for c in report.checked] if verbose else [f"{len(report.checked)} checks agreed"]
     return "\n".join(lines)
 
