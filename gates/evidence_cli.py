@@ -8,7 +8,8 @@ from pathlib import Path
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    verify = subparsers.add_parser("verify", help="re-check a release's evidence: hashes, signature, verdicts")
+    verify = subparsers.add_parser("verify", help="re-check a release's evidence: hashes, signature, "
+                                   "verdicts re-derived from the per-item records")
     verify.add_argument("run_id", metavar="RUN_ID", help="the release run (or one of its variant runs)")
     verify.add_argument("--key", type=Path, help="ed25519 public key (PEM); default: QUANTGATE_VERIFY_KEY")
     verify.add_argument("--verbose", "-v", action="store_true", help="list every check that agreed")
