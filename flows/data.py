@@ -70,21 +70,53 @@ class MeasureConfig:
 
 @dataclass(frozen=True)
 class SpeedPlan:
-    """The paired speed measurement (flows.speed_rounds): every model at every operating point in each round.
-    Small token counts, so that every round of every model fits in a release's time on a small CPU (how long
-    they took: docs/results/design-figures.md)."""
+    """The paired speed measurement (flows.speed_rounds): every model at every operating point in each round,
+    at the lengths users serve (the policy's `speed` section), until each (variant, point) reaches a decision
+    by the group-sequential rule (gates.judging.speed_verdicts) or the rounds or the time budget run out."""
 
     decode_batches: tuple[int, ...] = (1, 4, 16)  # the policy's decode operating points
-    decode_tokens: int = 8  # timed decode steps per sequence
-    decode_context: int = 8  # prompt tokens of each decoding sequence
-    prefill_tokens: int = 64  # one prompt of this many tokens, timed to its first token
-    rounds: int = 5
+    decode_tokens: int = 64  # timed decode steps per sequence
+    decode_context: int = 384  # prompt tokens of each decoding sequence
+    prefill_tokens: int = 512  # one prompt of this many tokens, timed to its first token
+    long_context: int = 0  # KV-quantized variants: decode at this context (0: no long-context point)
+    long_tokens: int = 32
+    long_batch: int = 1
+    rounds: int = 20  # the most paired rounds a point gets
+    look_every: int = 5  # a sequential look every this many rounds
+    spending: str = "pocock"  # Lan-DeMets alpha-spending rule
+    alpha: float = 0.05
+    time_budget_s: float | None = None  # the whole stage's wall clock, loading included (None: no cap)
+    min_decode: float | None = None  # the gates' minimums: where a point's CI stops it (None: first look)
+    min_prefill: float | None = None
     warmup_rounds: int = 1  # untimed: kernel builds, first-call packing, every batch shape once
     seed: int = 0
     device: str = "cpu"  # where every model is served (flows.machine.resolve_device)
 
-    def points(self) -> list[str]:
-        return ["prefill"] + [f"decode_b{b}" for b in self.decode_batches]
+    @classmethod
+    def from_policy(cls, policy, device: str = "cpu") -> SpeedPlan:
+        """The plan a policy (gates.judging.policy.Policy) names: its points, looks, budget and minimums."""
+        s = policy.speed
+        return cls(decode_batches=tuple(policy.decode_batches), decode_tokens=s.decode_steps,
+                   decode_context=s.decode_context, prefill_tokens=s.prefill_tokens, long_context=s.long_context,
+                   long_tokens=s.long_steps, long_batch=s.long_batch, rounds=s.max_rounds, look_every=s.look_every,
+                   spending=s.spending, alpha=s.alpha, time_budget_s=s.time_budget_s,
+                   min_decode=policy.min_decode_speedup, min_prefill=policy.min_prefill_speedup, device=device)
+
+    def points(self, kv: bool = False) -> list[str]:
+        """The operating points; `kv`: with the long-context one (timed for KV-quantized variants only)."""
+        long = [f"long_decode_b{self.long_batch}"] if kv and self.long_context else []
+        return ["prefill"] + [f"decode_b{b}" for b in self.decode_batches] + long
+
+    def shape(self, point: str) -> dict[str, int]:
+        """A point's operating figures: prompt (context) tokens, timed steps, batch."""
+        if point == "prefill":
+            return {"prompt_tokens": self.prefill_tokens, "steps": 1, "batch": 1}
+        if point.startswith("long_decode_b"):
+            return {"prompt_tokens": self.long_context, "steps": self.long_tokens, "batch": self.long_batch}
+        return {"prompt_tokens": self.decode_context, "steps": self.decode_tokens, "batch": int(point[len("decode_b"):])}
+
+    def minimum(self, point: str) -> float | None:
+        return self.min_prefill if point == "prefill" else self.min_decode
 
     def key(self) -> str:
         return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:16]

@@ -278,7 +278,7 @@ def release_flow(
         baseline_variant = Variant(BASELINE, None, source.path, source.content_hash, None)
         base = _measure(baseline_variant, config, fresh)
         measured = [_measure(v, config, fresh) for v in variants]
-        plan = SpeedPlan(decode_batches=records.load_policy(policy).decode_batches, device=device)
+        plan = SpeedPlan.from_policy(records.load_policy(policy), device)
         speed = measure_speed.with_options(refresh_cache=fresh)([baseline_variant, *variants], plan)
         summary.machine = speed.machine
 

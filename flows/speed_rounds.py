@@ -4,9 +4,13 @@ The baseline and every variant are loaded together in this process and timed in 
 each round every model runs every operating point (prefill, decode at each batch the policy names) on
 the same fresh prompts, one after the other (the order rotates from round to round, so no model always
 goes first). A drift of the machine's speed during a round falls on every model alike, and each round's
-ratio variant / baseline is taken within the round; the ratios of the rounds give a geometric mean and a
-95 % CI (`gates.judging.speed_verdicts.ratio_ci`), which the speed gates judge with three outcomes. One untimed warm-up
-round first covers kernel builds, first-call packing and every batch shape.
+ratio variant / baseline is taken within the round. The rounds are group-sequential
+(`sequential_rounds`, statistics in `gates.judging.speed_verdicts`): at every look (each `look_every` rounds) each
+(variant, point) still running gets its repeated CI at the look's adjusted level; one that clears the gate's
+minimum or lies wholly below it stops and is no longer timed, the rest go on until the rounds or the time
+budget run out (then `uninformative` if they still straddle). One untimed warm-up round first covers kernel
+builds, first-call packing and every batch shape. The points are the policy's (`SpeedPlan.from_policy`):
+served prompt and context lengths, and a long-context point for KV-quantized variants.
 
 The timing itself is `timer(model, point, round) -> tok/s`: the engines' (`engine_timer`) in the flow,
 crafted numbers in tests.
@@ -25,10 +29,11 @@ from pathlib import Path
 
 from flows.data import BASELINE, SpeedPlan, SpeedResult, Variant
 from gates import metric_names as M
-from gates.judging.speed_verdicts import ratio_ci
+from gates.judging.speed_verdicts import CONTINUE, Look, SequentialDesign, ratio_ci, sequential_look
 
 Timer = Callable[[str, str, int], float]  # (model, operating point, round; < 0: warm-up) -> tokens/s
 Speeds = dict[str, dict[str, list[float]]]  # model -> point -> tok/s per round
+Looks = dict[tuple[str, str], Look]  # (variant, point) -> the look it stopped at
 BLOCK_SIZE = 16
 
 
@@ -52,10 +57,67 @@ def paired_rounds(names: Sequence[str], points: Sequence[str], timer: Timer, rou
     return speeds
 
 
+def _runners(order: Sequence[str], point: str, active: set[tuple[str, str]], baseline: str) -> list[str]:
+    """Who runs a point this round: the variants still running there, and the baseline if any is."""
+    live = [n for n in order if (n, point) in active]
+    return [n for n in order if n == baseline or n in live] if live else []
+
+
+def _stop_at_look(speeds: Speeds, active: set[tuple[str, str]], minimums: dict[str, float | None],
+                  design: SequentialDesign, final: bool, baseline: str) -> Looks:
+    """Every running (variant, point) looked at; those with a decision leave `active`."""
+    stopped: Looks = {}
+    for name, point in sorted(active):
+        values = speeds[name][point]
+        if len(values) < 2:
+            continue
+        ratios = [v / b for v, b in zip(values, speeds[baseline][point], strict=False)]
+        look = sequential_look(ratios, minimums.get(point), design, final)
+        if look.decision != CONTINUE:
+            stopped[(name, point)] = look
+    active.difference_update(stopped)
+    return stopped
+
+
+def sequential_rounds(names: Sequence[str], units: dict[str, Sequence[str]], timer: Timer,
+                      design: SequentialDesign, minimums: dict[str, float | None], warmup: int = 1,
+                      deadline: float | None = None, clock: Callable[[], float] = time.perf_counter,
+                      progress: Callable[[int], None] | None = None) -> tuple[Speeds, Looks]:
+    """Paired rounds until every (variant, point) in `units` (point -> variants) stops, the rounds reach
+    `design.max_rounds`, or the next round would pass `deadline` (a `clock` time): that round's look is then
+    the last and spends the alpha left. The baseline is names[0]; the order rotates from round to round."""
+    baseline, points = names[0], list(units)
+    for w in range(warmup):
+        for point in points:
+            for name in [baseline, *units[point]]:
+                timer(name, point, -1 - w)
+    speeds: Speeds = {name: {p: [] for p in points} for name in names}
+    active = {(v, p) for p, vs in units.items() for v in vs}
+    looks: Looks = {}
+    r = 0
+    while active:
+        order, started = [*names[r % len(names):], *names[:r % len(names)]], clock()
+        for point in points:
+            for name in _runners(order, point, active, baseline):
+                speeds[name][point].append(timer(name, point, r))
+        r += 1
+        if progress is not None:
+            progress(1)
+        now = clock()
+        final = r >= design.max_rounds or (deadline is not None and now + (now - started) > deadline)
+        if design.is_look(r) or final:
+            looks.update(_stop_at_look(speeds, active, minimums, design, final, baseline))
+        if final:
+            break  # points with < 2 rounds stay unjudged: no CI, the gate says uninformative
+    return speeds, looks
+
+
 def point_key(point: str) -> str:
-    """The speedup metric of an operating point: "prefill" or "decode_b<N>"."""
+    """The speedup metric of an operating point: "prefill", "decode_b<N>" or "long_decode_b<N>"."""
     if point == "prefill":
         return M.SERVE_PREFILL_SPEEDUP
+    if point.startswith("long_decode_b") and point[len("long_decode_b"):].isdigit():
+        return M.long_decode_speedup(int(point[len("long_decode_b"):]))
     if point.startswith("decode_b") and point[len("decode_b"):].isdigit():
         return M.decode_speedup(int(point[len("decode_b"):]))
     raise ValueError(f"unknown operating point {point!r} (prefill or decode_b<N>)")
@@ -76,6 +138,34 @@ def speed_metrics(speeds: Speeds, baseline: str = BASELINE) -> dict[str, dict[st
     return out
 
 
+def sequential_metrics(speeds: Speeds, looks: Looks, plan: SpeedPlan,
+                       baseline: str = BASELINE) -> dict[str, dict[str, float]]:
+    """Per model: median tok/s and the operating point of every point it ran; per variant also each point's
+    ratio with the CI of the look it stopped at, that CI's level and the rounds it took."""
+    base = speeds[baseline]
+    out: dict[str, dict[str, float]] = {}
+    for name, by_point in speeds.items():
+        metrics: dict[str, float] = {}
+        for point, values in by_point.items():
+            if not values:
+                continue
+            metrics[M.paired_tps(point)] = statistics.median(values)
+            metrics.update({M.speed_point(point, f): float(v) for f, v in plan.shape(point).items()})
+            if name == baseline:
+                continue
+            metrics[M.speed_point(point, "rounds")] = float(len(values))
+            look = looks.get((name, point))
+            if look is None:  # fewer than 2 rounds when the budget ended: an estimate, no CI
+                metrics[point_key(point)] = statistics.fmean(v / b for v, b in zip(values, base[point], strict=False))
+                continue
+            metrics.update(look.ci.metrics(point_key(point)))
+            metrics[M.speed_point(point, "ci_level")] = look.level
+        if name != baseline:
+            metrics[M.SERVE_SPEED_ROUNDS] = max((float(len(v)) for v in by_point.values()), default=0.0)
+        out[name] = metrics
+    return out
+
+
 def cache_key(models: Sequence[Variant], plan: SpeedPlan) -> str:
     """The models (weights, KV dtype), the plan and the machine (`flows.machine.key`)."""
     from flows import machine
@@ -87,15 +177,25 @@ def cache_key(models: Sequence[Variant], plan: SpeedPlan) -> str:
 # ---- the engines ------------------------------------------------------------------------------------
 
 
+def kv_blocks(plan: SpeedPlan) -> int:
+    """KV blocks for the largest point: its batch x (its tokens + the sampled one, rounded up, + 1 spare)."""
+    def need(batch: int, tokens: int) -> int:
+        return batch * (-(-(tokens + 2) // BLOCK_SIZE) + 1)
+
+    sizes = [need(1, plan.prefill_tokens)] + [need(b, plan.decode_context + plan.decode_tokens + 1)
+                                               for b in plan.decode_batches]
+    if plan.long_context:
+        sizes.append(need(plan.long_batch, plan.long_context + plan.long_tokens + 1))
+    return max(sizes)
+
+
 def load_engines(models: Sequence[Variant], plan: SpeedPlan) -> dict:
     """Every model's engine, loaded as the measure stage serves it (device, dtype, threads), with a KV
     cache just big enough for the rounds and no prefix cache (fresh prompts must be computed)."""
     from flows.machine import engine_placement
     from serving import LLMEngine
 
-    longest = max(plan.prefill_tokens, plan.decode_context + plan.decode_tokens + 1) + 1
-    batch = max(plan.decode_batches)
-    blocks = batch * (-(-longest // BLOCK_SIZE) + 1)
+    blocks, batch = kv_blocks(plan), max([*plan.decode_batches, plan.long_batch if plan.long_context else 1])
     return {m.name: LLMEngine.from_pretrained(m.path, **engine_placement(plan.device), kv_cache_dtype=m.kv_cache_dtype,
                                               model_name=m.name, enable_prefix_caching=False,
                                               max_num_seqs=batch, block_size=BLOCK_SIZE, num_kv_blocks=blocks)
@@ -135,24 +235,37 @@ def engine_timer(engines: dict, plan: SpeedPlan) -> Timer:
         seed = plan.seed * 1000 + round_
         if point == "prefill":
             return time_prefill(engines[name], _prompts(vocab, 1, plan.prefill_tokens, seed)[0])
-        batch = int(point[len("decode_b"):])
-        return time_decode(engines[name], _prompts(vocab, batch, plan.decode_context, seed), plan.decode_tokens)
+        shape = plan.shape(point)
+        return time_decode(engines[name], _prompts(vocab, shape["batch"], shape["prompt_tokens"], seed), shape["steps"])
 
     return timer
 
 
 def measure(models: Sequence[Variant], plan: SpeedPlan, out: Path, machine: str,
             progress: Callable[[int], None] | None = None) -> SpeedResult:
-    """Load every model, time the rounds, write every round's figures to `out`/speed.json."""
+    """Load every model, time the sequential rounds, write every round's figures to `out`/speed.json."""
     if models[0].name != BASELINE:
         raise ValueError(f"the baseline comes first, got {[m.name for m in models]}")
+    start = time.perf_counter()
+    deadline = start + plan.time_budget_s if plan.time_budget_s else None
     engines = load_engines(models, plan)
     names = [m.name for m in models]
-    speeds = paired_rounds(names, plan.points(), engine_timer(engines, plan), plan.rounds, plan.warmup_rounds,
-                           progress)
-    metrics = speed_metrics(speeds)
+    # every variant at the served points; the long-context one only where the KV cache is quantized
+    units = {p: [m.name for m in models[1:]] for p in plan.points()}
+    kv = [m.name for m in models[1:] if m.kv_cache_dtype != "auto"]
+    units.update({p: kv for p in plan.points(kv=True) if p not in units and kv})
+    design = SequentialDesign(plan.look_every, plan.rounds, plan.alpha, plan.spending)
+    speeds, looks = sequential_rounds(names, units, engine_timer(engines, plan), design,
+                                      {p: plan.minimum(p) for p in units}, plan.warmup_rounds, deadline,
+                                      progress=progress)
+    metrics = sequential_metrics(speeds, looks, plan)
     out.mkdir(parents=True, exist_ok=True)
     report = out / "speed.json"
-    report.write_text(json.dumps({"machine": machine, "plan": asdict(plan), "rounds": speeds,
-                                  "metrics": metrics}, indent=2, default=list))
+    report.write_text(json.dumps({
+        "machine": machine, "plan": asdict(plan), "points": {p: plan.shape(p) for p in units},
+        "design": asdict(design), "elapsed_s": time.perf_counter() - start, "rounds": speeds,
+        "looks": {f"{v}/{p}": {"rounds": look.ci.n, "level": look.level, "decision": look.decision,
+                                "estimate": look.ci.estimate, "low": look.ci.low, "high": look.ci.high}
+                  for (v, p), look in sorted(looks.items())},
+        "metrics": metrics}, indent=2, default=list))
     return SpeedResult(metrics=metrics, machine=machine, report=str(report))

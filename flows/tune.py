@@ -203,7 +203,7 @@ def tune_flow(
     names = [c.name for c in cands]
     device = resolve_device(device)
     config = replace(fidelity_stage.measure_config(pol, names, opts.suites, opts.limit), device=device)
-    plan = SpeedPlan(decode_batches=pol.decode_batches, device=device)
+    plan = SpeedPlan.from_policy(pol, device)
     run_config = {"tune": True, "objective": opts.objective, "candidates": names, "policy": str(records.policy_path(policy)),
                   "limit": opts.limit, "prefect_flow_run_id": str(flow_run.id)}
     tune_id = R.start_release(source, run_config)

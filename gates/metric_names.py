@@ -15,7 +15,10 @@ One module so both sides agree. Every name is a plain MLflow metric key; values 
 | `serve/ttft_p50_s` ... `serve/tpot_p99_s` | latency quantiles in seconds (p50/p95/p99) | benchmarks |
 | `serve/decode_speedup_b<N>` (`_ci_low`, `_ci_high`) | variant / baseline decode tok/s at batch N: geometric mean of the paired per-round ratios and its 95 % CI | flows (speed) |
 | `serve/prefill_speedup` (`_ci_low`, `_ci_high`) | the same for prefill tok/s | flows (speed) |
-| `serve/speed_rounds` | paired rounds behind those ratios | flows (speed) |
+| `serve/long_decode_speedup_b<N>` (`_ci_low`, `_ci_high`) | the same at the long-context point (KV-quantized variants) | flows (speed) |
+| `serve/speed_rounds` | the most paired rounds any of the variant's points took | flows (speed) |
+| `serve/point/<point>/prompt_tokens`, `.../steps`, `.../batch` | the operating point each speed metric was timed at (prompt or context tokens, timed steps, batch) | flows (speed) |
+| `serve/point/<point>/rounds`, `.../ci_level` | the paired rounds that point took to its stop and the look-adjusted level of its CI | flows (speed) |
 | `serve/paired_decode_b<N>_tps`, `serve/paired_prefill_tps` | the model's own median tok/s over those rounds | flows (speed) |
 | `weights/loaded_bytes` | bytes of weights right after loading, before the engine packed anything | flows |
 | `capacity/max_seqs`, `capacity/kv_blocks`, `capacity/kv_tokens` | KV-cache capacity | benchmarks |
@@ -107,6 +110,21 @@ def decode_speedup(batch: int) -> str:
     if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
         raise ValueError(f"a decode batch is an integer >= 1, got {batch!r}")
     return f"serve/decode_speedup_b{batch}"
+
+
+def long_decode_speedup(batch: int) -> str:
+    """`serve/long_decode_speedup_b1`: the paired decode ratio at the long-context point."""
+    return decode_speedup(batch).replace("serve/decode_", "serve/long_decode_")
+
+
+SPEED_POINT_FIELDS = ("prompt_tokens", "steps", "batch", "rounds", "ci_level")
+
+
+def speed_point(point: str, field: str) -> str:
+    """`serve/point/decode_b16/prompt_tokens`: where a speed metric was timed, and how many rounds it took."""
+    if field not in SPEED_POINT_FIELDS:
+        raise ValueError(f"unknown speed-point field {field!r} (known: {', '.join(SPEED_POINT_FIELDS)})")
+    return f"serve/point/{point}/{field}"
 
 
 def paired_tps(point: str) -> str:

@@ -301,3 +301,96 @@ def test_the_policy_names_the_operating_points_and_what_an_uninformative_speed_d
             parse_policy({"tasks": {"max_drop": 0.1}, "serving": bad})
     with pytest.raises(PolicyError, match="sensitivity.serving"):
         parse_policy({"tasks": {"max_drop": 0.1}, "sensitivity": {"serving": "ignore"}})
+
+
+# ---- operating points and group-sequential rounds (issue 48 items 1 and 2) ---------------------------
+
+
+def test_the_plan_names_the_policys_served_points_and_the_engines_kv_blocks_fit_them():
+    from flows.speed_rounds import BLOCK_SIZE, kv_blocks
+
+    policy = parse_policy({**POLICY, "speed": {"prefill_tokens": 256, "decode_context": 128, "decode_steps": 64,
+                                               "long_context": {"context": 1024, "steps": 16},
+                                               "look_every": 4, "max_rounds": 12, "time_budget_s": 90}})
+    plan = SpeedPlan.from_policy(policy, "cpu")
+    assert (plan.prefill_tokens, plan.decode_context, plan.decode_tokens, plan.rounds, plan.look_every) == \
+        (256, 128, 64, 12, 4)
+    assert plan.time_budget_s == 90 and plan.min_decode == 1.0 and plan.min_prefill == 0.8
+    assert plan.points() == ["prefill", "decode_b1", "decode_b4", "decode_b16"]
+    assert plan.points(kv=True)[-1] == "long_decode_b1"
+    assert plan.shape("decode_b16") == {"prompt_tokens": 128, "steps": 64, "batch": 16}
+    assert plan.shape("long_decode_b1") == {"prompt_tokens": 1024, "steps": 16, "batch": 1}
+    # every sequence of the largest point fits the blocks: batch 16 x (128 + 64 + 1 + the sampled token)
+    assert kv_blocks(plan) * BLOCK_SIZE >= 16 * (128 + 64 + 2)
+    default = SpeedPlan.from_policy(parse_policy(POLICY), "cpu")  # the defaults users serve
+    assert (default.prefill_tokens, default.decode_context, default.decode_tokens, default.long_context) == \
+        (512, 384, 64, 2048)
+
+
+def _sequential(true: dict[str, float], sd: float, design, seed: int = 0, **kw):
+    """The real loop on crafted log-normal round ratios: baseline 100 tok/s, each variant true x e^N(0, sd)."""
+    import random
+
+    from flows.speed_rounds import sequential_rounds
+
+    rng, calls = random.Random(seed), []
+
+    def timer(name: str, point: str, round_: int) -> float:
+        calls.append((name, point, round_))
+        return 100.0 if name == "baseline" else 100.0 * true[name] * math.exp(rng.gauss(0.0, sd))
+
+    speeds, looks = sequential_rounds(["baseline", *true], {"decode_b1": list(true)}, timer, design,
+                                      {"decode_b1": 1.0}, warmup=0, **kw)
+    return speeds, looks, calls
+
+
+def test_a_clear_point_stops_at_the_first_look_and_is_no_longer_timed():
+    from flows.speed_rounds import sequential_metrics
+    from gates.judging.speed_verdicts import SequentialDesign
+
+    design = SequentialDesign(look_every=5, max_rounds=20)
+    speeds, looks, calls = _sequential({"fast": 1.5, "same": 1.0}, 0.05, design)
+    assert looks[("fast", "decode_b1")].decision == PASS and looks[("fast", "decode_b1")].ci.n == 5
+    assert not [c for c in calls if c[0] == "fast" and c[2] >= 5]  # stopped: never timed again
+    assert len(speeds["baseline"]["decode_b1"]) == 20  # the baseline runs on beside the open point
+    same = looks[("same", "decode_b1")]
+    assert same.decision == UNINFORMATIVE and same.ci.n == 20 and same.ci.low < 1.0 < same.ci.high
+    metrics = sequential_metrics(speeds, looks, SpeedPlan())["fast"]
+    assert metrics[M.speed_point("decode_b1", "rounds")] == 5 and metrics[M.speed_point("decode_b1", "batch")] == 1
+    assert metrics[M.speed_point("decode_b1", "prompt_tokens")] == 384
+    assert 0.98 < metrics[M.speed_point("decode_b1", "ci_level")] < 0.99  # Pocock-type: ~0.982 a look
+    gate = _release_gates(metrics)["serve/min_decode_speedup/b1"]
+    assert gate.verdict == PASS and "98.2% look-adjusted CI" in gate.reason and "5 paired rounds" in gate.reason
+
+
+def test_the_time_budget_ends_the_rounds_with_a_final_look_that_spends_the_alpha_left():
+    from gates.judging.speed_verdicts import SequentialDesign
+
+    ticks = iter(range(10_000))  # a clock: each call one second later; a round costs two ticks
+    speeds, looks, _ = _sequential({"same": 1.0}, 0.05, SequentialDesign(5, 20), deadline=13.0,
+                                   clock=lambda: float(next(ticks)))
+    look = looks[("same", "decode_b1")]
+    assert look.ci.n == len(speeds["same"]["decode_b1"]) < 20 and look.decision == UNINFORMATIVE
+    assert look.level < 0.98  # the last look spends what the looks before it left
+
+
+def test_simulated_coverage_and_error_rates_of_the_sequential_rounds():
+    """Thousands of crafted draws through the real loop: the stopped, look-adjusted CI covers the true ratio
+    at least at the nominal 95 % (within 0.02 at the minimum, where every look counts), and no point passes
+    when its true ratio is below the minimum (or fails above it) more often than alpha."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from speed_sequential import simulate
+
+    from gates.judging.speed_verdicts import SequentialDesign
+
+    rows = simulate((0.9, 0.97, 1.0, 1.03, 1.1), draws=1500, sd=0.08, design=SequentialDesign(5, 20), seed=1)
+    for true, row in rows.items():
+        assert 0.93 <= row["cover"] <= 0.995, (true, row)
+    assert abs(rows[1.0]["cover"] - 0.95) <= 0.02
+    assert rows[0.9][PASS] + rows[0.97][PASS] + rows[1.0][PASS] <= 0.05 * 3
+    assert max(rows[t][PASS] for t in (0.9, 0.97, 1.0)) <= 0.05
+    assert max(rows[t][FAIL] for t in (1.0, 1.03, 1.1)) <= 0.05
+    assert rows[0.9][FAIL] > 0.95 and rows[1.1][PASS] > 0.95 and rows[1.1]["rounds"] < 15  # decided, early

@@ -28,6 +28,24 @@ class TaskGate:
 
 
 @dataclass(frozen=True)
+class SpeedPoints:
+    """Where and how long the paired speed rounds time the models (flows.speed_rounds): the operating points
+    users serve, the group-sequential design (gates.judging.speed_verdicts.SequentialDesign), the budget."""
+
+    prefill_tokens: int = 512  # one prompt of this many tokens, timed to its first token (a RAG prompt)
+    decode_context: int = 384  # prompt tokens of each decoding sequence (a chat turn with its history)
+    decode_steps: int = 64  # timed decode steps per sequence, at every batch in serving.decode_batches
+    long_context: int = 2048  # KV-quantized variants only: decode at this context (0: no such point)
+    long_steps: int = 32
+    long_batch: int = 1
+    look_every: int = 5  # a look every this many paired rounds
+    max_rounds: int = 20
+    spending: str = "pocock"  # Lan-DeMets alpha spending: pocock | obrien-fleming
+    alpha: float = 0.05  # two-sided: the adjusted CIs together cover with 1 - alpha
+    time_budget_s: float | None = None  # wall clock of the whole stage (loading included); None: no cap
+
+
+@dataclass(frozen=True)
 class Policy:
     tasks: TaskGate
     task_overrides: dict[str, TaskGate] = field(default_factory=dict)
@@ -55,6 +73,7 @@ class Policy:
     fidelity: FP.FidelityGate = FP.FidelityGate()  # gates.judging.fidelity_policy: KL and top-1 flips on a held text
     long_context: FP.LongContextGate = FP.LongContextGate()  # pass-key retrieval per prompt length
     deployment: FP.Deployment = FP.Deployment()  # the system prompt the safety suites run with
+    speed: SpeedPoints = SpeedPoints()  # the speed stage's operating points, looks and budget
     source: str = "<dict>"
     text: str = field(default="", repr=False)
 
@@ -169,6 +188,51 @@ class _Serving(StrictModel):
     max_tpot_p99_s: Positive = None
 
 
+def _count(minimum: int) -> BeforeValidator:
+    def check(value: Any) -> int:
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            raise ValueError(f"expected an integer >= {minimum}, got {value!r}")
+        return value
+
+    return BeforeValidator(check)
+
+
+def _spending(value: Any) -> str:
+    if value not in ("pocock", "obrien-fleming"):
+        raise ValueError(f"expected pocock or obrien-fleming (the alpha-spending rule), got {value!r}")
+    return value
+
+
+class _LongPoint(StrictModel):
+    context: Annotated[int, _count(1)]
+    steps: Annotated[int, _count(2)] = 32
+    batch: Annotated[int, _count(1)] = 1
+
+
+class _Speed(StrictModel):
+    """The speed stage (flows/speed_rounds.py): operating points, sequential looks, time budget."""
+
+    prefill_tokens: Annotated[int, _count(1)] = 512
+    decode_context: Annotated[int, _count(1)] = 384
+    decode_steps: Annotated[int, _count(2)] = 64
+    long_context: _LongPoint | None = _LongPoint(context=2048)
+    look_every: Annotated[int, _count(3)] = 5
+    max_rounds: Annotated[int, _count(3)] = 20
+    spending: Annotated[str, BeforeValidator(_spending)] = "pocock"
+    alpha: Annotated[float, _number("rate")] = 0.05
+    time_budget_s: Positive = None
+
+    def points(self) -> SpeedPoints:
+        if self.max_rounds < self.look_every:
+            raise ValueError(f"max_rounds ({self.max_rounds}) < look_every ({self.look_every})")
+        if not 0.0 < self.alpha < 1.0:
+            raise ValueError(f"alpha must lie in (0, 1), got {self.alpha}")
+        long = self.long_context
+        return SpeedPoints(self.prefill_tokens, self.decode_context, self.decode_steps,
+                           long.context if long else 0, long.steps if long else 32, long.batch if long else 1,
+                           self.look_every, self.max_rounds, self.spending, self.alpha, self.time_budget_s)
+
+
 class _Canary(StrictModel):
     max_error_rate: Rate = None
     max_tpot_p99_s: Positive = None
@@ -199,6 +263,7 @@ class PolicyFile(StrictModel):
     safety: Annotated[_Safety, _empty_if_null] = _Safety()
     weights: Annotated[_Weights, _empty_if_null] = _Weights()
     serving: Annotated[_Serving, _empty_if_null] = _Serving()
+    speed: Annotated[_Speed, _empty_if_null] = _Speed()
     canary: Annotated[_Canary, _empty_if_null] = _Canary()
     sensitivity: Annotated[_Sensitivity, _empty_if_null] = _Sensitivity()
     fidelity: Annotated[FP.FidelitySection, _empty_if_null] = FP.FidelitySection()
@@ -227,6 +292,13 @@ def load_policy(path: str | Path | None = None) -> Policy:
     except yaml.YAMLError as exc:
         raise PolicyError(f"{path}: not valid YAML: {exc}") from exc
     return parse_policy(data, source=str(path), text=text)
+
+
+def _speed_points(section: _Speed, source: str) -> SpeedPoints:
+    try:
+        return section.points()
+    except ValueError as exc:
+        raise PolicyError(f"{source}: speed: {exc}") from None
 
 
 def parse_policy(data: Any, source: str = "<dict>", text: str | None = None) -> Policy:
@@ -263,6 +335,7 @@ def parse_policy(data: Any, source: str = "<dict>", text: str | None = None) -> 
         fidelity=f.fidelity.gate(),
         long_context=f.long_context.gate(),
         deployment=f.deployment.deployment(),
+        speed=_speed_points(f.speed, source),
         min_harmless_pass=f.power.min_harmless_pass,
         family_harmless_pass=f.power.family_harmless_pass,
         source=source,
