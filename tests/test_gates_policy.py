@@ -127,3 +127,22 @@ def test_metric_names_are_one_convention():
         M.task_score("arc easy?")
     with pytest.raises(ValueError, match="'weights/bytes' is inf"):
         M.check_metrics({"weights/bytes": float("inf")})
+
+
+def test_the_speed_section_names_the_points_and_its_errors_name_the_key():
+    policy = load_policy()
+    assert (policy.speed.prefill_tokens, policy.speed.decode_context, policy.speed.decode_steps) == (512, 384, 64)
+    assert policy.speed.long_context == 2048 and policy.speed.spending == "pocock"
+    from pathlib import Path
+
+    demo = load_policy(Path(__file__).resolve().parents[1] / "flows" / "demo_policy.yaml")
+    assert demo.speed.time_budget_s == 90  # the demo's speed stage on 2 cores
+    base = {"tasks": {"max_drop": 0.05}}
+    assert parse_policy({**base, "speed": {"long_context": None}}).speed.long_context == 0
+    for bad, message in (({"spending": "linear"}, "pocock or obrien-fleming"),
+                         ({"look_every": 2}, "integer >= 3"),
+                         ({"max_rounds": 4}, "max_rounds \\(4\\) < look_every \\(5\\)"),
+                         ({"prefill_tokens": 0}, "integer >= 1"),
+                         ({"decode_steps": 64, "typo": 1}, "typo")):
+        with pytest.raises(PolicyError, match=message):
+            parse_policy({**base, "speed": bad})
