@@ -12,40 +12,17 @@ kernel path); any other mix returns None and the caller runs the modules.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from serving.kernels.cpu import wo_bf16, wo_fp32
+from serving.kernels.cpu import wo_fp32
 from serving.model.packed_linear import PairPackedLinear, WoLinear
 from serving.model.quant.int4 import Int4WeightOnlyLinear
 from serving.model.quant.int8 import Int8WeightOnlyLinear
+from serving.model.quant.kernel_path import KernelCall, bf16_op
 
 Projection = Callable[[torch.Tensor], torch.Tensor]
-
-
-@dataclass(frozen=True)
-class KernelCall:
-    """One compiled linear op with its weights bound: `op(rows, *tensors, *ints)`. A woq_linear op (`bf16_rows`)
-    reads bf16 rows and writes `wo_bf16.out_dtype` of the input's dtype (its last int); a wo_linear op (or torch's
-    own linear over an fp32 weight) reads fp32 rows and writes fp32. Either way the caller gets its own dtype back. The decode-step plan
-    (serving/kernels/cpu/decode_step.cpp) calls the same op with the same arguments."""
-
-    op: torch._ops.OpOverload
-    tensors: tuple[torch.Tensor, ...]
-    ints: tuple[int, ...]
-    bf16_rows: bool
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.bf16_rows:
-            return self.op(x.to(torch.bfloat16).contiguous(), *self.tensors, *self.ints, wo_bf16.out_dtype(x.dtype))
-        rows = x if x.dtype is torch.float32 and x.is_contiguous() else x.to(torch.float32).contiguous()
-        return self.op(rows, *self.tensors, *self.ints).to(x.dtype)
-
-    @property
-    def op_name(self) -> str:
-        return self.op._schema.name
 
 
 def fuse(modules: list) -> KernelCall | None:
@@ -61,7 +38,7 @@ def fuse(modules: list) -> KernelCall | None:
     if kind is PairPackedLinear:
         if len({m.isa for m in modules}) != 1:
             return None
-        return KernelCall(_woq_op(modules[0].isa, "bf16"), (_share(modules, "packed_weight"),), (), True)
+        return KernelCall(bf16_op(modules[0].isa, "bf16"), (_share(modules, "packed_weight"),), (), True)
     if kind is WoLinear and len({(m.isa, m.packed_weight.dtype) for m in modules}) == 1:
         return _fused_wo(modules)
     if kind not in (Int8WeightOnlyLinear, Int4WeightOnlyLinear):
@@ -74,18 +51,14 @@ def fuse(modules: list) -> KernelCall | None:
         return None
     if kind is Int8WeightOnlyLinear:
         tensors = (_share(modules, "_woq_weight"), _share(modules, "scales"))
-        return KernelCall(_woq_op(path.isa, "int8"), tensors, (), True)
+        return KernelCall(bf16_op(path.isa, "int8"), tensors, (), True)
     if kind is Int4WeightOnlyLinear and len({m.group_size for m in modules}) == 1:
         codes = _share(modules, "_woq_codes")
         # [K/g, N, 2], joined along N: the modules keep strided views, which their own forward would copy
         scales = _share(modules, "scales_and_zeros", [m._scales_for_kernel() for m in modules], dim=1)
         group, n = modules[0].group_size, sum(m.out_features for m in modules)
-        return KernelCall(_woq_op(path.isa, "int4"), (codes, scales), (group, n), True)
+        return KernelCall(bf16_op(path.isa, "int4"), (codes, scales), (group, n), True)
     return None
-
-
-def _woq_op(isa: str | None, kind: str) -> torch._ops.OpOverload:
-    return getattr(wo_bf16._kernel(isa), kind)
 
 
 def _fused_wo(modules: list) -> KernelCall | None:

@@ -22,7 +22,8 @@ from serving.kernels.cpu.decoder_ops import fused_ops
 from serving.model import attention
 from serving.model.attention import AttentionContext
 from serving.model.decode_step import DecodeStep
-from serving.model.fused_linear import KernelCall, Projection, fuse
+from serving.model.fused_linear import Projection, fuse
+from serving.model.quant.kernel_path import KernelCall
 
 FAST_FORWARD_ENV = settings.FAST_FORWARD.name
 # decoder layer class -> what its forward is: pre-norm attention + SwiGLU MLP, RMSNorm, rotary on q and k

@@ -19,7 +19,8 @@ from torch import nn
 
 from serving.kernels.cpu import isa as isas
 from serving.kernels.cpu import wo_bf16, wo_fp32
-from serving.model.quant.kernel_path import TORCH, KernelPath, choose, wide_compute_dtype
+from serving.model.quant.kernel_path import KernelCall, KernelPath, bf16_op, wide_compute_dtype
+from serving.model.quant.weight_only import WeightOnlyLinear
 
 # Smaller groups keep the logits closer to the source's (docs/results/design-figures.md).
 DEFAULT_GROUP_SIZE = 32
@@ -105,7 +106,7 @@ def cpu_layout_known() -> bool:
     return torch.equal(unpack_cpu_layout(pack_for_cpu(q), 128, 256).int(), q)
 
 
-class Int4WeightOnlyLinear(nn.Module):
+class Int4WeightOnlyLinear(WeightOnlyLinear):
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype = torch.float32,
                  group_size: int = DEFAULT_GROUP_SIZE):
         super().__init__()
@@ -119,6 +120,7 @@ class Int4WeightOnlyLinear(nn.Module):
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype), requires_grad=False) if bias else None
         self.isa = isas.resolve()  # the kernel path in force when the layer was built
         self._path: KernelPath | None = None
+        self._call: KernelCall | None = None
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, group_size: int = DEFAULT_GROUP_SIZE) -> Int4WeightOnlyLinear:
@@ -146,21 +148,36 @@ class Int4WeightOnlyLinear(nn.Module):
             self._scales_bf16 = self.scales_and_zeros.to(torch.bfloat16)
         return self._packed
 
-    def kernel_path(self) -> KernelPath:
-        """The kernel serving this layer, decided (and its layout packed) on first use."""
-        if self._path is None:
-            k, n, g = self.in_features, self.out_features, self.group_size
-            path = choose(self.isa, self.codes.device, wo_bf16.fits(k, n, g), wo_fp32.fits(k, n, g))
-            if path.kind == "wo_bf16":
-                self._woq_codes = wo_bf16.pack_int4(unpack_nibbles(self.codes))
-            elif path.kind == "wo_fp32":
-                self._wo_codes = wo_fp32.tile(self.codes)
-            self._path = path
-        return self._path
+    # ---- the format's part of WeightOnlyLinear --------------------------------------------------------
 
-    def _own_kernel(self) -> bool:
-        """One of quantgate's kernels serves this layer (packed on first use)."""
-        return self.kernel_path().kind != "torch"
+    def _device(self) -> torch.device:
+        return self.codes.device
+
+    def _fits(self) -> tuple[bool, bool]:
+        k, n, g = self.in_features, self.out_features, self.group_size
+        return wo_bf16.fits(k, n, g), wo_fp32.fits(k, n, g)
+
+    def _pack(self, path: KernelPath) -> None:
+        if path.kind == "wo_bf16":
+            self._woq_codes = wo_bf16.pack_int4(unpack_nibbles(self.codes))
+        elif path.kind == "wo_fp32":
+            self._wo_codes = wo_fp32.tile(self.codes)
+
+    def _kernel_tensors(self, path: KernelPath) -> tuple[torch.Tensor, ...]:
+        return (self._woq_codes if path.kind == "wo_bf16" else self._wo_codes), self._scales_for_kernel()
+
+    def _kernel_call(self, path: KernelPath, tensors: tuple[torch.Tensor, ...]) -> KernelCall:
+        if path.kind == "wo_bf16":
+            return KernelCall(bf16_op(path.isa, "int4"), tensors, (self.group_size, self.out_features), True)
+        return KernelCall(wo_fp32._op(path.isa, "linear_int4"), tensors, (self.group_size,), False)
+
+    def _torch_linear(self, rows: torch.Tensor) -> torch.Tensor:
+        if rows.device.type == "cpu" and rows.shape[0] <= FAST_PATH_MAX_ROWS:
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(rows.to(torch.bfloat16), self._kernel_weights(),
+                                                           self.group_size, self._scales_bf16)
+            return y.to(rows.dtype)
+        compute = wide_compute_dtype(rows.dtype, rows.device)
+        return F.linear(rows.to(compute), self.dequantized_weight(compute)).to(rows.dtype)
 
     def kernel_layout(self) -> torch.Tensor | None:
         return self._woq_codes if self._woq_codes is not None else self._wo_codes
@@ -181,35 +198,6 @@ class Int4WeightOnlyLinear(nn.Module):
             if self.kernel_layout() is None:
                 self._kernel_weights()
             self.codes = torch.empty(0, dtype=torch.uint8)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self._woq_codes is not None and x.dim() == 2 and x.dtype == torch.bfloat16 and self.bias is None:
-            return wo_bf16.int4_linear(x.contiguous(), self._woq_codes, self._scales_for_kernel(), self.group_size,
-                                   self.out_features, torch.bfloat16, self._path.isa)  # decoder rows as they are
-        if self._wo_codes is not None and x.dim() == 2 and x.dtype == torch.float32 and self.bias is None:
-            return wo_fp32.linear_int4(self._path.isa, x, self._wo_codes, self._scales_for_kernel(), self.group_size)
-        rows = x.numel() // self.in_features
-        path = self.kernel_path() if x.device.type == "cpu" else TORCH
-        if path.kind == "wo_bf16":
-            flat = x.reshape(rows, self.in_features).to(torch.bfloat16).contiguous()
-            y = wo_bf16.int4_linear(flat, self._woq_codes, self._scales_for_kernel(), self.group_size,
-                                self.out_features, wo_bf16.out_dtype(x.dtype), path.isa)
-            y = y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
-        elif path.kind == "wo_fp32":
-            y = wo_fp32.linear_int4(path.isa, x.reshape(rows, self.in_features), self._wo_codes,
-                               self._scales_for_kernel(), self.group_size)
-            y = y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
-        elif x.device.type == "cpu" and rows <= FAST_PATH_MAX_ROWS:
-            flat = x.reshape(rows, self.in_features).to(torch.bfloat16)
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self._kernel_weights(), self.group_size,
-                                                           self._scales_bf16)
-            y = y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
-        else:
-            compute = wide_compute_dtype(x.dtype, x.device)
-            y = F.linear(x.to(compute), self.dequantized_weight(compute)).to(x.dtype)
-        if self.bias is not None:
-            y = y + self.bias
-        return y
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "

@@ -18,14 +18,15 @@ from torch import nn
 
 from serving.kernels.cpu import isa as isas
 from serving.kernels.cpu import wo_bf16, wo_fp32
-from serving.model.quant.kernel_path import TORCH, KernelPath, choose, wide_compute_dtype
+from serving.model.quant.kernel_path import KernelCall, KernelPath, bf16_op, wide_compute_dtype
+from serving.model.quant.weight_only import WeightOnlyLinear
 
 # Up to this many rows torch's int8 kernel (a GEMV per row, bf16 activations) beats dequantize-then-matmul:
 # its cost grows with the rows, the matmul's barely (the crossover: docs/results/design-figures.md).
 FAST_PATH_MAX_ROWS = 8
 
 
-class Int8WeightOnlyLinear(nn.Module):
+class Int8WeightOnlyLinear(WeightOnlyLinear):
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype = torch.float32):
         super().__init__()
         self.in_features = in_features
@@ -38,6 +39,7 @@ class Int8WeightOnlyLinear(nn.Module):
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype), requires_grad=False) if bias else None
         self.isa = isas.resolve()  # the kernel path in force when the layer was built
         self._path: KernelPath | None = None
+        self._call: KernelCall | None = None
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> Int8WeightOnlyLinear:
@@ -56,60 +58,48 @@ class Int8WeightOnlyLinear(nn.Module):
             return self.weight_int8
         return wo_bf16.unpack_int8(self._woq_weight) if self._woq_weight is not None else wo_fp32.untile(self._wo_weight)
 
-    def kernel_path(self) -> KernelPath:
-        """The kernel serving this layer, decided (and its layout packed) on first use."""
-        if self._path is None:
-            k, n = self.in_features, self.out_features
-            path = choose(self.isa, self.weight_int8.device, wo_bf16.fits(k, n), wo_fp32.fits(k, n))
-            if path.kind == "wo_bf16":
-                self._woq_weight = wo_bf16.pack_int8(self.weight_int8, isa=path.isa)
-            elif path.kind == "wo_fp32":
-                self._wo_weight = wo_fp32.tile(self.weight_int8)
-            self._path = path
-        return self._path
+    # ---- the format's part of WeightOnlyLinear --------------------------------------------------------
 
-    def _own_kernel(self) -> bool:
-        """One of quantgate's kernels serves this layer (packed on first use)."""
-        return self.kernel_path().kind != "torch"
+    def _device(self) -> torch.device:
+        return self.weight_int8.device
+
+    def _fits(self) -> tuple[bool, bool]:
+        k, n = self.in_features, self.out_features
+        return wo_bf16.fits(k, n), wo_fp32.fits(k, n)
+
+    def _pack(self, path: KernelPath) -> None:
+        if path.kind == "wo_bf16":
+            self._woq_weight = wo_bf16.pack_int8(self.weight_int8, isa=path.isa)
+        elif path.kind == "wo_fp32":
+            self._wo_weight = wo_fp32.tile(self.weight_int8)
 
     def kernel_layout(self) -> torch.Tensor | None:
         return self._woq_weight if self._woq_weight is not None else self._wo_weight
+
+    def _kernel_tensors(self, path: KernelPath) -> tuple[torch.Tensor, ...]:
+        return (self._woq_weight if path.kind == "wo_bf16" else self._wo_weight), self.scales
+
+    def _kernel_call(self, path: KernelPath, tensors: tuple[torch.Tensor, ...]) -> KernelCall:
+        if path.kind == "wo_bf16":
+            return KernelCall(bf16_op(path.isa, "int8"), tensors, (), True)
+        return KernelCall(wo_fp32._op(path.isa, "linear_int8"), tensors, (), False)
+
+    def _torch_linear(self, rows: torch.Tensor) -> torch.Tensor:
+        if rows.device.type == "cpu" and rows.shape[0] <= FAST_PATH_MAX_ROWS and rows.dtype == torch.bfloat16:
+            # bf16 in, bf16 out: the scales may as well be applied in the kernel (rounding a scale to bf16
+            # is an error the size of the output's own rounding); one op, no float32 temporaries
+            return torch._weight_int8pack_mm(rows, self.weight_int8, self.scales.to(torch.bfloat16))
+        if rows.device.type == "cpu" and rows.shape[0] <= FAST_PATH_MAX_ROWS:
+            y = torch._weight_int8pack_mm(rows.to(torch.bfloat16), self.weight_int8, self._unit_scales.to(torch.bfloat16))
+            return (y.to(torch.float32) * self.scales).to(rows.dtype)
+        compute = wide_compute_dtype(rows.dtype, rows.device)
+        y = F.linear(rows.to(compute), self.plain_weight().to(compute)).to(torch.float32) * self.scales
+        return y.to(rows.dtype)
 
     def drop_plain(self) -> None:
         """Serve from the kernel layout alone (a loaded variant is never saved again): half the bytes."""
         if self._own_kernel():
             self.weight_int8 = torch.empty(0, dtype=torch.int8)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self._woq_weight is not None and x.dim() == 2 and x.dtype == torch.bfloat16 and self.bias is None:
-            return wo_bf16.int8_linear(x.contiguous(), self._woq_weight, self.scales, torch.bfloat16, self._path.isa)
-        if self._wo_weight is not None and x.dim() == 2 and x.dtype == torch.float32 and self.bias is None:
-            return wo_fp32.linear_int8(self._path.isa, x, self._wo_weight, self.scales)
-        rows = x.numel() // self.in_features
-        path = self.kernel_path() if x.device.type == "cpu" else TORCH
-        if path.kind == "wo_bf16":
-            flat = x.reshape(rows, self.in_features).to(torch.bfloat16).contiguous()
-            y = wo_bf16.int8_linear(flat, self._woq_weight, self.scales, wo_bf16.out_dtype(x.dtype), path.isa)
-            y = y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
-        elif path.kind == "wo_fp32":
-            y = wo_fp32.linear_int8(path.isa, x.reshape(rows, self.in_features), self._wo_weight, self.scales)
-            y = y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
-        elif x.device.type == "cpu" and rows <= FAST_PATH_MAX_ROWS and x.dtype == torch.bfloat16:
-            # bf16 in, bf16 out: the scales may as well be applied in the kernel (rounding a scale to bf16
-            # is an error the size of the output's own rounding); one op, no float32 temporaries
-            y = torch._weight_int8pack_mm(x.reshape(rows, self.in_features), self.weight_int8,
-                                          self.scales.to(torch.bfloat16))
-            y = y.reshape(*x.shape[:-1], self.out_features)
-        elif x.device.type == "cpu" and rows <= FAST_PATH_MAX_ROWS:
-            flat = x.reshape(rows, self.in_features).to(torch.bfloat16)
-            y = torch._weight_int8pack_mm(flat, self.weight_int8, self._unit_scales.to(torch.bfloat16))
-            y = (y.to(torch.float32) * self.scales).to(x.dtype).reshape(*x.shape[:-1], self.out_features)
-        else:
-            compute = wide_compute_dtype(x.dtype, x.device)
-            y = (F.linear(x.to(compute), self.plain_weight().to(compute)).to(torch.float32) * self.scales).to(x.dtype)
-        if self.bias is not None:
-            y = y + self.bias
-        return y
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"

@@ -17,6 +17,36 @@ from serving.kernels.cpu import wo_bf16, wo_fp32
 
 
 @dataclass(frozen=True)
+class KernelCall:
+    """One compiled linear op with its weights bound: `op(rows, *tensors, *ints)`. A wo_bf16 op (`bf16_rows`)
+    reads bf16 rows and writes `wo_bf16.out_dtype` of the input's dtype (its last int); a wo_fp32 op (or
+    torch's own linear over an fp32 weight) reads fp32 rows and writes fp32, cast back to the input's dtype.
+    A layer's own call (`WeightOnlyLinear.kernel_call`) and a fused projection's (serving/model/fused_linear.py)
+    are both one of these; the decode-step plan (serving/kernels/cpu/decode_step.cpp) calls the same op with
+    the same arguments."""
+
+    op: torch._ops.OpOverload
+    tensors: tuple[torch.Tensor, ...]
+    ints: tuple[int, ...]
+    bf16_rows: bool
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.bf16_rows:
+            return self.op(x.to(torch.bfloat16).contiguous(), *self.tensors, *self.ints, wo_bf16.out_dtype(x.dtype))
+        rows = x if x.dtype is torch.float32 and x.is_contiguous() else x.to(torch.float32).contiguous()
+        return self.op(rows, *self.tensors, *self.ints).to(x.dtype)
+
+    @property
+    def op_name(self) -> str:
+        return self.op._schema.name
+
+
+def bf16_op(isa: str | None, kind: str) -> torch._ops.OpOverload:
+    """The wo_bf16 op for weights of `kind` ("int8", "int4", "bf16") on path `isa`."""
+    return getattr(wo_bf16._kernel(isa), kind)
+
+
+@dataclass(frozen=True)
 class KernelPath:
     kind: str  # "wo_bf16" | "wo_fp32" | "torch": the kernel family
     isa: str  # the instruction set it runs on ("torch" for torch's ops)
