@@ -31,6 +31,9 @@ class Method:
     defaults: dict[str, Any] = field(default_factory=dict)
     # Names of the saved weight files, so verification knows what must be there.
     weight_files: tuple[str, ...] = ("model.safetensors",)
+    # Builds and saves straight from a safetensors source into the directory, tensor by tensor, returning the
+    # manifest's "tensors" and "probe"; None where the source cannot be streamed (then build + save run).
+    stream: Callable[[Path, dict[str, Any], Path], dict[str, Any] | None] | None = None
 
     def options(self, opts: dict[str, Any]) -> dict[str, Any]:
         """Defaults overlaid with `opts`; an option this method does not have is an error."""
@@ -124,6 +127,30 @@ def _weight_only(method: str):
     return build, save
 
 
+def _streamed(method: str) -> Callable[[Path, dict[str, Any], Path], dict[str, Any] | None]:
+    """int8wo / int4wo streamed (quantize/streaming.py): memory bounded by a block of rows, not the model."""
+
+    def stream(source: Path, opts: dict[str, Any], out: Path) -> dict[str, Any] | None:
+        import logging
+
+        from quantize import streaming
+        from quantize.probe import check_streamed
+
+        if not streaming.streamable(source):
+            return None
+        try:
+            plan = streaming.plan_stream(source, method, opts)
+        except streaming.NotStreamable as exc:
+            logging.getLogger(__name__).warning("%s; building %s in memory", exc, method)
+            return None
+        check = check_streamed(plan, streaming.write_stream(plan, out))
+        probe = {"kind": "per-tensor", "tensors": check.tensors, "worst_error_over_bound": check.worst_ratio,
+                 "worst_tensor": check.worst_tensor, "relative_error": check.relative_error}
+        return {"tensors": plan.table, "probe": probe}
+
+    return stream
+
+
 def _bitsandbytes(name: str, bits: int, description: str, group_size: int | None,
                   defaults: dict[str, Any]) -> Method:
     """A bitsandbytes method: built on load by transformers, saved and loaded back as a plain HF directory."""
@@ -135,7 +162,7 @@ def _ours(name: str, bits: int, description: str, group_size: int | None, defaul
     """One of quantgate's weight-only formats: its own build, save and load, one `<name>.safetensors`."""
     return Method(name, bits, "quantgate", description, group_size, *_weight_only(name),
                   defaults={"quantize_lm_head": True, "quantize_embeddings": True, "dtype": "float32", **defaults},
-                  weight_files=(f"{name}.safetensors",))
+                  weight_files=(f"{name}.safetensors",), stream=_streamed(name))
 
 
 def _calibrated(algorithm: str, description: str, defaults: dict[str, Any]) -> Method:

@@ -96,3 +96,79 @@ def differing_parameters(model: PreTrainedModel, source: Path, atol: float = 1e-
                 ):
                     differing.append(key)
     return differing
+
+
+@dataclass(frozen=True)
+class TensorCheck:
+    """A streamed build checked tensor by tensor against its source (no model is ever whole in memory)."""
+
+    tensors: int  # tensors compared
+    worst_ratio: float  # max over quantized elements of |source - dequantized| / its bound (≤ 1 passes)
+    worst_tensor: str
+    relative_error: float  # ‖source - dequantized‖ / ‖source‖ over every quantized weight
+
+
+def check_streamed(plan, weights: Path) -> TensorCheck:
+    """Read the written variant back and compare every tensor with its source, block by block.
+
+    The logit probe needs the whole variant and the whole source in memory; what it guards against
+    (values that are not the source's: unwritten, misplaced, from another tensor) shows tensor by tensor
+    too. A quantized weight must lie within its format's rounding bound of the source's values (int8:
+    half a step per element; int4: half a step plus bf16 rounding of the scale and zero), an unquantized
+    one must equal the source cast to the option dtype.
+    """
+    from safetensors import safe_open
+
+    from quantize.streaming import source_blocks
+
+    worst, worst_name, err2, ref2 = 0.0, "", 0.0, 0.0
+    with safe_open(str(weights), framework="pt") as variant:
+        for job in plan.jobs:
+            start = 0
+            for block in source_blocks(plan.source, job.source_key):
+                block = block.to(plan.dtype)
+                rows = block.shape[0] if block.dim() else 1
+                if job.kind == "copy":
+                    written = variant.get_slice(job.outputs[0])[start:start + rows] if block.dim() else \
+                        variant.get_tensor(job.outputs[0])
+                    if not bool((written.to(block.dtype) == block).all()):
+                        raise _mismatch(plan, job.outputs[0], "is not the source's value")
+                else:
+                    ratio, e2, r2 = _quantized_error(job, variant, block, start)
+                    err2, ref2 = err2 + e2, ref2 + r2
+                    if ratio > worst:
+                        worst, worst_name = ratio, job.outputs[0]
+                start += rows
+    if worst > 1.0:
+        raise _mismatch(plan, worst_name, f"is {worst:.2f}x its rounding bound away from the source")
+    return TensorCheck(len(plan.jobs), round(worst, 6), worst_name, round((err2 / max(ref2, 1e-30)) ** 0.5, 6))
+
+
+def _quantized_error(job, variant, block: torch.Tensor, start: int) -> tuple[float, float, float]:
+    """(max error / bound, squared error, squared source) of rows [start, start + len(block))."""
+    import torch
+
+    from serving.model.quant.int4 import dequantize_rows
+
+    stop = start + block.shape[0]
+    source = block.float()
+    if job.kind == "int8":
+        q = variant.get_slice(job.outputs[0])[start:stop]
+        scale = variant.get_slice(job.outputs[1])[start:stop][:, None]
+        approx = q.float() * scale
+        bound = 0.5 * scale * (1 + 1e-3) + 1e-6 * source.abs()
+    else:
+        sz = variant.get_slice(job.outputs[1])[:, start:stop]  # [K/g, rows, 2]
+        approx = dequantize_rows(variant.get_slice(job.outputs[0])[start:stop], sz, job.group_size, torch.float32)
+        per_group = sz.float().transpose(0, 1)  # [rows, K/g, 2]
+        step, zero = per_group[..., 0].abs(), per_group[..., 1].abs()
+        # half a step, and the bf16 rounding (2^-8 relative) of the scale (times |q - 8| <= 8) and the zero
+        group_bound = 0.5 * step * (1 + 1e-3) + 8 * step * 2**-8 + zero * 2**-8 + 1e-6
+        bound = group_bound.repeat_interleave(job.group_size, dim=1)
+    diff = (source - approx).abs()
+    return (diff / bound).max().item(), diff.square().sum().item(), source.square().sum().item()
+
+
+def _mismatch(plan, name: str, what: str) -> UnmaterialisedModelError:
+    return UnmaterialisedModelError(
+        f"the {plan.method} variant of {plan.source.directory}: {name} {what}; nothing was saved")

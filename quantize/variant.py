@@ -105,6 +105,30 @@ def check_quantizable(source: Path) -> None:
             f"{source} holds {', '.join(architectures)}, not a causal language model "
             f"({' or '.join(sorted(causal))}); quantgate quantizes causal LMs only"
         )
+    _check_buildable(source)
+
+
+def _check_buildable(source: Path) -> None:
+    """The model builds from its config.json (on the meta device: no memory) and every weight shard its
+    index names is there: otherwise a clear error now, not after minutes of work."""
+    from quantize.streaming import NotStreamable, open_source
+
+    try:
+        open_source(source)
+    except NotStreamable:
+        pass  # not safetensors: the in-memory build reads it
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from quantgate.loading import model_construction
+
+    try:
+        config = AutoConfig.from_pretrained(source)
+        with model_construction(), torch.device("meta"):
+            AutoModelForCausalLM.from_config(config)
+    except Exception as exc:  # noqa: BLE001 - whatever transformers raises, the config is what is wrong
+        raise ValueError(f"{source}: the engine cannot build this model from its config.json: "
+                         f"{type(exc).__name__}: {exc}") from exc
 
 
 def _reusable(target: Path, identity: dict[str, Any], in_cache: bool) -> bool:
@@ -144,11 +168,16 @@ def _build(spec: Method, source: Path, ref: str, source_hash: str, opts: dict[st
     from quantize.tensor_table import tensor_table
 
     start = time.perf_counter()
-    model = spec.build(source, opts)
-    probe = check_built(model, source, source_hash, spec.name)  # before anything is written
-    spec.save(model, out)
-    tensors, record = tensor_table(model), dict(getattr(model, "quantgate_record", {}))
-    del model
+    streamed = spec.stream(source, opts, out) if spec.stream is not None else None
+    if streamed is not None:  # written and checked tensor by tensor: no model was ever whole in memory
+        tensors, record, probe = streamed["tensors"], {}, streamed["probe"]
+    else:
+        model = spec.build(source, opts)
+        result = check_built(model, source, source_hash, spec.name)  # before anything is written
+        probe = {"logit_cosine": result.cosine, "top1_agreement": result.top1_agreement}
+        spec.save(model, out)
+        tensors, record = tensor_table(model), dict(getattr(model, "quantgate_record", {}))
+        del model
     for file in sorted(source.iterdir()):
         if file.is_file() and file.name not in _NOT_COPIED and not file.name.endswith(_WEIGHT_SUFFIXES):
             if not (out / file.name).exists():
@@ -172,7 +201,7 @@ def _build(spec: Method, source: Path, ref: str, source_hash: str, opts: dict[st
         "weight_bytes": total,
         "weight_bytes_by_dtype": by_dtype,
         "quantize_seconds": round(seconds, 3),
-        "probe": {"logit_cosine": probe.cosine, "top1_agreement": probe.top1_agreement},
+        "probe": probe,
         "created": datetime.now(UTC).isoformat(timespec="seconds"),
         "versions": library_versions(spec.backend),
         **record,

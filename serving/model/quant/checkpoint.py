@@ -53,7 +53,6 @@ def save_weight_only(model: PreTrainedModel, out: Path, method: str = "int8wo") 
 def load_weight_only(directory: Path, device: str = "cpu", dtype: torch.dtype | None = None,
                      method: str = "int8wo") -> PreTrainedModel:
     from safetensors import safe_open
-    from safetensors.torch import load_file
     from transformers.initialization import no_init_weights
 
     path = Path(directory) / WEIGHTS_FILES[method]
@@ -67,25 +66,10 @@ def load_weight_only(directory: Path, device: str = "cpu", dtype: torch.dtype | 
     config = AutoConfig.from_pretrained(directory)
     dtype = dtype or _config_dtype(config)
     with model_construction(), no_init_weights():
+        # Plain weights here are uninitialised (never touched, so never resident) until replaced below.
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    swapped = replace_linears(model, from_weights=False, only=linears, group_size=group_size)
-    if sorted(swapped) != linears:
-        raise ValueError(f"{directory}: quantized layers {sorted(set(linears) - set(swapped))} not in the model")
-    for name in embeddings:
-        old = model.get_submodule(name)
-        parent, _, child = name.rpartition(".")
-        table = (Int8Embedding(old.num_embeddings, old.embedding_dim, dtype) if group_size is None
-                 else Int4Embedding(old.num_embeddings, old.embedding_dim, dtype, group_size))
-        setattr(model.get_submodule(parent), child, keep_embedding_scale(old, table))
-    state = load_file(str(path), device="cpu")
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    missing = [k for k in missing if k not in tied]
-    if missing or unexpected:
-        raise ValueError(f"{path} does not match {type(model).__name__}: missing {missing[:5]}, unexpected {unexpected[:5]}")
-    for key, source in tied.items():  # one tensor again, as when it was saved
-        module_name, _, attr = key.rpartition(".")
-        source_module, _, source_attr = source.rpartition(".")
-        setattr(model.get_submodule(module_name), attr, getattr(model.get_submodule(source_module), source_attr))
+    _meta_quantized_layers(model, directory, linears, embeddings, group_size, dtype)
+    _assign_tensors(model, path, tied)
     check_materialised(model, str(path))
     model = model.to(device).eval()
     _embedding_reads_head_layout(model)
@@ -97,6 +81,54 @@ def load_weight_only(directory: Path, device: str = "cpu", dtype: torch.dtype | 
         elif isinstance(module, Int8WeightOnlyLinear) and id(module.weight_int8) not in shared:
             module.drop_plain()
     return model
+
+
+def _meta_quantized_layers(model: PreTrainedModel, directory: Path, linears: list[str], embeddings: list[str],
+                           group_size: int | None, dtype: torch.dtype) -> None:
+    """Swap in the quantized layers with their buffers on the meta device: the file's tensors are assigned to
+    them, so the weights exist once (creating them with zeros and copying into them held two copies)."""
+    for name in linears:  # the plain weight goes to meta first: replace_linears builds the layer on its device
+        module = model.get_submodule(name)
+        module.weight = torch.nn.Parameter(torch.empty_like(module.weight, device="meta"), requires_grad=False)
+    with torch.device("meta"):
+        swapped = replace_linears(model, from_weights=False, only=linears, group_size=group_size)
+        for name in embeddings:
+            old = model.get_submodule(name)
+            parent, _, child = name.rpartition(".")
+            table = (Int8Embedding(old.num_embeddings, old.embedding_dim, dtype) if group_size is None
+                     else Int4Embedding(old.num_embeddings, old.embedding_dim, dtype, group_size))
+            setattr(model.get_submodule(parent), child, keep_embedding_scale(old, table))
+    if sorted(swapped) != linears:
+        raise ValueError(f"{directory}: quantized layers {sorted(set(linears) - set(swapped))} not in the model")
+    for module in model.modules():  # the one non-persistent buffer the quantized layers fill at construction
+        if isinstance(module, Int8WeightOnlyLinear) and module._unit_scales.device.type == "meta":
+            module._unit_scales = torch.ones(module.out_features, dtype=torch.bfloat16)
+
+
+def _assign_tensors(model: PreTrainedModel, path: Path, tied: dict[str, str]) -> None:
+    """Read the file one tensor at a time and make each the module's own (assign, no copy); tied names share."""
+    from safetensors import safe_open
+
+    expected = set(model.state_dict(keep_vars=True)) - set(tied)
+    with safe_open(str(path), framework="pt") as handle:
+        keys = set(handle.keys())
+        missing, unexpected = sorted(expected - keys), sorted(keys - expected)
+        if missing or unexpected:
+            raise ValueError(f"{path} does not match {type(model).__name__}: missing {missing[:5]}, "
+                             f"unexpected {unexpected[:5]}")
+        for key in handle.keys():
+            module_name, _, attr = key.rpartition(".")
+            module = model.get_submodule(module_name)
+            current = getattr(module, attr)
+            tensor = handle.get_tensor(key).to(current.dtype)  # as load_state_dict's copy would cast it
+            if attr in module._parameters:
+                module._parameters[attr] = torch.nn.Parameter(tensor, requires_grad=current.requires_grad)
+            else:
+                module._buffers[attr] = tensor
+    for key, source in tied.items():  # one tensor again, as when it was saved
+        module_name, _, attr = key.rpartition(".")
+        source_module, _, source_attr = source.rpartition(".")
+        setattr(model.get_submodule(module_name), attr, getattr(model.get_submodule(source_module), source_attr))
 
 
 def _embedding_reads_head_layout(model: PreTrainedModel) -> None:

@@ -1,0 +1,327 @@
+"""int8wo / int4wo built by streaming: one source tensor at a time, row-chunked, straight into the variant file.
+
+The in-memory build (quantize/methods.py `_weight_only`) loads the whole model in fp32 and quantizes it
+in place: ~11-12 bytes per parameter at peak. Here the structure comes from the same code run on the
+meta device (`quantize_model` on a model built from config.json, so the choice of layers, the lm_head and
+embedding options, int4's fit rules and the tied table are exactly today's), and the values from the
+source's safetensors, read by mmap a block of rows at a time in their own dtype. Each block is cast to
+the option `dtype` (as `from_pretrained(dtype=...)` would), quantized by int8.py / int4.py's own
+functions and written at its place in `int8wo.safetensors` / `int4wo.safetensors`, whose header is
+written first (every shape is known from the meta model). The tensors and metadata equal the in-memory
+build's bit for bit (tests/test_quantize_stream.py); memory is one block of rows plus one tensor's scales.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+log = logging.getLogger(__name__)
+
+# Rows are read, cast and quantized this many elements at a time (32 MiB as fp32): quantize_groups makes a
+# few temporaries of the block's size, so the block bounds the working memory whatever the tensor's size.
+CHUNK_ELEMENTS = 8 << 20
+WEIGHTS_FILES = {"int8wo": "int8wo.safetensors", "int4wo": "int4wo.safetensors"}
+# safetensors' own order for the data: wider dtypes first, then by name (save_file does the same).
+_ORDER = ("F64", "F32", "BF16", "F16", "I32", "I16", "I8", "U8", "BOOL")
+
+
+class NotStreamable(ValueError):
+    """The source cannot be streamed (no safetensors, or names that are not the model's): build in memory."""
+
+
+@dataclass(frozen=True)
+class SourceWeights:
+    directory: Path
+    files: dict[str, Path]  # tensor name -> the safetensors file holding it
+
+
+def open_source(directory: Path) -> SourceWeights:
+    """The source's tensors by file: one `model.safetensors`, or shards named by `model.safetensors.index.json`
+    (every shard it names must be there: a missing one is an error now, not half-way through the build)."""
+    from safetensors import safe_open
+
+    directory = Path(directory)
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map") or {}
+        missing = sorted({f for f in weight_map.values() if not (directory / f).is_file()})
+        if missing:
+            raise ValueError(f"{directory}: {len(missing)} shard(s) named by {index.name} are missing: "
+                             f"{', '.join(missing[:5])}; nothing was built")
+        return SourceWeights(directory, {k: directory / f for k, f in weight_map.items()})
+    single = directory / "model.safetensors"
+    if not single.is_file():
+        raise NotStreamable(f"{directory} has no model.safetensors (or index): built in memory")
+    with safe_open(str(single), framework="pt") as handle:
+        return SourceWeights(directory, dict.fromkeys(handle.keys(), single))
+
+
+def streamable(directory: Path) -> bool:
+    directory = Path(directory)
+    return (directory / "model.safetensors").is_file() or (directory / "model.safetensors.index.json").is_file()
+
+
+@dataclass
+class Job:
+    """One source tensor and what it becomes: `kind` "int8" / "int4" (two outputs: codes and scales) or
+    "copy" (one output, cast to the option dtype)."""
+
+    kind: str
+    source_key: str
+    outputs: list[str]
+    group_size: int | None = None
+
+
+@dataclass
+class Plan:
+    method: str
+    source: SourceWeights
+    dtype: torch.dtype
+    specs: dict[str, tuple[str, tuple[int, ...]]]  # output name -> (safetensors dtype, shape)
+    jobs: list[Job]
+    metadata: dict[str, str]
+    config: Any
+    table: dict[str, dict[str, Any]]  # quantize/tensor_table.py's view of the quantized model
+    offsets: dict[str, tuple[int, int]] = field(default_factory=dict)
+
+
+def plan_stream(source_dir: Path, method: str, opts: dict[str, Any]) -> Plan:
+    """Everything about the variant but its values, from config.json and the safetensors headers alone.
+    Raises NotStreamable where the in-memory path must build it, ValueError for a source nobody can."""
+    import torch
+
+    from quantize.tensor_table import tensor_table
+
+    source = open_source(source_dir)  # raises on a shard missing from its index, before any work
+    group_size = opts.get("group_size") if method == "int4wo" else None
+    model, aliases = _quantized_meta_model(source_dir, opts, group_size)
+    state = model.state_dict(keep_vars=True)
+    stored, tied = _dedupe(state)
+    jobs = _jobs(model, stored, group_size)
+    specs = {key: (_st_dtype(state[key].dtype), tuple(state[key].shape)) for key in stored}
+    for job in jobs:
+        job.source_key = _source_key(job.source_key, aliases, source)
+    linears, embeddings = _quantized_names(model)
+    metadata = {"format": "pt", "quantgate_method": method, "linears": json.dumps(linears),
+                "embeddings": json.dumps(embeddings), "tied": json.dumps(tied),
+                "group_size": json.dumps(group_size)}
+    dtype = getattr(torch, opts["dtype"])
+    return Plan(method, source, dtype, specs, jobs, metadata, model.config, tensor_table(model))
+
+
+def _quantized_meta_model(source_dir: Path, opts: dict[str, Any], group_size: int | None):
+    """The model quantize_model makes, on the meta device (no values), and each parameter's other names
+    (a tied lm_head's weight is the embedding's: the source stores it under one of them)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from quantgate.loading import model_construction
+    from serving.model.quant.int8 import quantize_model
+
+    try:
+        config = AutoConfig.from_pretrained(source_dir)
+        with model_construction(), torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, opts["dtype"]))
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise ValueError(f"{source_dir}: the engine cannot build this model from its config.json: {exc}") from exc
+    aliases: dict[str, list[str]] = {}
+    by_id: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        by_id.setdefault(id(param), []).append(name)
+    for names in by_id.values():
+        for name in names:
+            aliases[name] = names
+    if group_size:
+        from serving.model.quant.int4 import check_group_size
+
+        check_group_size(model, group_size, opts["quantize_lm_head"], opts["quantize_embeddings"])
+    with torch.device("meta"), torch.no_grad():  # the layers' buffers are created on meta too
+        swapped = quantize_model(model, opts["quantize_lm_head"], opts["quantize_embeddings"], group_size)
+    if not swapped:
+        raise ValueError(f"{type(model).__name__} has no nn.Linear layers to quantize")
+    return model, aliases
+
+
+def _dedupe(state: dict[str, torch.Tensor]) -> tuple[list[str], dict[str, str]]:
+    """Stored names in state-dict order and {tied name: stored name}: save_weight_only's rule (a tensor
+    seen before is stored once, under its first name), by identity since meta tensors have no address."""
+    seen: dict[int, str] = {}
+    stored, tied = [], {}
+    for key, tensor in state.items():
+        if tensor.numel() and id(tensor) in seen:
+            tied[key] = seen[id(tensor)]
+            continue
+        seen[id(tensor)] = key
+        stored.append(key)
+    return stored, tied
+
+
+def _jobs(model: nn.Module, stored: list[str], group_size: int | None) -> list[Job]:
+    from serving.model.quant.int4 import Int4Embedding, Int4WeightOnlyLinear
+    from serving.model.quant.int8 import Int8Embedding, Int8WeightOnlyLinear
+
+    modules = dict(model.named_modules())
+    quantized = {Int8WeightOnlyLinear: ("weight_int8", "scales"), Int8Embedding: ("weight_int8", "scales"),
+                 Int4WeightOnlyLinear: ("codes", "scales_and_zeros"), Int4Embedding: ("codes", "scales_and_zeros")}
+    jobs, done = [], set()
+    for key in stored:
+        owner, _, attr = key.rpartition(".")
+        outputs = quantized.get(type(modules[owner]))
+        if outputs is None or attr not in outputs:
+            jobs.append(Job("copy", key, [key]))
+        elif owner not in done:
+            done.add(owner)
+            kind = "int8" if outputs[0] == "weight_int8" else "int4"
+            jobs.append(Job(kind, f"{owner}.weight", [f"{owner}.{o}" for o in outputs], group_size))
+    return jobs
+
+
+def _source_key(key: str, aliases: dict[str, list[str]], source: SourceWeights) -> str:
+    for name in [key, *aliases.get(key, [])]:
+        if name in source.files:
+            return name
+    raise NotStreamable(f"{source.directory}: no tensor {key!r} in its safetensors (names differ from the model's)")
+
+
+def _quantized_names(model: nn.Module) -> tuple[list[str], list[str]]:
+    from serving.model.quant.int4 import Int4Embedding, Int4WeightOnlyLinear
+    from serving.model.quant.int8 import Int8Embedding, Int8WeightOnlyLinear
+
+    modules = dict(model.named_modules())
+    linears = sorted(n for n, m in modules.items() if isinstance(m, Int8WeightOnlyLinear | Int4WeightOnlyLinear))
+    embeddings = sorted(n for n, m in modules.items() if isinstance(m, Int8Embedding | Int4Embedding))
+    return linears, embeddings
+
+
+def _st_dtype(dtype: torch.dtype) -> str:
+    import torch
+
+    names = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64",
+             torch.int8: "I8", torch.uint8: "U8", torch.int32: "I32", torch.int16: "I16", torch.bool: "BOOL"}
+    return names[dtype]
+
+
+def write_stream(plan: Plan, out: Path) -> Path:
+    """Write the variant's weights (header first, then each job's blocks at their offsets), config.json and
+    generation_config.json into `out`; returns the weights file."""
+    path = out / WEIGHTS_FILES[plan.method]
+    out.mkdir(parents=True, exist_ok=True)
+    header, total = _header(plan)
+    with open(path, "wb") as handle:
+        handle.write(header)
+        handle.truncate(len(header) + total)
+        base = len(header)
+        started, read = time.perf_counter(), 0
+        for i, job in enumerate(plan.jobs, 1):
+            read += _run_job(plan, job, handle.fileno(), base)
+            if i % 50 == 0 or i == len(plan.jobs):
+                log.info("%s: %d/%d tensors, %.2f GB read, %.0f s", plan.method, i, len(plan.jobs), read / 1e9,
+                         time.perf_counter() - started)
+        os.fsync(handle.fileno())
+    _write_configs(plan, out)
+    return path
+
+
+def _header(plan: Plan) -> tuple[bytes, int]:
+    order = sorted(plan.specs, key=lambda k: (_ORDER.index(plan.specs[k][0]), k))
+    header: dict[str, Any] = {"__metadata__": plan.metadata}
+    offset = 0
+    for key in order:
+        dtype, shape = plan.specs[key]
+        size = math.prod(shape) * _ITEM_BYTES[dtype]
+        plan.offsets[key] = (offset, offset + size)
+        header[key] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned, as save_file pads it
+    return len(raw).to_bytes(8, "little") + raw, offset
+
+
+_ITEM_BYTES = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
+
+
+def _run_job(plan: Plan, job: Job, fd: int, base: int) -> int:
+    """Quantize or copy one source tensor block by block; returns the source bytes read."""
+    import torch
+
+    first = plan.offsets[job.outputs[0]][0] + base
+    scales, read = [], 0
+    for block in source_blocks(plan.source, job.source_key):
+        read += block.numel() * block.element_size()
+        block = block.to(plan.dtype)
+        if job.kind == "copy":
+            out, extra = block.to(_torch_dtype(plan.specs[job.outputs[0]][0])), None
+        elif job.kind == "int8":
+            from serving.model.quant.int8 import quantize_per_channel
+
+            out, extra = quantize_per_channel(block.float())
+        else:
+            from serving.model.quant.int4 import quantize_groups
+
+            out, extra = quantize_groups(block, job.group_size)
+        first += _pwrite(fd, out, first)
+        if extra is not None:
+            scales.append(extra)
+    if scales:  # int8: [N]; int4: [K/g, N, 2], rows along dim 1
+        whole = torch.cat(scales, dim=0 if job.kind == "int8" else 1)
+        _pwrite(fd, whole, plan.offsets[job.outputs[1]][0] + base)
+    return read
+
+
+def source_blocks(source: SourceWeights, key: str) -> Iterator[torch.Tensor]:
+    """The source tensor `key` in its own dtype, CHUNK_ELEMENTS at a time along its rows (a 0-d or 1-d
+    tensor whole)."""
+    from safetensors import safe_open
+
+    with safe_open(str(source.files[key]), framework="pt") as handle:
+        part = handle.get_slice(key)
+        shape = part.get_shape()
+        if len(shape) < 2:
+            yield handle.get_tensor(key)
+            return
+        width = max(1, math.prod(shape[1:]))
+        rows = max(1, CHUNK_ELEMENTS // width)
+        for start in range(0, shape[0], rows):
+            yield part[start:start + rows]
+
+
+def _pwrite(fd: int, tensor: torch.Tensor, offset: int) -> int:
+    import torch
+
+    data = tensor.contiguous().reshape(-1).view(torch.uint8).numpy()
+    view, written = memoryview(data), 0
+    while written < len(view):
+        written += os.pwrite(fd, view[written:], offset + written)
+    return written
+
+
+def _torch_dtype(name: str) -> torch.dtype:
+    import torch
+
+    return {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64,
+            "I8": torch.int8, "U8": torch.uint8, "I32": torch.int32, "I16": torch.int16, "BOOL": torch.bool}[name]
+
+
+def _write_configs(plan: Plan, out: Path) -> None:
+    """config.json as the in-memory build saves it (the loaded model's config: `dtype` the option's) and the
+    generation config where the source has one."""
+    from transformers import GenerationConfig
+
+    plan.config.save_pretrained(out)
+    try:
+        generation = GenerationConfig.from_pretrained(plan.source.directory)
+    except OSError:  # no generation_config.json: from_pretrained would derive one from the config
+        generation = GenerationConfig.from_model_config(plan.config)
+    generation.save_pretrained(out)
