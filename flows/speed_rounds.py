@@ -24,7 +24,7 @@ import random
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 from flows.data import BASELINE, SpeedPlan, SpeedResult, Variant
@@ -241,6 +241,15 @@ def engine_timer(engines: dict, plan: SpeedPlan) -> Timer:
     return timer
 
 
+def capped(plan: SpeedPlan, model_path: str) -> SpeedPlan:
+    """The plan with its long-context point capped at the model's context (as the long-context probes are)."""
+    config = Path(model_path) / "config.json"
+    limit = json.loads(config.read_text()).get("max_position_embeddings") if config.is_file() else None
+    if not plan.long_context or not limit or plan.long_context + plan.long_tokens + 2 <= limit:
+        return plan
+    return replace(plan, long_context=max(0, limit - plan.long_tokens - 2))
+
+
 def measure(models: Sequence[Variant], plan: SpeedPlan, out: Path, machine: str,
             progress: Callable[[int], None] | None = None) -> SpeedResult:
     """Load every model, time the sequential rounds, write every round's figures to `out`/speed.json."""
@@ -248,6 +257,7 @@ def measure(models: Sequence[Variant], plan: SpeedPlan, out: Path, machine: str,
         raise ValueError(f"the baseline comes first, got {[m.name for m in models]}")
     start = time.perf_counter()
     deadline = start + plan.time_budget_s if plan.time_budget_s else None
+    plan = capped(plan, models[0].path)
     engines = load_engines(models, plan)
     names = [m.name for m in models]
     # every variant at the served points; the long-context one only where the KV cache is quantized

@@ -394,3 +394,14 @@ def test_simulated_coverage_and_error_rates_of_the_sequential_rounds():
     assert max(rows[t][PASS] for t in (0.9, 0.97, 1.0)) <= 0.05
     assert max(rows[t][FAIL] for t in (1.0, 1.03, 1.1)) <= 0.05
     assert rows[0.9][FAIL] > 0.95 and rows[1.1][PASS] > 0.95 and rows[1.1]["rounds"] < 15  # decided, early
+
+
+def test_the_long_context_point_is_capped_at_the_models_context(tmp_path):
+    import json
+
+    from flows.speed_rounds import capped
+
+    (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": 1024}))
+    plan = SpeedPlan(long_context=2048, long_tokens=32)
+    assert capped(plan, str(tmp_path)).long_context == 1024 - 32 - 2
+    assert capped(SpeedPlan(long_context=512), str(tmp_path)).long_context == 512
