@@ -17,12 +17,16 @@ from dataclasses import dataclass, field
 from typing import Any
 from uuid import UUID
 
-from flows.runtime import prepare
+from prefect import get_client, pause_flow_run
+from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterState, FlowRunFilterStateType
+from prefect.client.schemas.objects import StateType
+from prefect.client.schemas.sorting import FlowRunSort
+from prefect.exceptions import ObjectNotFound
+from prefect.flow_runs import resume_flow_run
+from prefect.input import RunInput
+
+from gates.judging.verdicts import UNINFORMATIVE
 from quantgate import settings
-
-prepare()
-
-from prefect.input import RunInput  # noqa: E402
 
 AUTO_APPROVER = "quantgate-auto"
 APPROVE_MODES = ("auto", "manual")
@@ -65,7 +69,8 @@ def blind_blockers(row: Any) -> list[str]:
 
 
 def recorded_reasons(run_id: str) -> dict[str, str]:
-    """Each gate's recorded reason on a variant's MLflow run (what `gates.md` shows)."""
+    """Each gate's recorded reason on a variant's MLflow run (what `gates.md` shows). MLflow is imported here,
+    late: `quantgate approve`, `notify` and `watch` import this module and never need it."""
     from gates.records.evaluation import read_evaluation
 
     evaluation = read_evaluation(run_id, "release")
@@ -139,8 +144,6 @@ UNINFORMATIVE_BANNER = ("> **Some gates could not have failed** at this baseline
 
 def form_description(report_markdown: str) -> str:
     """The resume form's text: the gate report, led by a warning when any gate was uninformative."""
-    from gates.judging.verdicts import UNINFORMATIVE
-
     if f"**{UNINFORMATIVE.upper()}**" in report_markdown or f"{UNINFORMATIVE} (reported)" in report_markdown:
         return UNINFORMATIVE_BANNER + report_markdown
     return report_markdown
@@ -156,8 +159,6 @@ def wait_for_decision(report_markdown: str, candidates: list[str], timeout_s: in
                       offered: Sequence[Offer] = ()) -> Decision:
     """Pause the running flow until someone approves or rejects; FlowPauseTimeout when nobody does.
     The form is prefilled with the clean candidates only; an offered variant must be added by name."""
-    from prefect import pause_flow_run
-
     form = approval_form(report_markdown, candidates, offered)
     answer = pause_flow_run(wait_for_input=form, timeout=timeout_s, poll_interval=poll_interval_s)
     return decide(candidates, answer, offered)
@@ -172,11 +173,6 @@ def _parse_run_id(run_id: str) -> UUID:
 
 def paused_runs() -> list:
     """Flow runs of the release flow that wait for a decision (newest first)."""
-    from prefect import get_client
-    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterState, FlowRunFilterStateType
-    from prefect.client.schemas.objects import StateType
-    from prefect.client.schemas.sorting import FlowRunSort
-
     with get_client(sync_client=True) as client:
         state = FlowRunFilterState(type=FlowRunFilterStateType(any_=[StateType.PAUSED]))
         return client.read_flow_runs(flow_run_filter=FlowRunFilter(state=state), sort=FlowRunSort.START_TIME_DESC)
@@ -185,10 +181,6 @@ def paused_runs() -> list:
 def submit_decision(run_id: str, approve: bool, comment: str, by: str | None = None,
                     variants: list[str] | None = None, wait_s: float = 0.0) -> str:
     """Resume a paused release with a decision; returns the run's state name after `wait_s` seconds."""
-    from prefect import get_client
-    from prefect.exceptions import ObjectNotFound
-    from prefect.flow_runs import resume_flow_run
-
     flow_run_id = _parse_run_id(run_id)
     if not comment.strip():
         raise ValueError("a decision needs a --comment (it is recorded in MLflow beside who and when)")

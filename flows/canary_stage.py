@@ -24,6 +24,18 @@ from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
 
+import httpx
+
+from flows.machine import engine_placement
+from gates.judging.speed_verdicts import ratio_ci
+from serving import LLMEngine
+from serving.http.server import build_app
+from serving.http.server_thread import ServerThread
+from serving.loadgen.client import session, stream_completion
+from serving.loadgen.prompts import load_prompts
+from serving.loadgen.stats import percentile
+from serving.routing.router import build_router_app, parse_router_config
+
 CHAMPION, CHALLENGER = "champion", "challenger"
 CANARY_KV_GB = 0.25
 REPLAY_CONCURRENCY = 4
@@ -33,15 +45,11 @@ SPEED_WINDOWS = 6
 
 def traffic(n: int, seed: int = 0) -> list[dict]:
     """The replayed sample: prompts from the shipped prompt set, one user id per request."""
-    from serving.loadgen.prompts import load_prompts
-
     prompts = load_prompts()
     return [{"user": f"user-{seed}-{i}", "prompt": prompts[i % len(prompts)]} for i in range(n)]
 
 
 def version_stats(records: list[dict]) -> dict:
-    from serving.loadgen.stats import percentile
-
     tpot = [r["tpot_s"] for r in records if r.get("tpot_s") is not None]
     ttft = [r["ttft_s"] for r in records if r.get("ttft_s") is not None]
     errors = sum(1 for r in records if r["error"])
@@ -71,8 +79,6 @@ def paired_windows(records: list[dict], windows: int = SPEED_WINDOWS) -> list[fl
 
 def speed_comparison(records: list[dict], windows: int = SPEED_WINDOWS) -> dict:
     """The challenger's speedup over the champion: windows, per-window ratios, estimate and CI (>= 2)."""
-    from gates.judging.speed_verdicts import ratio_ci
-
     ratios = paired_windows(records, windows)
     out: dict = {"windows": len(ratios), "ratios": ratios}
     if len(ratios) >= 2:
@@ -85,7 +91,6 @@ def speed_comparison(records: list[dict], windows: int = SPEED_WINDOWS) -> dict:
 
 class Canary:
     """Champion and challenger servers plus the router, up for the duration of a `with` block."""
-
     def __init__(self, champion_dir: Path, challenger_dir: Path, share: float, decisions_log: Path,
                  kv_cache_dtypes: dict[str, str] | None = None, device: str = "cpu"):
         if not 0.0 < share < 1.0:
@@ -101,12 +106,6 @@ class Canary:
         self.url = ""
 
     def __enter__(self) -> Canary:
-        from flows.machine import engine_placement
-        from serving import LLMEngine
-        from serving.http.server import build_app
-        from serving.http.server_thread import ServerThread
-        from serving.routing.router import build_router_app, parse_router_config
-
         try:
             backends = {}
             for version, path in self.dirs.items():
@@ -137,14 +136,11 @@ class Canary:
         return asyncio.run(_replay(self.url, sample, advance))
 
     def decide(self, promote: bool, reason: str) -> dict:
-        import httpx
-
         action = "promote" if promote else "rollback"
         resp = httpx.post(f"{self.url}/admin/{action}", json={"reason": reason},
                           headers={"Authorization": f"Bearer {self.admin_key}"}, timeout=10.0)
         resp.raise_for_status()
         return resp.json()
-
 
 
 def canary_class(backend: str = "local") -> type:
@@ -154,21 +150,18 @@ def canary_class(backend: str = "local") -> type:
         return Canary
     if backend != "ray":
         raise ValueError(f"the canary backend must be local or ray, got {backend!r}")
-    from fleet.canary import FleetCanary
+    from fleet.canary import FleetCanary  # late: the Ray Serve fleet, an optional backend
 
     class RayCanary(FleetCanary):
         replay = Canary.replay
 
         def __init__(self, *args, device: str = "cpu", **kwargs):
-            from flows.machine import engine_placement
-
             super().__init__(*args, device=engine_placement(device)["device"], **kwargs)
 
     return RayCanary
 
-async def _replay(url: str, sample: list[dict], advance: Callable[[int], None]) -> list[dict]:
-    from serving.loadgen.client import session
 
+async def _replay(url: str, sample: list[dict], advance: Callable[[int], None]) -> list[dict]:
     gate = asyncio.Semaphore(REPLAY_CONCURRENCY)
     async with session(REPLAY_CONCURRENCY, timeout_s=300.0) as client:
 
@@ -182,8 +175,6 @@ async def _replay(url: str, sample: list[dict], advance: Callable[[int], None]) 
 
 
 async def _stream_one(client, url: str, i: int, item: dict) -> dict:
-    from serving.loadgen.client import stream_completion
-
     body = {"prompt": item["prompt"], "max_tokens": MAX_TOKENS, "temperature": 0.0, "stream": True,
             "stream_options": {"include_usage": True}, "user": item["user"], "ignore_eos": True}
     got = await stream_completion(client, f"{url}/v1/completions", body)

@@ -7,6 +7,11 @@ import os
 import sys
 from pathlib import Path
 
+# The CLI is where Prefect's environment is set (importing flows/ sets nothing): each verb that imports Prefect
+# calls prepare() first. Those imports stay inside the verbs: `quantgate --help` imports this module, and
+# Prefect, MLflow and torch take seconds each.
+from flows.runtime import prepare
+
 DEMO_LIMIT = 40  # items per task in `make demo`: enough for the gates to tell int8 from noise, ~6 min on 2 cores
 DEMO_POLICY = Path(__file__).with_name("demo_policy.yaml")  # the default gates, sized for 40 items a task
 DEMO_SUITES = "accuracy,safety,arc_easy,piqa,hellaswag,winogrande"  # our own tasks beside four real benchmarks
@@ -142,9 +147,7 @@ def _logs_to_api(verbose: bool) -> None:
 
 def run_release(args: argparse.Namespace, model: str, methods: list[str]) -> int:
     _logs_to_api(args.verbose)
-    from flows.runtime import prepare
-
-    prepare()
+    prepare()  # this verb's edge: Prefect's environment, before anything below imports Prefect
     import json
     import time
 
@@ -220,9 +223,7 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _approve(args: argparse.Namespace) -> int:
-    from flows.runtime import prepare
-
-    prepare()
+    prepare()  # this verb's edge: Prefect's environment, before anything below imports Prefect
     from flows.approval import paused_runs, submit_decision
 
     if args.list or not args.run_id:
@@ -242,9 +243,7 @@ def _approve(args: argparse.Namespace) -> int:
 
 
 def _deploy(args: argparse.Namespace) -> int:
-    from flows.runtime import prepare
-
-    prepare()
+    prepare()  # this verb's edge: Prefect's environment, before anything below imports Prefect
     from flows.deploy import DEPLOYMENT_NAME, EVENT_NAME, FLOW_NAME, exit_at_once, serve_deployment
 
     name = args.name or DEPLOYMENT_NAME
@@ -275,9 +274,7 @@ def _payload(args: argparse.Namespace, **extra) -> dict:
 
 
 def _notify(args: argparse.Namespace) -> int:
-    from flows.runtime import prepare
-
-    prepare()
+    prepare()  # this verb's edge: Prefect's environment, before anything below imports Prefect
     from quantgate.models import resolve_model
 
     model = args.model
@@ -300,9 +297,7 @@ def _notify(args: argparse.Namespace) -> int:
 
 
 def _watch(args: argparse.Namespace) -> int:
-    from flows.runtime import prepare
-
-    prepare()
+    prepare()  # this verb's edge: Prefect's environment, before anything below imports Prefect
     from flows.watch import ModelWatcher
 
     watcher = ModelWatcher(args.paths, debounce_s=args.debounce)

@@ -7,6 +7,7 @@ from flows import records
 from flows.approval import Decision, auto_decision, offers, undecided, wait_for_decision
 from flows.data import ReleaseSummary, VariantResult
 from flows.progress import note, stage
+from gates.records.registry import record_approval
 
 
 def approve_variants(summary: ReleaseSummary, candidates: list[str], mode: str, timeout_s: int) -> Decision:
@@ -27,7 +28,7 @@ def approve_variants(summary: ReleaseSummary, candidates: list[str], mode: str, 
             decision = wait_for_decision(report, candidates, timeout_s, offered=offered)
     for name, approved in decision.approved.items():
         verdict = "approved" if approved else "rejected"
-        records.record_approval(summary.model, rows[name].version, decision.by, verdict, decision.comment)
+        record_approval(summary.model, rows[name].version, by=decision.by, decision=verdict, comment=decision.comment)
         rows[name].decision = f"{verdict} by {decision.by}"
     for r in summary.rows[1:]:
         if not r.decision:

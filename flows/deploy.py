@@ -15,6 +15,8 @@ triggered exists (it also tells you the run's id) before it exits.
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import os
 import signal
 import sys
@@ -23,11 +25,19 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from flows.runtime import prepare
+from prefect import get_client
+from prefect.client.schemas.actions import WorkPoolCreate
+from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterId
+from prefect.client.schemas.sorting import FlowRunSort
+from prefect.deployments.runner import EntrypointType
+from prefect.events import DeploymentEventTrigger, emit_event
+from prefect.exceptions import ObjectNotFound
+from prefect.runner import Runner
+from prefect.workers.process import ProcessWorker
 
-prepare()
-
-from prefect.events import DeploymentEventTrigger  # noqa: E402
+from flows.approval import APPROVE_MODES
+from flows.runtime import deployment_env, shared_api
+from flows.stopping import Stopper
 
 EVENT_NAME = "quantgate.model.changed"
 DEPLOYMENT_NAME = "on-model-change"
@@ -49,10 +59,12 @@ def release_trigger() -> DeploymentEventTrigger:
 
 def build_deployment(name: str = DEPLOYMENT_NAME, work_pool: str | None = None):
     """The release deployment; on a work pool its entrypoint is the module path `flows.release:release_flow`,
-    so a worker anywhere quantgate is installed can load it (no source folder of ours needed)."""
-    from prefect.deployments.runner import EntrypointType
+    so a worker anywhere quantgate is installed can load it (no source folder of ours needed).
 
-    from flows.release import release_flow
+    The flow-run process's environment: `release_flow` calls `prepare()` at its start; on a work pool the
+    run also gets `deployment_env()` from its job variables, set before the process imports anything
+    (served here, each run inherits this process's environment, which the CLI prepared)."""
+    from flows.release import release_flow  # late: torch, transformers, MLflow, only when deploying
 
     return release_flow.to_deployment(
         name=name,
@@ -61,6 +73,7 @@ def build_deployment(name: str = DEPLOYMENT_NAME, work_pool: str | None = None):
         tags=["quantgate"],
         work_pool_name=work_pool,
         entrypoint_type=EntrypointType.MODULE_PATH if work_pool else EntrypointType.FILE_PATH,
+        job_variables={"env": deployment_env()} if work_pool else None,
     )
 
 
@@ -75,11 +88,6 @@ def server_api_url() -> str:
 
 def ensure_work_pool(pool: str) -> str:
     """Create the process work pool `pool` when it is missing; returns its type (refuses a non-process one)."""
-    from prefect import get_client
-    from prefect.client.schemas.actions import WorkPoolCreate
-    from prefect.exceptions import ObjectNotFound
-    from prefect.workers.process import ProcessWorker
-
     with get_client(sync_client=True) as client:
         try:
             existing = client.read_work_pool(pool)
@@ -103,11 +111,7 @@ def register_on_work_pool(pool: str, name: str = DEPLOYMENT_NAME) -> str:
 def serve_deployment(name: str = DEPLOYMENT_NAME, on_serving: Callable[[str], None] | None = None) -> None:
     """Register the deployment and start its flow runs (each in a process of its own) until SIGINT or
     SIGTERM; `on_serving(api_url)` once it is registered. What a stop does: `flows.stopping`."""
-    import asyncio
-
-    from flows.runtime import shared_api
-    from flows.stopping import Stopper
-    from gates.records.orphans import prepare_sweep
+    from gates.records.orphans import prepare_sweep  # late: MLflow; notify and watch import this module too
 
     prepare_sweep()  # now: on a stop, these imports would take the GIL from the runner for seconds
     stopper = Stopper()
@@ -130,8 +134,6 @@ def serve_deployment(name: str = DEPLOYMENT_NAME, on_serving: Callable[[str], No
 
 
 async def _serve(runner, stopper) -> None:
-    import asyncio
-
     serving = asyncio.create_task(runner.start())
     while not runner.started and not serving.done():
         await asyncio.sleep(0.05)
@@ -141,8 +143,6 @@ async def _serve(runner, stopper) -> None:
 
 
 def _runner(stopper):
-    from prefect.runner import Runner
-
     class StoppableRunner(Runner):
         def handle_sigterm(self, signum: int = signal.SIGTERM, frame: Any = None) -> None:
             stopper.request(signum)  # Runner.start installs this one for SIGTERM
@@ -153,8 +153,6 @@ def _runner(stopper):
 def exit_at_once(code: int = 0) -> None:
     """After a stop, when everything is recorded: flush and leave without the interpreter's teardown,
     which takes seconds here (module teardown of Prefect, MLflow and their dependencies)."""
-    import logging
-
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
@@ -164,8 +162,6 @@ def exit_at_once(code: int = 0) -> None:
 def event_payload(methods: list[str], policy: str | None, approve: str, limit: int | None,
                   suites: list[str] | None = None, **extra: Any) -> dict:
     """The full payload: every templated parameter is present, so the trigger never renders a hole."""
-    from flows.approval import APPROVE_MODES
-
     if approve not in APPROVE_MODES:
         raise ValueError(f"--approve must be one of {', '.join(APPROVE_MODES)}, not {approve!r}")
     if limit is not None and limit < 1:
@@ -188,8 +184,6 @@ class Notified:
 
 
 def emit_model_changed(model: str, payload: dict) -> str:
-    from prefect.events import emit_event
-
     event = emit_event(EVENT_NAME, resource={"prefect.resource.id": model, "prefect.resource.name": model}, payload=payload)
     if event is None:
         raise RuntimeError("Prefect did not emit the event (are events disabled in the Prefect settings?)")
@@ -197,9 +191,6 @@ def emit_model_changed(model: str, payload: dict) -> str:
 
 
 def deployment_id(name: str = DEPLOYMENT_NAME):
-    from prefect import get_client
-    from prefect.exceptions import ObjectNotFound
-
     with get_client(sync_client=True) as client:
         try:
             return client.read_deployment_by_name(f"{FLOW_NAME}/{name}").id
@@ -209,10 +200,6 @@ def deployment_id(name: str = DEPLOYMENT_NAME):
 
 def triggered_run(dep_id, model: str, since: float):
     """The newest run of the deployment for `model` created after `since` (epoch seconds), if any."""
-    from prefect import get_client
-    from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterId
-    from prefect.client.schemas.sorting import FlowRunSort
-
     with get_client(sync_client=True) as client:
         runs = client.read_flow_runs(
             deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[dep_id])),

@@ -15,22 +15,25 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from evals import fidelity as F
+from evals import long_context as L
 from flows.data import BASELINE, DEFAULT_SUITES, MeasureConfig, Variant
+from gates.judging import fidelity_gates as G
+from gates.judging.policy import Policy
+from quantize.capacity import split_variant, variant_label
 
 FIDELITY_FILE = "fidelity.json"
 PROBES_FILE = "long_context.json"
 REPORT_FILE = "fidelity_report.json"
 
 
-def measure_config(policy: Any, methods: list[str], suites: list[str] | None, limit: int | None) -> MeasureConfig:
+def measure_config(policy: Policy, methods: list[str], suites: list[str] | None, limit: int | None) -> MeasureConfig:
     """The release's `MeasureConfig`: its suites and limit, and what the policy asks measured beside them."""
     return MeasureConfig(suites=tuple(suites or DEFAULT_SUITES), limit=limit, **config_fields(policy, methods))
 
 
-def config_fields(policy: Any, methods: list[str]) -> dict:
+def config_fields(policy: Policy, methods: list[str]) -> dict:
     """The `MeasureConfig` fields the policy's fidelity, long_context and deployment sections set."""
-    from quantize.capacity import split_variant, variant_label
-
     fidelity, probe = policy.fidelity, policy.long_context
     probed = tuple(variant_label(m) for m in methods if probe.probes(split_variant(m)[1]))
     return {
@@ -46,9 +49,6 @@ def config_fields(policy: Any, methods: list[str]) -> dict:
 
 def measure(engine: Any, variant: Variant, config: MeasureConfig, out: Path) -> list[str]:
     """Teacher-force the held text and run the probes this model is due; returns the files written."""
-    from evals import fidelity as F
-    from evals import long_context as L
-
     paths = []
     if config.fidelity_chunks:
         plan = F.FidelityPlan(chunks=config.fidelity_chunks, chunk_tokens=config.fidelity_chunk_tokens,
@@ -64,9 +64,6 @@ def measure(engine: Any, variant: Variant, config: MeasureConfig, out: Path) -> 
 
 def compare(base_dir: Path, var_dir: Path, out: Path) -> tuple[dict[str, float], list[Path]]:
     """Variant against baseline from the files `measure` wrote in each model's measure directory."""
-    from evals import fidelity as F
-    from evals import long_context as L
-
     metrics: dict[str, float] = {}
     report: dict = {}
     if (base_dir / FIDELITY_FILE).is_file() and (var_dir / FIDELITY_FILE).is_file():
@@ -87,8 +84,6 @@ def compare(base_dir: Path, var_dir: Path, out: Path) -> tuple[dict[str, float],
 
 
 def fidelity_metrics(r: Any) -> dict[str, float]:
-    from gates.judging import fidelity_gates as G
-
     return {G.FIDELITY_KL: r.kl, G.ci_key(G.FIDELITY_KL, "low"): r.kl_ci_low,
             G.ci_key(G.FIDELITY_KL, "high"): r.kl_ci_high, G.FIDELITY_FLIP_RATE: r.flip_rate,
             G.ci_key(G.FIDELITY_FLIP_RATE, "low"): r.flip_ci_low, G.ci_key(G.FIDELITY_FLIP_RATE, "high"): r.flip_ci_high,
@@ -96,8 +91,6 @@ def fidelity_metrics(r: Any) -> dict[str, float]:
 
 
 def long_context_metrics(row: Any) -> dict[str, float]:
-    from gates.judging import fidelity_gates as G
-
     values = {"baseline": row.baseline, "variant": row.variant, "delta": row.delta, "delta_ci_low": row.ci_low,
               "delta_ci_high": row.ci_high, "n": float(row.n)}
     return {G.long_context_key(row.length, f): float(v) for f, v in values.items()}

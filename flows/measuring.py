@@ -1,5 +1,6 @@
 """What the flow measures for each model, through the layers below: quantize, serving benchmark, evals,
-comparison. Thin calls into `quantize`, `serving.loadgen`, `evals`; the flow's tasks wrap these.
+comparison. Only what composes several calls lives here; a stage that needs one call into `quantize`,
+`serving` or `evals` makes it directly.
 
 Metric keys are `gates.metric_names`' (the gate evaluator reads them back from MLflow).
 """
@@ -11,43 +12,30 @@ import json
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-from flows import fidelity_stage
+from evals.compare import compare as paired
+from evals.compare import write_report
+from evals.results import EvalResult, pooled_rate
+from evals.run import run_suite
+from flows import fidelity_stage, serving_harness
 from flows.data import MeasureConfig, Measured, Variant
+from flows.machine import engine_placement
+from flows.recipes import parse
 from gates import metric_names as M
-
-if TYPE_CHECKING:
-    from evals.results import EvalResult
-
-WEIGHTS_BYTES = M.WEIGHTS_BYTES
-
+from quantgate.loading import resident_bytes
+from quantize.capacity import ModelShape, capacity_row, split_variant
+from quantize.methods import get_method
+from quantize.variant import quantize as build_variant
+from serving import LLMEngine
+from serving.model.quant.integrity import verify_variant
 
 # ---- quantize ---------------------------------------------------------------------------------------
 
 
-def split_method(name: str) -> tuple[str, str]:
-    """A release method and its KV dimension: "int4wo+kv8" -> ("int4wo", "int8"), "int8wo" -> ("int8wo",
-    "auto"), "baseline+kv8" (or "kv8") -> ("baseline", "int8"): the source weights with an int8 cache."""
-    from quantize.capacity import split_variant
-
-    return split_variant(name)
-
-
-def variant_label(name: str) -> str:
-    """"int4wo+kv8" is recorded (MLflow run, registered version, summary row) as "int4wo-kv8"."""
-    from quantize.capacity import variant_label as label
-
-    return label(name)
-
-
 def check_methods(methods: list[str]) -> None:
     """Unknown methods and KV suffixes are named before anything runs (the method table is quantize's)."""
-    from flows.recipes import parse
-    from quantize.methods import get_method
-
     for m in methods:
-        weights, kv = split_method(m)
+        weights, kv = split_variant(m)
         if weights == "baseline" and kv == "auto":
             raise ValueError("'baseline' is always measured; as a method it needs a KV suffix (baseline+kv8)")
         if weights != "baseline":
@@ -57,17 +45,8 @@ def check_methods(methods: list[str]) -> None:
 def quantize(source_dir: Path, method: str) -> Path:
     """The variant directory (quantize's content-addressed cache makes a repeat instant). `method` is a
     method or a recipe name (`int4_awq_g64`: flows.recipes), built with the recipe's options."""
-    from flows.recipes import parse
-    from quantize.variant import quantize as run
-
     recipe = parse(method)
-    return Path(run(str(source_dir), recipe.method, **recipe.options))
-
-
-def read_manifest(variant_dir: Path) -> dict:
-    from serving.model.quant.integrity import read_manifest as read
-
-    return read(Path(variant_dir))
+    return Path(build_variant(str(source_dir), recipe.method, **recipe.options))
 
 
 def variant_hash(manifest: dict) -> str:
@@ -75,17 +54,9 @@ def variant_hash(manifest: dict) -> str:
     return hashlib.sha256(json.dumps(manifest["files"], sort_keys=True).encode()).hexdigest()
 
 
-def source_hash(model_dir: Path) -> str:
-    from quantize.variant import cached_content_hash
-
-    return cached_content_hash(Path(model_dir))
-
-
 def variant_intact(variant_dir: Path) -> bool:
     """A cached variant is reused only while every file matches its manifest's sha256, whatever its size:
     a release must never measure (or register) weights that differ from what was quantized."""
-    from serving.model.quant.integrity import verify_variant
-
     try:
         verify_variant(Path(variant_dir), full=True)
     except (ValueError, OSError):
@@ -96,16 +67,7 @@ def variant_intact(variant_dir: Path) -> bool:
 # ---- one model through the engine -------------------------------------------------------------------
 
 
-def weight_bytes(model) -> int:
-    from quantgate.loading import resident_bytes
-
-    return resident_bytes(model)
-
-
 def load_engine(variant: Variant, config: MeasureConfig):
-    from flows.machine import engine_placement
-    from serving import LLMEngine
-
     return LLMEngine.from_pretrained(variant.path, **engine_placement(config.device),
                                      kv_cache_memory_gb=config.kv_cache_memory_gb,
                                      model_name=variant.name, kv_cache_dtype=variant.kv_cache_dtype)
@@ -116,13 +78,13 @@ def measure(variant: Variant, config: MeasureConfig, out: Path, advance: Callabl
     engine has packed what it packs on first use (an int4 layer keeps its codes beside the kernel's copy)."""
     start = time.perf_counter()
     engine = load_engine(variant, config)
-    metrics: dict[str, float] = {M.WEIGHTS_LOADED_BYTES: float(weight_bytes(engine.model)),
+    metrics: dict[str, float] = {M.WEIGHTS_LOADED_BYTES: float(resident_bytes(engine.model)),
                                  "load_s": time.perf_counter() - start}
     advance(1)
     bench_json = out / "serving.json"
     metrics.update(serving_benchmark(engine, config, variant.name, bench_json))
-    weights = weight_bytes(engine.model)
-    metrics[WEIGHTS_BYTES] = float(weights)
+    weights = resident_bytes(engine.model)
+    metrics[M.WEIGHTS_BYTES] = float(weights)
     metrics.update(capacity(variant, weights, config, engine.runner.shape.dtype.itemsize, engine.kv_cache_dtype,
                             engine.block_size))
     advance(1)
@@ -141,8 +103,6 @@ def measure(variant: Variant, config: MeasureConfig, out: Path, advance: Callabl
 
 def serving_benchmark(engine, config: MeasureConfig, name: str, out_json: Path) -> dict[str, float]:
     """TTFT/TPOT percentiles and tokens/s at fixed concurrency, through the OpenAI-compatible server."""
-    from flows import serving_harness
-
     out_json.parent.mkdir(parents=True, exist_ok=True)
     report = serving_harness.benchmark(engine, config, name, out_json)
     return serving_harness.to_metrics(report)
@@ -153,8 +113,6 @@ def capacity(variant: Variant, weights: int, config: MeasureConfig, kv_dtype_byt
     """KV blocks and concurrent sequences of `capacity_seq_len` tokens that fit beside the weights in a
     fixed `capacity_budget_gb` (quantize.capacity, with the weight bytes measured here; an 8-bit cache
     counts its codes and scales as the engine stores them)."""
-    from quantize.capacity import ModelShape, capacity_row
-
     shape = ModelShape.from_config(json.loads((Path(variant.path) / "config.json").read_text()))
     row = capacity_row(variant.name, shape, weights, int(config.capacity_budget_gb * 2**30),
                        seq_len=config.capacity_seq_len, block_size=block_size, kv_dtype_bytes=kv_dtype_bytes,
@@ -171,8 +129,6 @@ def capacity_gain(variant: dict[str, float], baseline: dict[str, float]) -> dict
 
 def run_evals(engine, suite: str, limit: int | None, out_dir: Path, system_prompt: str | None = None,
               chat_template: bool | None = None, docs: range | None = None) -> None:
-    from evals.run import run_suite
-
     run_suite(engine, [suite], limit=limit, out_dir=out_dir, system_prompt=system_prompt, chat_template=chat_template,
               docs=docs)
 
@@ -180,8 +136,6 @@ def run_evals(engine, suite: str, limit: int | None, out_dir: Path, system_promp
 def eval_metrics(eval_dir: Path, suites: tuple[str, ...]) -> dict[str, float]:
     """Per-task metrics, and the safety rates pooled over items of every task measuring them
     (`safety/refusal_rate`: refused HarmBench + AdvBench prompts over all of them)."""
-    from evals.results import EvalResult, pooled_rate
-
     metrics: dict[str, float] = {}
     tasks = []
     for suite in suites:
@@ -201,8 +155,6 @@ def eval_metrics(eval_dir: Path, suites: tuple[str, ...]) -> dict[str, float]:
 
 def load_evals(eval_dir: Path) -> EvalResult:
     """One model's results over all suites (each suite ran into its own directory)."""
-    from evals.results import EvalResult
-
     suites = sorted(p for p in Path(eval_dir).iterdir() if p.is_dir())
     if not suites:
         raise ValueError(f"{eval_dir} holds no eval results")
@@ -216,9 +168,6 @@ def load_evals(eval_dir: Path) -> EvalResult:
 
 def compare(baseline_eval: Path, variant_eval: Path, name: str, out: Path) -> tuple[dict[str, float], list[Path]]:
     """Paired per-task deltas with bootstrap CIs (evals.compare) as metrics, plus its report files."""
-    from evals.compare import compare as paired
-    from evals.compare import write_report
-
     base, var = load_evals(baseline_eval), load_evals(variant_eval)
     comparison = paired(base, {name: var})
     paths = write_report(comparison, base, {name: var}, out)

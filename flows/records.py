@@ -1,10 +1,27 @@
-"""The flow's MLflow side, over `gates`: policy, reports, champion lookup, canary records, alias clean-up."""
+"""The flow's MLflow side that takes more than one call into `gates.records`: the approval report, champion
+lookup, canary records, the summary and the evidence. Single calls (alias moves, approvals, the comparison)
+the stages make on `gates.records` directly."""
 
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from flows.progress import note
+from flows.summary import render_markdown as render_summary
+from gates import metric_names as M
+from gates.evidence.manifest import ERROR_TAG
+from gates.evidence.manifest import write_evidence as write_manifest
+from gates.evidence.signing import load_private_key
+from gates.judging.gate_report import render_markdown
+from gates.records.evaluation import read_evaluation
+from gates.records.registry import CHAMPION, resolve_registered_model, set_initial_champion
+from gates.records.registry import aliases as read_aliases
+from gates.records.tracking import get_client, log_evidence, log_metrics, register_variant, version_weights
+from quantgate import settings
+from quantgate.env import home
 
 if TYPE_CHECKING:
     from flows.data import ReleaseSummary, Source
@@ -12,37 +29,14 @@ if TYPE_CHECKING:
 INITIAL_CHAMPION_REASON = "no champion yet: the release's baseline becomes the initial champion"
 
 
-def policy_path(policy: str | None) -> Path:
-    from gates.judging.policy import DEFAULT_POLICY
-
-    return Path(policy).expanduser().resolve() if policy else DEFAULT_POLICY
-
-
-def load_policy(policy: str | None):
-    from gates.judging.policy import load_policy as load
-
-    return load(policy_path(policy))
-
-
 def tag_release(run_id: str, tags: dict[str, str]) -> None:
-    from gates.records.tracking import get_client
-
     client = get_client()
     for key, value in tags.items():
         client.set_tag(run_id, key, value)
 
 
-def log_comparison(release_run_id: str) -> None:
-    from gates.records.comparison import log_release_comparison
-
-    log_release_comparison(release_run_id)
-
-
 def approval_report(summary: ReleaseSummary) -> str:
     """The Markdown the release manager sees on the paused run: every variant's gates, then the ask."""
-    from gates.judging.gate_report import render_markdown
-    from gates.records.evaluation import read_evaluation
-
     parts = [
         f"# Release of `{summary.model}` waits for a decision",
         "",
@@ -66,17 +60,12 @@ def approval_report(summary: ReleaseSummary) -> str:
 
 def _model_version(model: str, version: str):
     """The MLflow client and the registered version `version` of `model` (source or registered name)."""
-    from gates.records.registry import resolve_registered_model
-    from gates.records.tracking import get_client
-
     client = get_client()
     return client, client.get_model_version(resolve_registered_model(model, client), str(version))
 
 
 def version_source(model: str, version: str) -> Path:
     """The weights a registered version points at (the flow registers variant directories)."""
-    from gates.records.tracking import version_weights
-
     _, mv = _model_version(model, version)
     path = Path(version_weights(mv))  # a tracking server's versions carry their weights' path in a tag
     if not (path / "config.json").is_file():
@@ -95,9 +84,6 @@ def version_kv_cache_dtype(model: str, version: str) -> str:
 
 def champion_or_baseline(summary: ReleaseSummary, source: Source) -> tuple[str, Path]:
     """The current champion; with none yet, register this release's baseline and make it champion."""
-    from gates.records.registry import CHAMPION, aliases, set_initial_champion
-    from gates.records.tracking import register_variant
-
     current = aliases(source.name).get(CHAMPION)
     if current is not None:
         return current, version_source(source.name, current)
@@ -113,9 +99,6 @@ def champion_or_baseline(summary: ReleaseSummary, source: Source) -> tuple[str, 
 def snapshot(model_dir: Path, digest: str) -> Path:
     """A registered version must keep pointing at the same weights: a watched model directory is
     rewritten in place by its next release, so the baseline is copied under quantgate's home first."""
-    import shutil
-
-    from quantgate.env import home
 
     if model_dir.resolve().is_relative_to(home().resolve()):
         return model_dir  # converted GGUFs and variants under home() are never rewritten in place
@@ -128,48 +111,17 @@ def snapshot(model_dir: Path, digest: str) -> Path:
     return target
 
 
-def set_challenger(model: str, version: str, reason: str) -> None:
-    from gates.records.registry import set_challenger as set_alias
-
-    set_alias(model, version, reason=reason)
-
-
-def promote(model: str, version: str, reason: str) -> None:
-    from gates.records.registry import promote as promote_version
-
-    promote_version(model, version, reason=reason)
-
-
-def record_approval(model: str, version: str, by: str, decision: str, comment: str) -> None:
-    from gates.records.registry import record_approval as record
-
-    record(model, version, by=by, decision=decision, comment=comment)
-
-
 def aliases(model: str) -> dict[str, str]:
     """The registered model's aliases; none while nothing is registered under `model`."""
-    from gates.records.registry import aliases as read
-    from gates.records.registry import resolve_registered_model
-
     try:
         resolve_registered_model(model)
     except ValueError:
         return {}
-    return read(model)
-
-
-def clear_challenger(model: str, version: str, reason: str) -> None:
-    """Withdraw `challenger` if it still points at `version` (a failed canary, or a failed flow)."""
-    from gates.records.registry import clear_challenger as clear
-
-    clear(model, reason=reason, version=version)
+    return read_aliases(model)
 
 
 def record_canary_metrics(release_run_id: str, challenger_run_id: str, result: dict[str, Any]) -> None:
     """Challenger's canary numbers on its run (what the canary gates judge); champion's on the release."""
-    from gates import metric_names as M
-    from gates.records.tracking import log_metrics
-
     ch = result["challenger"]
     metrics = {M.CANARY_REQUESTS: ch["requests"], M.CANARY_ERROR_RATE: ch["error_rate"]}
     if ch.get("tpot_p99_s") is not None:
@@ -190,28 +142,20 @@ def record_canary_metrics(release_run_id: str, challenger_run_id: str, result: d
 
 
 def log_canary_artifacts(challenger_run_id: str, result: dict[str, Any]) -> None:
-    from gates.records.tracking import log_evidence
-
     files = [Path(p) for p in result.get("artifacts", []) if Path(p).exists()]
     if files:
         log_evidence(challenger_run_id, files, subdir="canary")
 
 
 def log_summary(release_run_id: str, summary: ReleaseSummary) -> None:
-    from flows.summary import render_markdown
-    from gates.records.tracking import get_client
-
     client = get_client()
-    client.log_text(release_run_id, render_markdown(summary), "summary.md")
+    client.log_text(release_run_id, render_summary(summary), "summary.md")
     client.log_dict(release_run_id, json.loads(json.dumps(summary.as_dict(), default=str)), "summary.json")
     client.set_tag(release_run_id, "quantgate.outcome", summary.outcome[:5000])
 
 
 def check_signing_key() -> None:
     """A configured signing key that cannot be read fails the release before anything runs."""
-    from gates.evidence.signing import load_private_key
-    from quantgate import settings
-
     path = settings.key_path(settings.SIGNING_KEY)
     if path is not None:
         load_private_key(path)
@@ -220,12 +164,8 @@ def check_signing_key() -> None:
 def write_evidence(release_run_id: str) -> None:
     """The release's evidence manifest (gates.evidence.manifest). Aliases have moved by now, so a failure to write
     it is recorded on the run and said, not turned into a failed release; `quantgate verify` reports it."""
-    from flows.progress import note
-    from gates.evidence.manifest import ERROR_TAG
-    from gates.evidence.manifest import write_evidence as write
-
     try:
-        written = write(release_run_id)
+        written = write_manifest(release_run_id)
     except Exception as exc:
         tag_release(release_run_id, {ERROR_TAG: f"{type(exc).__name__}: {exc}"[:5000]})
         note(f"EVIDENCE NOT WRITTEN for release {release_run_id}: {exc}")

@@ -12,21 +12,15 @@ import re
 from dataclasses import asdict, replace
 from pathlib import Path
 
-from flows.runtime import prepare
+from prefect import flow, task
+from prefect.cache_policies import NO_CACHE
+from prefect.runtime import flow_run
 
-prepare()
-
-from prefect import flow, task  # noqa: E402
-from prefect.cache_policies import NO_CACHE  # noqa: E402
-
-from flows import (  # noqa: E402
-    canary_stage,  # noqa: E402
-    fidelity_stage,
-    measuring,
-    records,  # noqa: E402
-)
-from flows.approval import APPROVE_MODES  # noqa: E402
-from flows.data import (  # noqa: E402
+from evals.tasks import resolve_tasks
+from flows import canary_stage, fidelity_stage, machine, measuring, records
+from flows import speed_rounds as speed_stage
+from flows.approval import APPROVE_MODES
+from flows.data import (
     BASELINE,
     MeasureConfig,
     Measured,
@@ -37,16 +31,37 @@ from flows.data import (  # noqa: E402
     Variant,
     VariantResult,
 )
-from flows.decision import approve_variants, choose  # noqa: E402
-from flows.machine import resolve_device  # noqa: E402
-from flows.progress import note, stage  # noqa: E402
-from quantgate.models import DEFAULT_MODEL, is_default_model  # noqa: E402
-from quantize.methods import default_methods  # noqa: E402
+from flows.decision import approve_variants, choose
+from flows.machine import resolve_device
+from flows.progress import note, stage
+from flows.runtime import prepare, work_dir
+from gates import metric_names as M
+from gates.judging.policy import Policy, load_policy
+from gates.records.comparison import log_release_comparison
+from gates.records.evaluation import evaluate_run
+from gates.records.orphans import fail_orphaned_releases
+from gates.records.registry import clear_challenger, promote, set_challenger
+from gates.records.tracking import (
+    end_release,
+    log_variant,
+    register_variant,
+    registered_model_name,
+    tracking_uri,
+)
+from gates.records.tracking import start_release as open_release_run
+from quantgate.models import DEFAULT_MODEL, is_default_model, resolve_model
+from quantize.capacity import split_variant, variant_label
+from quantize.methods import default_methods
+from quantize.variant import cached_content_hash
+from serving.model.quant.integrity import read_manifest
 
 FLOW_NAME = "quantgate-release"
 TASK_RETRIES = 2
 RETRY_DELAY_S = 3.0
-CACHE_VERSION = "3"  # bump when a cached stage's output format changes (3: weights as served, machine in keys)
+# Bump when a cached stage's output format changes (3: weights as served, machine in keys; 4: persisted
+# results' MeasureConfig gained `device`, and the kernel sources moved to serving/kernels/, which changes every
+# machine key: cached measurements rebuild once).
+CACHE_VERSION = "4"
 
 
 def transient(task, task_run, state) -> bool:
@@ -66,26 +81,31 @@ def model_name(ref: str, path: Path) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "-", stem).strip("-.") or "model"
 
 
+def read_policy(policy: str | None) -> Policy:
+    """The gate policy, parsed once per run (`policy`: a path, None for gates/policy.yaml); stages get the
+    object, and `Policy.source` is the resolved path the run records."""
+    return load_policy(Path(policy).expanduser().resolve() if policy else None)
+
+
 def check_options(methods: list[str], approve: str, limit: int | None, policy: str | None,
-                  suites: list[str] | None = None) -> None:
-    """Bad input fails before anything runs, each problem named."""
+                  suites: list[str] | None = None) -> Policy:
+    """Bad input fails before anything runs, each problem named; returns the parsed policy."""
     if approve not in APPROVE_MODES:
         raise ValueError(f"approve must be one of {', '.join(APPROVE_MODES)}, not {approve!r}")
     if not methods:
         raise ValueError("at least one quantization method is needed")
-    if len({measuring.variant_label(m) for m in methods}) != len(methods):
+    if len({variant_label(m) for m in methods}) != len(methods):
         raise ValueError(f"methods repeat: {methods}")
     measuring.check_methods(methods)
     if limit is not None and limit < 1:
         raise ValueError(f"limit must be >= 1 (or none for the full suites), got {limit}")
-    records.load_policy(policy)
+    parsed = read_policy(policy)
     records.check_signing_key()
     if suites is not None:
-        from evals.tasks import resolve_tasks
-
         if not suites:
             raise ValueError("suites is empty")
         resolve_tasks(list(suites))
+    return parsed
 
 
 # ---- tasks ------------------------------------------------------------------------------------------
@@ -93,11 +113,9 @@ def check_options(methods: list[str], approve: str, limit: int | None, policy: s
 
 @task(name="resolve-source", cache_policy=NO_CACHE)
 def resolve_source(ref: str) -> Source:
-    from quantgate.models import resolve_model
-
     with stage(f"resolve {ref}"):
         path = resolve_model(ref)
-        digest = measuring.source_hash(path)
+        digest = cached_content_hash(Path(path))
     note(f"source {ref} -> {path} (sha256 {digest[:12]})")
     return Source(ref=ref, name=model_name(ref, path), path=str(path), content_hash=digest)
 
@@ -110,44 +128,34 @@ def _quantize_key(context, parameters) -> str:
 def quantize_method(source: Source, method: str) -> Variant:
     with stage(f"quantize {source.name} -> {method}"):
         out = measuring.quantize(Path(source.path), method)
-        manifest = measuring.read_manifest(out)
+        manifest = read_manifest(out)
         return Variant(name=method, method=method, path=str(out), content_hash=measuring.variant_hash(manifest),
                        manifest=manifest)
 
 
 def _measure_key(context, parameters) -> str:
     """Weights, KV dtype, config and the machine (kernel sources, ISA, CPU and flags, threads, dtype)."""
-    from flows import machine
-
     v, cfg = parameters["variant"], parameters["config"]
     kv = "" if v.kv_cache_dtype == "auto" else f"-kv-{v.kv_cache_dtype}"
     return f"measure-{v.content_hash}{kv}-{cfg.key()}-{machine.key(machine.describe(cfg.device))}-v{CACHE_VERSION}"
 
 
 def _speed_key(context, parameters) -> str:
-    from flows import speed_rounds as speed
-
-    return f"{speed.cache_key(parameters['models'], parameters['plan'])}-v{CACHE_VERSION}"
+    return f"{speed_stage.cache_key(parameters['models'], parameters['plan'])}-v{CACHE_VERSION}"
 
 
 @task(name="measure-speed", cache_key_fn=_speed_key, persist_result=True, **RETRIED)
 def measure_speed(models: list[Variant], plan: SpeedPlan) -> SpeedResult:
     """Baseline and variants loaded together, timed in paired interleaved rounds (flows.speed_rounds)."""
-    from flows import machine
-    from flows import speed_rounds as speed
-    from flows.runtime import work_dir
-
     with stage(f"paired speed: {len(models)} models x {len(plan.points())} points x {plan.rounds} rounds",
                total=plan.rounds) as advance:
-        return speed.measure(models, plan, work_dir("speed", speed.cache_key(models, plan)),
+        return speed_stage.measure(models, plan, work_dir("speed", speed_stage.cache_key(models, plan)),
                              machine.line(machine.describe(plan.device)), advance)
 
 
 @task(name="measure", cache_key_fn=_measure_key, persist_result=True, **RETRIED)
 def measure(variant: Variant, config: MeasureConfig) -> Measured:
     """Serve the model through our engine: serving benchmark, eval suites, weight bytes, KV capacity."""
-    from flows.runtime import work_dir
-
     kv = "" if variant.kv_cache_dtype == "auto" else f"-kv-{variant.kv_cache_dtype}"
     out = work_dir("measure", f"{variant.content_hash[:16]}{kv}-{config.key()}")
     with stage(f"{variant.name}: load, benchmark, evaluate", total=2 + len(config.suites)) as advance:
@@ -156,12 +164,9 @@ def measure(variant: Variant, config: MeasureConfig) -> Measured:
 
 @task(name="start-release", cache_policy=NO_CACHE, **RETRIED)
 def start_release(source: Source, config: dict) -> str:
-    from gates.records.orphans import fail_orphaned_releases
-    from gates.records.tracking import start_release as open_run
-
     for orphan in fail_orphaned_releases(source.name, found_by=f"the next release of {source.name}"):
         note(f"MLflow release run {orphan} was left RUNNING by a process that is gone: marked FAILED")
-    return open_run(source.name, source.content_hash, config=config)
+    return open_release_run(source.name, source.content_hash, config=config)
 
 
 @task(name="record", cache_policy=NO_CACHE)
@@ -169,9 +174,6 @@ def record(release_run_id: str, measured: Measured, baseline: Measured | None,
            speed: SpeedResult | None = None, register: bool = True) -> tuple[str, str | None]:
     """Compare with the baseline (variants only), log the run in MLflow, register the variant (unless
     `register` is False: `quantgate tune`'s candidates are recorded, never registered)."""
-    from gates.metric_names import MACHINE_TAG
-    from gates.records.tracking import log_variant, register_variant
-
     v = measured.variant
     with stage(f"{v.name}: compare and record in MLflow"):
         metrics = dict(measured.metrics)
@@ -180,8 +182,6 @@ def record(release_run_id: str, measured: Measured, baseline: Measured | None,
             metrics.update(speed.metrics.get(v.name, {}))
             artifacts += [Path(speed.report)] if Path(speed.report).is_file() else []
         if baseline is not None:
-            from flows.runtime import work_dir
-
             cmp_dir = work_dir("compare", release_run_id, v.name)
             cmp_metrics, cmp_artifacts = measuring.compare(Path(baseline.eval_dir), Path(measured.eval_dir), v.name,
                                                              cmp_dir)
@@ -198,29 +198,25 @@ def record(release_run_id: str, measured: Measured, baseline: Measured | None,
         run_id = log_variant(release_run_id, v.name, params=params, metrics=metrics, artifacts=artifacts,
                              manifest=v.manifest)
         if speed is not None:
-            records.tag_release(run_id, {MACHINE_TAG: speed.machine[:5000]})
+            records.tag_release(run_id, {M.MACHINE_TAG: speed.machine[:5000]})
         version = register_variant(run_id, source=v.path) if baseline is not None and register else None
     return run_id, version
 
 
 @task(name="evaluate-gates", cache_policy=NO_CACHE, **RETRIED)
-def evaluate_gates(run_id: str, policy: str | None, stage_name: str = "release"):
-    from gates.records.evaluation import evaluate_run
-
-    return evaluate_run(run_id, records.load_policy(policy), stage=stage_name)
+def evaluate_gates(run_id: str, policy: Policy, stage_name: str = "release"):
+    return evaluate_run(run_id, policy, stage=stage_name)
 
 
 @task(name="canary", cache_policy=NO_CACHE)
 def canary(champion_dir: str, challenger_dir: str, requests: int, share: float, out: str, release_run_id: str,
-           challenger_run_id: str, policy: str | None, kv_cache_dtypes: dict[str, str] | None = None,
+           challenger_run_id: str, policy: Policy, kv_cache_dtypes: dict[str, str] | None = None,
            backend: str = "local", device: str = "cpu") -> dict:
     """Replay traffic through the router; the challenger's numbers go to MLflow and are judged there
     (canary gates) before the router is told to promote or roll back."""
-    from gates.records.evaluation import evaluate_run
-
     def judge(result: dict) -> tuple[bool, str]:
         records.record_canary_metrics(release_run_id, challenger_run_id, result)
-        ev = evaluate_run(challenger_run_id, records.load_policy(policy), stage="canary")
+        ev = evaluate_run(challenger_run_id, policy, stage="canary")
         result["gates"] = {"passed": ev.passed, "failed": [r.name for r in ev.failed]}
         if ev.passed:
             return True, f"canary gates passed ({len(ev.results)} gates), MLflow run {challenger_run_id}"
@@ -254,16 +250,17 @@ def release_flow(
     """Quantize `model`, measure every variant against the baseline, gate, approve, canary, promote.
     `device`: where every model is served (None: QUANTGATE_DEVICE, else CUDA when present, else CPU); it
     picks the default `methods` (quantize/methods.py) and is part of every measurement's key."""
-    from prefect.runtime import flow_run
-
-    from gates.records.tracking import end_release, registered_model_name, tracking_uri
-
+    # The deployment's entrypoint: a flow-run process a worker starts enters here, not through the CLI, so
+    # quantgate's defaults are set here for what the run reads and starts later (MLflow, canary servers;
+    # setdefault, idempotent). Prefect's own settings were read when this process imported Prefect: on a work
+    # pool they come from the deployment's job variables (runtime.deployment_env, flows/README.md).
+    prepare()
     device = resolve_device(device)
     methods = list(methods or default_methods(device))
-    check_options(methods, approve, limit, policy, suites)
-    config = replace(fidelity_stage.measure_config(records.load_policy(policy), methods, suites, limit), device=device)
+    pol = check_options(methods, approve, limit, policy, suites)
+    config = replace(fidelity_stage.measure_config(pol, methods, suites, limit), device=device)
     source = resolve_source(model)
-    run_config = {"methods": methods, "approve": approve, "policy": str(records.policy_path(policy)),
+    run_config = {"methods": methods, "approve": approve, "policy": pol.source,
                   "device": device, "measure": asdict(config), "prefect_flow_run_id": str(flow_run.id)}
     release_id = start_release(source, run_config)
     summary = ReleaseSummary(
@@ -278,23 +275,23 @@ def release_flow(
         baseline_variant = Variant(BASELINE, None, source.path, source.content_hash, None)
         base = _measure(baseline_variant, config, fresh)
         measured = [_measure(v, config, fresh) for v in variants]
-        plan = SpeedPlan.from_policy(records.load_policy(policy), device)
+        plan = SpeedPlan.from_policy(pol, device)
         speed = measure_speed.with_options(refresh_cache=fresh)([baseline_variant, *variants], plan)
         summary.machine = speed.machine
 
         base_run, _ = record(release_id, base, None, speed)
-        summary.rows.append(VariantResult(BASELINE, None, base_run, weight_bytes=base.metrics.get(measuring.WEIGHTS_BYTES),
+        summary.rows.append(VariantResult(BASELINE, None, base_run, weight_bytes=base.metrics.get(M.WEIGHTS_BYTES),
                                           decision="reference"))
         for m in measured:
             run_id, version = record(release_id, m, base, speed)
-            ev = evaluate_gates(run_id, policy)
+            ev = evaluate_gates(run_id, pol)
             summary.rows.append(VariantResult(
-                m.variant.name, m.variant.method, run_id, version, m.metrics.get(measuring.WEIGHTS_BYTES),
+                m.variant.name, m.variant.method, run_id, version, m.metrics.get(M.WEIGHTS_BYTES),
                 gates_passed=ev.passed, gates_total=len(ev.results), gates_failed=[r.name for r in ev.failed],
                 gates_uninformative=[r.name for r in ev.uninformative],
                 gates_reasons={r.name: r.reason for r in ev.failed},
             ))
-        records.log_comparison(release_id)
+        log_release_comparison(release_id)
         champion = records.champion_or_baseline(summary, source)  # the first release makes the baseline champion
 
         candidates = [r.name for r in summary.rows if r.gates_passed]
@@ -306,9 +303,9 @@ def release_flow(
             summary.chosen = chosen.name
             summary.challenger_version = chosen.version
             moved_challenger = chosen.version
-            records.set_challenger(source.name, chosen.version,
-                                   f"release {release_id}: smallest approved variant ({chosen.name})")
-            _canary_stage(summary, source, chosen, champion, policy,
+            set_challenger(source.name, chosen.version,
+                           reason=f"release {release_id}: smallest approved variant ({chosen.name})")
+            _canary_stage(summary, source, chosen, champion, pol,
                           (canary_requests, canary_share, canary_backend, device))
             moved_challenger = None
         summary.aliases = records.aliases(source.name)
@@ -317,7 +314,8 @@ def release_flow(
         end_release(release_id)
     except BaseException:
         if moved_challenger is not None:
-            records.clear_challenger(source.name, moved_challenger, f"release {release_id} failed before promotion")
+            clear_challenger(source.name, reason=f"release {release_id} failed before promotion",
+                             version=moved_challenger)
         end_release(release_id, status="FAILED")
         raise
     return summary.as_dict()
@@ -331,7 +329,7 @@ def _quantize_all(source: Source, methods: list[str], fresh: bool) -> list[Varia
     process each would pay for its imports again (docs/results/design-figures.md)."""
     task_ = quantize_method.with_options(refresh_cache=True) if fresh else quantize_method
     weights: dict[str, Variant] = {}
-    for method in dict.fromkeys(measuring.split_method(m)[0] for m in methods):
+    for method in dict.fromkeys(split_variant(m)[0] for m in methods):
         if method == BASELINE:
             weights[method] = Variant(BASELINE, None, source.path, source.content_hash, None)
             continue
@@ -342,9 +340,9 @@ def _quantize_all(source: Source, methods: list[str], fresh: bool) -> list[Varia
         weights[method] = v
     variants = []
     for name in methods:
-        method, kv = measuring.split_method(name)
+        method, kv = split_variant(name)
         w = weights[method]
-        label = measuring.variant_label(name)
+        label = variant_label(name)
         variants.append(Variant(label, label, w.path, w.content_hash, w.manifest, kv_cache_dtype=kv))
     return variants
 
@@ -359,9 +357,7 @@ def _measure(variant: Variant, config: MeasureConfig, fresh: bool) -> Measured:
 
 
 def _canary_stage(summary: ReleaseSummary, source: Source, chosen: VariantResult, champion: tuple[str, Path],
-                  policy: str | None, plan: tuple[int, float, str, str]) -> None:
-    from flows.runtime import work_dir
-
+                  policy: Policy, plan: tuple[int, float, str, str]) -> None:
     requests, share, backend, device = plan
     champion_version, champion_dir = champion
     challenger_dir = records.version_source(source.name, chosen.version)
@@ -373,12 +369,12 @@ def _canary_stage(summary: ReleaseSummary, source: Source, chosen: VariantResult
     passed, failed = result["gates"]["passed"], result["gates"]["failed"]
     summary.canary = {"champion_version": champion_version, **result["summary"], "passed": passed, "failed": failed}
     if passed:
-        records.promote(source.name, chosen.version,
-                        f"release {summary.release_run_id}: canary passed against v{champion_version}")
+        promote(source.name, chosen.version,
+                reason=f"release {summary.release_run_id}: canary passed against v{champion_version}")
         summary.outcome = f"{chosen.name} (v{chosen.version}) promoted to champion"
         chosen.decision += "; canary passed -> champion"
     else:
-        records.clear_challenger(source.name, chosen.version, f"canary failed: {', '.join(failed)}")
+        clear_challenger(source.name, reason=f"canary failed: {', '.join(failed)}", version=chosen.version)
         summary.outcome = f"{chosen.name} (v{chosen.version}) rolled back after the canary; champion stays v{champion_version}"
         chosen.decision += "; canary failed -> rolled back"
 

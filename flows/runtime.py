@@ -1,5 +1,11 @@
 """Where Prefect keeps its state for quantgate, decided before Prefect is imported.
 
+Nothing here runs at import: `prepare()` changes `os.environ`, so only a process's edge calls it, before it
+imports Prefect (whose settings are read once, when `prefect` is imported): the CLI verbs (flows/cli.py,
+flows/tune_cli.py), `release_flow` at its start (the deployment's flow-run process), and the tests' conftest.
+A work pool's flow-run process imports Prefect and flows.release (torch, transformers) before the flow body
+runs, so the deployment also carries `deployment_env()` in its job variables: set when that process starts.
+
 No `PREFECT_API_URL`: each process talks to a temporary local API over the sqlite database under
 `PREFECT_HOME` (shared by all processes, so `quantgate approve` in one terminal resumes a release paused
 in another). With `PREFECT_API_URL` set (e.g. `prefect server start` on loopback) everything goes there.
@@ -14,7 +20,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from quantgate.env import apply_defaults, home
+from quantgate.env import OFFLINE_QUIET_DEFAULTS, apply_defaults, home
 
 PREFECT_DEFAULTS: dict[str, str] = {
     # The temporary API can take longer than Prefect's default (20 s) to start on a small busy machine.
@@ -25,7 +31,11 @@ PREFECT_DEFAULTS: dict[str, str] = {
 
 
 def prepare() -> Path:
-    """Offline/quiet defaults plus Prefect's home and result storage under quantgate's home."""
+    """Offline/quiet defaults plus Prefect's home and result storage under quantgate's home.
+
+    It sets environment variables (not settings objects) because Prefect, MLflow and the Hugging Face libraries
+    read them, and because the processes Prefect starts (its temporary API, flow runs) inherit them. Idempotent:
+    what the user set wins."""
     apply_defaults()
     for key, value in PREFECT_DEFAULTS.items():
         os.environ.setdefault(key, value)
@@ -33,6 +43,14 @@ def prepare() -> Path:
     os.environ.setdefault("PREFECT_RESULTS_LOCAL_STORAGE_PATH", str(storage))
     Path(os.environ["PREFECT_HOME"]).mkdir(parents=True, exist_ok=True)
     return storage
+
+
+def deployment_env() -> dict[str, str]:
+    """What a work pool's flow-run process needs set before it starts: the offline/quiet and Prefect
+    defaults that do not depend on the machine (paths under quantgate's home are the worker's own, set by
+    `prepare()` in the flow). They override the worker's environment for that run; change them in the
+    deployment's job variables."""
+    return {**OFFLINE_QUIET_DEFAULTS, **PREFECT_DEFAULTS}
 
 
 def results_dir() -> Path:

@@ -17,31 +17,29 @@ its gate verdicts; the held-out measurements under a second parent nested in it 
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Literal
 
-from flows.runtime import prepare
+from prefect import flow
+from prefect.runtime import flow_run
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-prepare()
-
-from prefect import flow  # noqa: E402
-from pydantic import BaseModel, ConfigDict, Field  # noqa: E402
-
-from flows import (  # noqa: E402
-    fidelity_stage,
-    measuring,
-    recipes,
-    records,  # noqa: E402
-)
-from flows import release as R  # noqa: E402
-from flows import tune_report as T  # noqa: E402
-from flows.data import BASELINE, MeasureConfig, Measured, Source, SpeedPlan, Variant  # noqa: E402
-from flows.machine import resolve_device  # noqa: E402
-from flows.progress import note  # noqa: E402
-from quantgate.models import DEFAULT_MODEL  # noqa: E402
+from flows import fidelity_stage, measuring, recipes, records
+from flows import release as R
+from flows import tune_report as T
+from flows.data import BASELINE, MeasureConfig, Measured, Source, SpeedPlan, Variant
+from flows.machine import resolve_device
+from flows.progress import note
+from flows.speed_rounds import point_key
+from gates import metric_names as M
+from gates.judging.policy import Policy
+from gates.records.tracking import end_release, get_client, tracking_uri
+from quantgate.models import DEFAULT_MODEL
+from quantize.capacity import split_variant, variant_label
 
 FLOW_NAME = "quantgate-tune"
 MAX_SPLIT_LIMIT = 75  # our own tasks hold 151-235 items: two disjoint splits of at most 75
@@ -60,36 +58,33 @@ class TuneOptions(BaseModel):
 
 
 def check_options(candidates: list[str] | None, objective: str, limit: int, policy: str | None,
-                  suites: list[str] | None) -> TuneOptions:
-    """Bad input fails before anything runs (the release's checks on the candidates, policy and suites)."""
-    from pydantic import ValidationError
-
+                  suites: list[str] | None) -> tuple[TuneOptions, Policy]:
+    """Bad input fails before anything runs (the release's checks on the candidates, policy and suites);
+    returns the options and the parsed policy."""
     try:
         opts = TuneOptions(candidates=candidates, objective=objective, limit=limit, suites=suites)
     except ValidationError as exc:
         raise ValueError(f"tune: {exc.errors()[0]['loc'][0]}: {exc.errors()[0]['msg']}") from None
     if opts.candidates is not None and not opts.candidates:
         raise ValueError("tune: the candidate list is empty")
-    R.check_options(opts.candidates or recipes.default_names(), "auto", opts.limit, policy, opts.suites)
-    return opts
+    pol = R.check_options(opts.candidates or recipes.default_names(), "auto", opts.limit, policy, opts.suites)
+    return opts, pol
 
 
 def _speed_score(metrics: dict[str, float], plan: SpeedPlan) -> float:
     """Geometric mean of a model's speed ratios over every timed point (prefill, each decode batch)."""
-    from flows.speed_rounds import point_key
-
     ratios = [metrics[point_key(p)] for p in plan.points() if metrics.get(point_key(p), 0) > 0]
     return math.exp(sum(math.log(r) for r in ratios) / len(ratios)) if ratios else 0.0
 
 
 def _variant(source: Source, name: str, fresh: bool) -> Variant:
     """The release's quantize stage for one recipe (cached by source hash and recipe name)."""
-    weights, kv = measuring.split_method(name)
+    weights, kv = split_variant(name)
     v = R.quantize_method.with_options(refresh_cache=fresh)(source, weights)
     if not measuring.variant_intact(Path(v.path)):
         note(f"cached variant {v.name} at {v.path} is gone or damaged: quantizing again")
         v = R.quantize_method.with_options(refresh_cache=True)(source, weights)
-    label = measuring.variant_label(name)
+    label = variant_label(name)
     return Variant(label, label, v.path, v.content_hash, v.manifest, kv_cache_dtype=kv)
 
 
@@ -115,13 +110,13 @@ def _order(source: Source, cands: list[recipes.Candidate], rows: dict[str, T.Can
 
 
 def _judge(parent: str, source: Source, v: Variant, base: Measured, config: MeasureConfig, plan: SpeedPlan,
-           policy: str | None, fresh: bool) -> tuple[str, int, dict[str, str], float | None]:
+           policy: Policy, fresh: bool) -> tuple[str, int, dict[str, str], float | None]:
     """Measure, time and record `v` under `parent`, judge the policy's gates: (run id, gates, failed, bytes)."""
     measured = R._measure(v, config, fresh)
     speed = R.measure_speed.with_options(refresh_cache=fresh)([_baseline(source), v], plan)
     run_id, _ = R.record(parent, measured, base, speed, register=False)
     ev = R.evaluate_gates(run_id, policy)
-    return run_id, len(ev.results), {r.name: r.reason for r in ev.failed}, measured.metrics.get(measuring.WEIGHTS_BYTES)
+    return run_id, len(ev.results), {r.name: r.reason for r in ev.failed}, measured.metrics.get(M.WEIGHTS_BYTES)
 
 
 class _HeldOut:
@@ -189,14 +184,7 @@ def tune_flow(
 ) -> dict:
     """Try `candidates` (default: every recipe) in order of size; stop at the first that passes every gate
     of `policy` on the search split and again on the held-out split. `device` as the release's."""
-    import json
-
-    from prefect.runtime import flow_run
-
-    from gates.records.tracking import end_release, tracking_uri
-
-    opts = check_options(candidates, objective, limit, policy, suites)
-    pol = records.load_policy(policy)
+    opts, pol = check_options(candidates, objective, limit, policy, suites)
     source = R.resolve_source(model)
     cfg = json.loads((Path(source.path) / "config.json").read_text())
     cands, refused = recipes.candidates(cfg, opts.candidates)
@@ -204,11 +192,11 @@ def tune_flow(
     device = resolve_device(device)
     config = replace(fidelity_stage.measure_config(pol, names, opts.suites, opts.limit), device=device)
     plan = SpeedPlan.from_policy(pol, device)
-    run_config = {"tune": True, "objective": opts.objective, "candidates": names, "policy": str(records.policy_path(policy)),
+    run_config = {"tune": True, "objective": opts.objective, "candidates": names, "policy": pol.source,
                   "limit": opts.limit, "prefect_flow_run_id": str(flow_run.id)}
     tune_id = R.start_release(source, run_config)
     records.tag_release(tune_id, {TUNE_TAG: "search", "mlflow.runName": f"tune-{time.strftime('%Y%m%d-%H%M%S')}"})
-    result = T.TuneResult(source.name, model, source.content_hash, opts.objective, str(records.policy_path(policy)),
+    result = T.TuneResult(source.name, model, source.content_hash, opts.objective, pol.source,
                           opts.limit, list(config.suites), tune_id, tracking_uri=tracking_uri())
     rows = {c.name: T.CandidateRow(c.name, _describe(c.recipe), c.kv_cache_dtype, c.weight_bytes) for c in cands}
     held = _HeldOut(tune_id, source, replace(config, split=1), run_config, fresh)
@@ -219,12 +207,12 @@ def tune_flow(
         order = _order(source, cands, rows, opts.objective, plan, fresh)
         base = R._measure(_baseline(source), config, fresh)
         R.record(tune_id, base, None)
-        ctx = {"tune_id": tune_id, "base": base, "config": config, "plan": plan, "policy": policy, "fresh": fresh,
+        ctx = {"tune_id": tune_id, "base": base, "config": config, "plan": plan, "policy": pol, "fresh": fresh,
                "held": held}
         result.chosen = _search(source, order, rows, ctx)
         result.rows = [rows[c.name] for c in order] + [
-            T.CandidateRow(r.name, _describe(recipes.parse(measuring.split_method(r.name)[0])),
-                           measuring.split_method(r.name)[1], 0, T.REFUSED, r.reason) for r in refused]
+            T.CandidateRow(r.name, _describe(recipes.parse(split_variant(r.name)[0])),
+                           split_variant(r.name)[1], 0, T.REFUSED, r.reason) for r in refused]
         result.held_out_run_id = held.run_id
         result.outcome = _outcome(result)
         result.file = str(T.write(result, T.default_file(source.name, source.content_hash)))
@@ -256,10 +244,8 @@ def _outcome(result: T.TuneResult) -> str:
 
 
 def _log(tune_id: str, result: T.TuneResult) -> None:
-    from gates.records.tracking import get_client
-
     tags = {"tune.objective": result.objective, "tune.chosen": result.chosen or "none", "tune.outcome": result.outcome[:5000]}
     for r in result.rows:
-        tags[f"tune/{measuring.variant_label(r.name)}/status"] = r.status
+        tags[f"tune/{variant_label(r.name)}/status"] = r.status
     records.tag_release(tune_id, tags)
     get_client().log_dict(tune_id, result.as_dict(), "tune.json")

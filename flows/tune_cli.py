@@ -34,10 +34,11 @@ def _names(text: str | None) -> list[str] | None:
 
 
 def run_tune(args: argparse.Namespace, policy: str | None) -> int:
-    """The verb's body; flows/cli.py has set where the logs go and checked the policy path."""
+    """The verb's body; flows/cli.py has set where the logs go and checked the policy path. Its imports are
+    late (`quantgate --help` imports this module): Prefect, torch and MLflow load only when the verb runs."""
     from flows.runtime import prepare
 
-    prepare()
+    prepare()  # the CLI edge sets Prefect's environment, before the imports below read it
     from flows.progress import terminal_progress
     from flows.runtime import work_dir
     from flows.tune import check_options, tune_flow
@@ -62,14 +63,14 @@ def from_tune(args: argparse.Namespace, path: str) -> tuple[argparse.Namespace, 
     if the model changed since), the tune's suites and items per task (a default `--suites` would leave
     the items the search judged the recipe on out of the gates' reach), its policy unless --policy names
     another. The caller's args are left as they were."""
-    from flows.measuring import source_hash
     from flows.tune_report import chosen_recipe
     from quantgate.models import resolve_model
+    from quantize.variant import cached_content_hash
 
     tuned = chosen_recipe(path)
     if args.model not in (DEFAULT_MODEL_REF, tuned.model_ref):
         raise ValueError(f"{path} was tuned for {tuned.model_ref}, not {args.model}")
-    now = source_hash(resolve_model(tuned.model_ref))
+    now = cached_content_hash(resolve_model(tuned.model_ref))
     if now != tuned.source_hash:
         raise ValueError(f"{tuned.model_ref} changed since it was tuned "
                          f"(sha256 {tuned.source_hash[:12]} then, {now[:12]} now): tune again")

@@ -30,9 +30,11 @@ os.environ["QUANTGATE_DTYPE"] = "float32"
 if os.environ.get("QUANTGATE_TEST_DEVICE", "cpu") == "cpu":
     os.environ["TRITON_INTERPRET"] = "1"
 
-from quantgate.env import apply_defaults  # noqa: E402
+# The tests are an entry point like the CLI: quantgate's offline/quiet defaults and Prefect's environment
+# (flows.runtime.prepare), set before anything imports Prefect; importing flows/ sets nothing.
+from flows.runtime import prepare  # noqa: E402
 
-apply_defaults()
+prepare()
 
 
 @pytest.fixture

@@ -169,7 +169,8 @@ canary: {max_error_rate: 0.0, max_tpot_p99_s: 60.0}
 
 
 def test_release_methods_name_their_kv_dimension():
-    from flows.measuring import check_methods, split_method
+    from flows.measuring import check_methods
+    from quantize.capacity import split_variant as split_method
 
     assert split_method("int4wo+kv8") == ("int4wo", "int8")
     assert split_method("int8wo+kvfp8") == ("int8wo", "fp8")
