@@ -136,7 +136,7 @@ class LLMEngine:
             from serving.model.parallel import from_pretrained_parallel
 
             return from_pretrained_parallel(cls, model, device, dtype, tensor_parallel_size,
-                                            pipeline_parallel_size, **kwargs)
+                                            pipeline_parallel_size, isa=isa, **kwargs)
         from transformers import AutoTokenizer
 
         from quantgate.env import apply_defaults

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -72,9 +73,12 @@ class StepResult:
     prompt_logprobs: dict[int, list[TokenLogprob]]  # index -> logprobs of the prompt tokens scored this step
 
 
-def load_model(model_dir: Path, device: torch.device, dtype: torch.dtype, isa: str | None = None):
+def load_model(model_dir: Path, device: torch.device, dtype: torch.dtype, isa: str | None = None,
+               prepare: Callable[[torch.nn.Module], object] | None = None):
     """A plain HF dir loads here; a quantized variant (it has a quantgate.json) by serving/model/quant/loader.py.
-    Its layers take kernel path `isa` (None: the process default, `serving.kernels.cpu.isa`)."""
+    Its layers take kernel path `isa` (None: the process default, `serving.kernels.cpu.isa`). `prepare` runs on
+    the loaded model before the engine packs its linears: tensor parallelism cuts its shards there, since the
+    packed layouts have no rows to slice (each shard is then packed like a whole weight)."""
     with isas.using(isa) as path:
         if (Path(model_dir) / "quantgate.json").is_file():
             from serving.model.quant.loader import load_variant
@@ -84,6 +88,8 @@ def load_model(model_dir: Path, device: torch.device, dtype: torch.dtype, isa: s
             from quantgate.loading import load_causal_lm
 
             model = load_causal_lm(model_dir, dtype=dtype).to(device)
+        if prepare is not None:
+            prepare(model)
     model.set_attn_implementation(attention.register())
     if packing_wanted(torch.device(device), dtype, path):
         pack_linears(model, path)

@@ -163,7 +163,8 @@ def launch(model: str | Path, config: ParallelConfig, *, engine_cls: type, devic
     apply_defaults()
     model_dir = resolve_model(model)
     device_ = torch.device(device or default_device())
-    dtype_ = resolve_dtype(dtype, device_, engine_kwargs.get("isa"))
+    isa = engine_kwargs.get("isa")  # every rank loads and runs on the kernel path rank 0 does
+    dtype_ = resolve_dtype(dtype, device_, isa)
     if dist.is_initialized():
         raise RuntimeError("a parallel engine is already running in this process (one process group each)")
     if config.threads_per_rank:
@@ -171,7 +172,7 @@ def launch(model: str | Path, config: ParallelConfig, *, engine_cls: type, devic
     init = f"tcp://127.0.0.1:{free_port()}"
     ctx = torch.multiprocessing.get_context("spawn")
     procs = [ctx.Process(target=_worker_main, name=f"quantgate-rank{r}", daemon=True,
-                         args=(r, config, init, str(model_dir), device_.type, dtype_, os.getpid()))
+                         args=(r, config, init, str(model_dir), device_.type, dtype_, isa, os.getpid()))
              for r in range(1, config.world_size)]
     for p in procs:
         p.start()
@@ -179,7 +180,7 @@ def launch(model: str | Path, config: ParallelConfig, *, engine_cls: type, devic
     group.start_monitor()  # a rank that dies while loading is reported at once
     try:
         _init_rank0(group, config, init, device_.type)
-        hf_model, state = _load_rank(str(model_dir), device_, dtype_, 0, config)
+        hf_model, state = _load_rank(str(model_dir), device_, dtype_, isa, 0, config)
         engine_kwargs.setdefault("model_name", str(model))
         engine = engine_cls(hf_model, AutoTokenizer.from_pretrained(model_dir), device=device_, **engine_kwargs)
         runner = engine.runner
@@ -201,16 +202,17 @@ def launch(model: str | Path, config: ParallelConfig, *, engine_cls: type, devic
 
 
 def _worker_main(rank: int, config: ParallelConfig, init: str, model_dir: str, device_type: str,
-                 dtype: torch.dtype, parent_pid: int) -> None:
+                 dtype: torch.dtype, isa: str | None, parent_pid: int) -> None:
     threading.Thread(target=_exit_with_parent, args=(parent_pid,), daemon=True).start()
     if config.threads_per_rank:
         torch.set_num_threads(config.threads_per_rank)
     device = _rank_device(torch.device(device_type), rank)
     _init_group(rank, config, init, device_type)
     try:
-        model, state = _load_rank(model_dir, device, dtype, rank, config)
+        model, state = _load_rank(model_dir, device, dtype, isa, rank, config)
         block_size, num_blocks, kv_dtype, kv_cache_dtype = broadcast(None, device)
-        runner = WorkerRunner(model, device, block_size, num_blocks, kv_dtype, kv_cache_dtype)
+        runner = WorkerRunner(model, device, block_size, num_blocks, kv_dtype, kv_cache_dtype,
+                              isa if device.type == "cpu" else None)
         if state is not None:
             drop_other_stages_kv(runner, state.layers)
         _started(config)
@@ -222,16 +224,18 @@ def _worker_main(rank: int, config: ParallelConfig, init: str, model_dir: str, d
     dist.destroy_process_group()
 
 
-def _load_rank(model_dir: str, device: torch.device, dtype: torch.dtype, rank: int, config: ParallelConfig):
+def _load_rank(model_dir: str, device: torch.device, dtype: torch.dtype, isa: str | None, rank: int,
+               config: ParallelConfig):
+    """This rank's part of the model. Shards are cut before the engine packs its weights for the kernel path
+    (packed layouts have no rows to slice); stages keep layers whole, so they are cut from the packed model."""
     from serving.model.model_runner import load_model
 
-    model = load_model(Path(model_dir), device, dtype)
-    state = None
     if config.mode == "tp":
-        shard_model(model, rank, config.tensor_parallel_size)
-    else:
-        state = StageState()
-        cut_stage(model, rank, config.pipeline_parallel_size, state)
+        return load_model(Path(model_dir), device, dtype, isa,
+                          prepare=lambda model: shard_model(model, rank, config.tensor_parallel_size)), None
+    model = load_model(Path(model_dir), device, dtype, isa)
+    state = StageState()
+    cut_stage(model, rank, config.pipeline_parallel_size, state)
     return model, state
 
 

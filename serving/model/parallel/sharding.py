@@ -7,6 +7,12 @@ keeps a contiguous range of KV heads and the query heads of their GQA groups, so
 only those heads. Heads are split as evenly as the KV heads allow (SmolLM2's 3 KV heads on 2 ranks:
 2 + 1), so every rank's config carries its own head counts.
 
+Shards are cut from the weights as loaded, before the engine packs them for its kernels (model_runner's
+`load_model` runs `shard_model` first): the packed layouts (oneDNN's opaque tensor, the bf16 pair and wo_fp32
+tiles) have no rows to slice, and each shard is packed on its own afterwards, on whatever path the rank takes.
+int8 weight-only layers shard too (per-output-channel scales: a slice of the codes and of the scales is exact);
+int4's groups run along the input, so row-parallel slices would cut its packed 64-row blocks and groups: refused.
+
 Pipeline parallelism: rank s keeps a contiguous range of decoder layers; the others are replaced by
 stubs so the HF forward still runs end to end: a stage's first stub yields the activations the previous
 stage sent, and the stage stops (raises `StageDone`) where its range ends.
@@ -20,6 +26,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from serving.kernels.cpu import isa as isas
+from serving.model.quant.int8 import Int8WeightOnlyLinear
 
 COLUMN_PARALLEL = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
 ROW_PARALLEL = ("self_attn.o_proj", "mlp.down_proj")
@@ -47,25 +56,27 @@ class CommStats:
 STATS = CommStats()  # one per process: every rank is its own process
 
 
-class RowParallelLinear(nn.Linear):
-    """y = all_reduce(x_r @ W_r^T) + b: this rank's slice of the input features; the bias is added once."""
+class RowParallelLinear(nn.Module):
+    """y = all_reduce(x_r @ W_r^T) + b: this rank's slice of the input features; the bias is added once.
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, group=None):
-        super().__init__(weight.shape[1], weight.shape[0], bias=bias is not None, device=weight.device,
-                         dtype=weight.dtype)
-        self.weight = nn.Parameter(weight, requires_grad=False)
-        if bias is not None:
-            self.bias = nn.Parameter(bias, requires_grad=False)
+    The slice is a child module (`linear`), not this module's own weight, so the engine's packing swaps it
+    for a packed one like any other projection while the all-reduce stays here."""
+
+    def __init__(self, linear: nn.Module, bias: torch.Tensor | None, group=None):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.linear = linear
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self.group = group
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = nn.functional.linear(x, self.weight)
+        y = self.linear(x).contiguous()
         start = time.perf_counter()
         dist.all_reduce(y, group=self.group)
         STATS.allreduce_s += time.perf_counter() - start
         STATS.allreduce_calls += 1
         STATS.allreduce_bytes += y.numel() * y.element_size()
-        return y if self.bias is None else y + self.bias
+        return y if self.bias is None else y + self.bias.to(y.dtype)
 
 
 def split_evenly(n: int, parts: int) -> list[range]:
@@ -84,8 +95,11 @@ def _text_config(model):
     return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
+SHARDABLE = (nn.Linear, Int8WeightOnlyLinear)
+
+
 def check_shardable(model, world_size: int) -> None:
-    """Refuse, naming why, what these shards cannot split: quantized layers, too few KV heads."""
+    """Refuse, naming why, what these shards cannot split: too few KV heads, layers with no rows to slice."""
     config = _text_config(model)
     kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     if kv_heads < world_size:
@@ -94,11 +108,21 @@ def check_shardable(model, world_size: int) -> None:
     for i, layer in enumerate(model.model.layers):
         for name in COLUMN_PARALLEL + ROW_PARALLEL:
             module = layer.get_submodule(name)
-            if type(module) is not nn.Linear:
-                raise ValueError(
-                    f"tensor parallelism shards plain nn.Linear weights, but layer {i} {name} is "
-                    f"{type(module).__module__}.{type(module).__name__} (a quantized variant); serve it with "
-                    "tensor_parallel_size=1 or pipeline_parallel_size (stages keep layers whole)")
+            if type(module) not in SHARDABLE:
+                raise ValueError(f"tensor parallelism cannot shard layer {i} {name}: {_why_not(module)}; serve it "
+                                 "with tensor_parallel_size=1 or pipeline_parallel_size (stages keep layers whole)")
+
+
+def _why_not(module: nn.Module) -> str:
+    """Why a projection cannot be sharded, for the refusal."""
+    kind = f"{type(module).__module__}.{type(module).__name__}"
+    if type(module).__module__ == "serving.model.packed_linear":
+        return (f"it is {kind}, the engine's own weight packing, applied before sharding (packed layouts have "
+                "no rows to slice: shard the plain model, then pack)")
+    if type(module).__name__ == "Int4WeightOnlyLinear":
+        return (f"it is {kind}, whose int4 groups run along the input and whose kernel layouts pack 64 output "
+                "rows at a time: the shards would cut both (int8wo and the plain model shard)")
+    return f"it is {kind}, a layer whose weight layout these shards do not know (plain nn.Linear and int8wo do)"
 
 
 def shard_model(model, rank: int, world_size: int, group=None):
@@ -124,7 +148,7 @@ def shard_model(model, rank: int, world_size: int, group=None):
                 if hasattr(parent, name):
                     old = getattr(parent, name)
                     bias = old.bias.detach() if old.bias is not None and rank == 0 else None
-                    setattr(parent, name, RowParallelLinear(old.weight.detach()[:, sl].contiguous(), bias, group))
+                    setattr(parent, name, RowParallelLinear(_input_slice(old, sl), bias, group))
     config.head_dim = head_dim  # before the head counts change, so hidden_size // heads is not used
     config.num_attention_heads = len(q)
     config.num_key_value_heads = len(kv)
@@ -136,13 +160,41 @@ def _rows(heads: range, head_dim: int) -> slice:
     return slice(heads.start * head_dim, heads.stop * head_dim)
 
 
-def _column(old: nn.Linear, rows: slice) -> nn.Linear:
-    weight = old.weight.detach()[rows].contiguous()
-    new = nn.Linear(weight.shape[1], weight.shape[0], bias=old.bias is not None, device=weight.device,
-                    dtype=weight.dtype)
+def _column(old: nn.Module, rows: slice) -> nn.Module:
+    """This rank's output rows of a column-parallel projection (with their bias)."""
+    bias = None if old.bias is None else old.bias.detach()[rows].contiguous()
+    if isinstance(old, Int8WeightOnlyLinear):
+        return _int8_part(old, old.plain_weight()[rows], old.scales[rows], bias)
+    return _linear(old.weight.detach()[rows].contiguous(), bias)
+
+
+def _input_slice(old: nn.Module, cols: slice) -> nn.Module:
+    """This rank's input features of a row-parallel projection, without a bias (RowParallelLinear adds it)."""
+    if isinstance(old, Int8WeightOnlyLinear):  # scales are per output row: all of them apply to every slice
+        return _int8_part(old, old.plain_weight()[:, cols], old.scales, None)
+    return _linear(old.weight.detach()[:, cols].contiguous(), None)
+
+
+def _linear(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
+    new = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device=weight.device, dtype=weight.dtype)
     new.weight = nn.Parameter(weight, requires_grad=False)
-    if old.bias is not None:
-        new.bias = nn.Parameter(old.bias.detach()[rows].contiguous(), requires_grad=False)
+    if bias is not None:
+        new.bias = nn.Parameter(bias, requires_grad=False)
+    return new
+
+
+def _int8_part(old: Int8WeightOnlyLinear, codes: torch.Tensor, scales: torch.Tensor,
+               bias: torch.Tensor | None) -> Int8WeightOnlyLinear:
+    """An int8 layer over a slice of `old`'s codes, on `old`'s kernel path, packed and serving from its kernel
+    layout alone as a loaded variant's layers do (the plain slice is a transient copy)."""
+    device = codes.device
+    with isas.using(old.isa):  # the layer records the path in force when it is built
+        new = Int8WeightOnlyLinear(codes.shape[1], codes.shape[0], bias is not None,
+                                   bias.dtype if bias is not None else torch.float32).to(device)
+    new.weight_int8, new.scales = codes.contiguous(), scales.contiguous()
+    if bias is not None:
+        new.bias = nn.Parameter(bias, requires_grad=False)
+    new.drop_plain()
     return new
 
 
