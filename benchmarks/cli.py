@@ -156,6 +156,7 @@ def _add_script_benchmarks(verbs: argparse._SubParsersAction) -> None:
         ("wo_bf16", "benchmarks.woq_linear", "weight-only int8/int4 linear: quantgate's kernel vs torch's vs bf16"),
         ("isa", "benchmarks.isa_paths", "weight-only linear on every kernel path (avx512, avx2) vs fp32, paired, "
                                         "with the machine's read bandwidth"),
+        ("scale", "benchmarks.scale", "peak memory and wall time of convert / quantize / load against parameters"),
     ):
         p = verbs.add_parser(name, help=what, add_help=False)  # its options (and --help) are the script's
         p.set_defaults(func=_script, module=module, passes_extra_args=True, script_args=[])

@@ -132,6 +132,7 @@ def _streamed(method: str) -> Callable[[Path, dict[str, Any], Path], dict[str, A
 
     def stream(source: Path, opts: dict[str, Any], out: Path) -> dict[str, Any] | None:
         import logging
+        import time
 
         from quantize import streaming
         from quantize.probe import check_streamed
@@ -143,7 +144,12 @@ def _streamed(method: str) -> Callable[[Path, dict[str, Any], Path], dict[str, A
         except streaming.NotStreamable as exc:
             logging.getLogger(__name__).warning("%s; building %s in memory", exc, method)
             return None
-        check = check_streamed(plan, streaming.write_stream(plan, out))
+        started = time.perf_counter()
+        weights = streaming.write_stream(plan, out)
+        written = time.perf_counter()
+        check = check_streamed(plan, weights)
+        logging.getLogger(__name__).info("%s: written in %.0f s, checked tensor by tensor in %.0f s", method,
+                                         written - started, time.perf_counter() - written)
         probe = {"kind": "per-tensor", "tensors": check.tensors, "worst_error_over_bound": check.worst_ratio,
                  "worst_tensor": check.worst_tensor, "relative_error": check.relative_error}
         return {"tensors": plan.table, "probe": probe}
