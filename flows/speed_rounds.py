@@ -81,16 +81,19 @@ def _stop_at_look(speeds: Speeds, active: set[tuple[str, str]], minimums: dict[s
 
 def sequential_rounds(names: Sequence[str], units: dict[str, Sequence[str]], timer: Timer,
                       design: SequentialDesign, minimums: dict[str, float | None], warmup: int = 1,
-                      deadline: float | None = None, clock: Callable[[], float] = time.perf_counter,
+                      budget_s: float | None = None, clock: Callable[[], float] = time.perf_counter,
                       progress: Callable[[int], None] | None = None) -> tuple[Speeds, Looks]:
     """Paired rounds until every (variant, point) in `units` (point -> variants) stops, the rounds reach
-    `design.max_rounds`, or the next round would pass `deadline` (a `clock` time): that round's look is then
-    the last and spends the alpha left. The baseline is names[0]; the order rotates from round to round."""
+    `design.max_rounds`, or the next round would pass the time budget: that round's look is then the last
+    and spends the alpha left. The budget counts the timed rounds only (loading and the warm-up are one-off
+    costs a slow first kernel build would otherwise eat it with) and never ends the rounds before the first
+    look, so every point gets a CI. The baseline is names[0]; the order rotates from round to round."""
     baseline, points = names[0], list(units)
     for w in range(warmup):
         for point in points:
             for name in [baseline, *units[point]]:
                 timer(name, point, -1 - w)
+    deadline = None if budget_s is None else clock() + budget_s
     speeds: Speeds = {name: {p: [] for p in points} for name in names}
     active = {(v, p) for p, vs in units.items() for v in vs}
     looks: Looks = {}
@@ -104,11 +107,12 @@ def sequential_rounds(names: Sequence[str], units: dict[str, Sequence[str]], tim
         if progress is not None:
             progress(1)
         now = clock()
-        final = r >= design.max_rounds or (deadline is not None and now + (now - started) > deadline)
+        over = deadline is not None and r >= design.look_every and now + (now - started) > deadline
+        final = r >= design.max_rounds or over
         if design.is_look(r) or final:
             looks.update(_stop_at_look(speeds, active, minimums, design, final, baseline))
         if final:
-            break  # points with < 2 rounds stay unjudged: no CI, the gate says uninformative
+            break
     return speeds, looks
 
 
@@ -256,7 +260,6 @@ def measure(models: Sequence[Variant], plan: SpeedPlan, out: Path, machine: str,
     if models[0].name != BASELINE:
         raise ValueError(f"the baseline comes first, got {[m.name for m in models]}")
     start = time.perf_counter()
-    deadline = start + plan.time_budget_s if plan.time_budget_s else None
     plan = capped(plan, models[0].path)
     engines = load_engines(models, plan)
     names = [m.name for m in models]
@@ -266,7 +269,7 @@ def measure(models: Sequence[Variant], plan: SpeedPlan, out: Path, machine: str,
     units.update({p: kv for p in plan.points(kv=True) if p not in units and kv})
     design = SequentialDesign(plan.look_every, plan.rounds, plan.alpha, plan.spending)
     speeds, looks = sequential_rounds(names, units, engine_timer(engines, plan), design,
-                                      {p: plan.minimum(p) for p in units}, plan.warmup_rounds, deadline,
+                                      {p: plan.minimum(p) for p in units}, plan.warmup_rounds, plan.time_budget_s or None,
                                       progress=progress)
     metrics = sequential_metrics(speeds, looks, plan)
     out.mkdir(parents=True, exist_ok=True)

@@ -367,11 +367,21 @@ def test_the_time_budget_ends_the_rounds_with_a_final_look_that_spends_the_alpha
     from gates.judging.speed_verdicts import SequentialDesign
 
     ticks = iter(range(10_000))  # a clock: each call one second later; a round costs two ticks
-    speeds, looks, _ = _sequential({"same": 1.0}, 0.05, SequentialDesign(5, 20), deadline=13.0,
+    speeds, looks, _ = _sequential({"same": 1.0}, 0.05, SequentialDesign(5, 20), budget_s=13.0,
                                    clock=lambda: float(next(ticks)))
     look = looks[("same", "decode_b1")]
     assert look.ci.n == len(speeds["same"]["decode_b1"]) < 20 and look.decision == UNINFORMATIVE
     assert look.level < 0.98  # the last look spends what the looks before it left
+
+
+def test_the_time_budget_never_ends_the_rounds_before_the_first_look():
+    """A budget a slow machine spends in one round still leaves every point a CI (of the first look)."""
+    from gates.judging.speed_verdicts import SequentialDesign
+
+    ticks = iter(range(10_000))
+    speeds, looks, _ = _sequential({"same": 1.0}, 0.05, SequentialDesign(5, 20), budget_s=0.5,
+                                   clock=lambda: float(next(ticks)))
+    assert len(speeds["same"]["decode_b1"]) == 5 and looks[("same", "decode_b1")].ci.n == 5
 
 
 def test_simulated_coverage_and_error_rates_of_the_sequential_rounds():

@@ -42,7 +42,7 @@ class SpeedPoints:
     max_rounds: int = 20
     spending: str = "pocock"  # Lan-DeMets alpha spending: pocock | obrien-fleming
     alpha: float = 0.05  # two-sided: the adjusted CIs together cover with 1 - alpha
-    time_budget_s: float | None = None  # wall clock of the whole stage (loading included); None: no cap
+    time_budget_s: float | None = None  # wall clock of the timed rounds (after loading and warm-up; never before the first look); None: no cap
 
 
 @dataclass(frozen=True)
