@@ -14,7 +14,6 @@ from typing import TYPE_CHECKING
 from quantgate.env import apply_defaults
 from quantgate.loading import load_causal_lm
 from quantgate.models import resolve_model
-from serving.model.quant.checkpoint import WEIGHTS_FILES, load_weight_only
 from serving.model.quant.integrity import MANIFEST, verify_variant
 
 if TYPE_CHECKING:
@@ -38,6 +37,9 @@ def quiet_bitsandbytes() -> None:
 
 def load_variant(directory: str | Path, device: str = "cpu", dtype: torch.dtype | None = None) -> PreTrainedModel:
     """Load a verified variant directory as a ready causal LM on `device`."""
+    # late: torch and transformers load here, so `import quantize` (the CLI's --help) stays cheap
+    from serving.model.quant.checkpoint import WEIGHTS_FILES, load_weight_only
+
     directory = Path(directory)
     verify_variant(directory)
     for weight_format, file in WEIGHTS_FILES.items():
