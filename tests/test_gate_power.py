@@ -164,7 +164,7 @@ def test_power_is_recorded_in_mlflow_and_shown(store, tmp_path, capsys) -> None:
 
     assert main(["gates", "show", "--model", "m-power", "--version", version]) == 0
     shown = " ".join(capsys.readouterr().out.split())
-    assert "underpowered" in shown and "passes all 2 task gates" in shown
+    assert "underpowered" in shown and "all 2 gates with a figure pass together" in shown
     plan = plan_report(load_policy(policy), ["arc_easy", "piqa"], models=2, from_run=run_id)
     assert "| piqa | 0.05 | 0.05 |" in plan and "| arc_easy | 0.05 | 0.1 |" in plan
     assert f"flip rates from run {run_id}" in plan

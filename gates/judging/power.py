@@ -22,6 +22,21 @@ the report; gates.judging.power_sim checks it on crafted data through the real C
 Power never changes a verdict: a gate passed at low power still showed the drop is within max_drop
 (the burden of proof stays on the variant); a gate below `min_harmless_pass` is labelled `underpowered`,
 which says that a refusal there may come from too few items rather than from harm.
+
+The other gate families (`family_powers`, attached by gates.judging.judge), each a pass probability:
+- safety (refusal_rate max_fall, over_refusal_rate max_rise): the gate compares point rates, no CI, so a
+  variant with the baseline's rate p whose refuse/comply answer flips on a fraction of the n pooled items
+  (the refusal tasks' measured flip rate, else DEFAULT_FLIP_RATE, capped at 2 min(p, 1 - p)), half each
+  way, passes with Phi(lattice_margin(n, max) * sqrt(n) / sd(D)) (the z is 0);
+- long context, per length: the variant retrieves each of the length's n probes independently with the
+  baseline's accuracy p (binomial per probe: a flip rate 2 p (1 - p)), judged as a task gate;
+- fidelity: a variant identical to the baseline has KL 0 and passes surely, so the figure is at the
+  measured effect instead: P(the CI high end stays <= max when the same number of chunks is measured
+  again), the true mean taken as the measured one and the per-chunk sd read back from the recorded CI;
+- speed (gates.judging.power_sim.speed_pass_probability): at the measured ratio and per-round noise, the
+  share of seeded simulated point runs that the real sequential test (speed_verdicts.sequential_look)
+  passes within max_rounds.
+The last two say "would this verdict come out again", not "would a harmless variant pass".
 """
 
 from __future__ import annotations
@@ -130,6 +145,37 @@ def gate_power(task: str, n: int, max_drop: float, flip_rate: float | None = Non
                      underpowered=min_harmless_pass is not None and harmless < min_harmless_pass)
 
 
+def safety_power(name: str, n: int, max_change: float, rate: float, flip_rate: float | None,
+                 min_harmless_pass: float | None) -> GatePower:
+    """A safety gate (a point difference of rates over n pooled items, no CI: z = 0) at the baseline's rate."""
+    flips = capped_flip_rate(DEFAULT_FLIP_RATE if flip_rate is None else flip_rate, rate)
+    return gate_power(name, n, max_change, flip_rate=flips, min_harmless_pass=min_harmless_pass, alpha=1.0)
+
+
+def long_context_power(length: int, n: int, max_drop: float, baseline_accuracy: float,
+                       min_harmless_pass: float | None) -> GatePower:
+    """A long-context gate: each probe retrieved independently with the baseline's accuracy (binomial)."""
+    p = min(max(baseline_accuracy, 0.0), 1.0)
+    return gate_power(f"long_context/{length}", n, max_drop, flip_rate=2 * p * (1 - p),
+                      min_harmless_pass=min_harmless_pass)
+
+
+def fidelity_power(name: str, chunks: int, limit: float, point: float, ci_low: float, ci_high: float,
+                   min_harmless_pass: float | None) -> GatePower:
+    """A fidelity gate at its measured effect: P(CI high <= limit on `chunks` fresh chunks) if the true mean is
+    `point`; the per-chunk sd from the recorded CI's width (normal approximation of the cluster bootstrap).
+    `refusal80_drop` holds the true mean the gate refuses with REFUSAL_POWER probability."""
+    se = max(ci_high - ci_low, 0.0) / (2 * _Z95)
+    sd = se * math.sqrt(chunks)
+    if se == 0.0:
+        harmless = 1.0 if point <= limit else 0.0
+    else:
+        harmless = _NORMAL.cdf((limit - point) / se - _Z95)
+    refused = limit - (_Z95 - _NORMAL.inv_cdf(REFUSAL_POWER)) * se
+    return GatePower(name, chunks, limit, sd, None, harmless, refused,
+                     min_harmless_pass is not None and harmless < min_harmless_pass)
+
+
 def family_harmless_pass(powers: Sequence[GatePower]) -> float:
     """P(a harmless variant passes every gate), gates independent (disjoint items)."""
     return math.prod(p.harmless_pass for p in powers)
@@ -187,6 +233,59 @@ def with_power(results: list, powers: Mapping[str, GatePower]) -> list:
         out.append(r if p is None else replace(r, harmless_pass=p.harmless_pass, refusal80_drop=p.refusal80_drop,
                                                underpowered=p.underpowered))
     return out
+
+
+def _pooled(metric: str, base: Mapping[str, float], rates: Mapping[str, float]) -> tuple[int, float | None]:
+    """The safety rate's pooled n over the refusal tasks scored by `metric`, and their n-weighted flip rate."""
+    from gates import metric_names as M
+
+    try:
+        from evals.tasks import TASKS
+    except ImportError:  # gates used without evals installed: no way to tell which tasks pool
+        return 0, None
+    sizes = {t: int(base[M.task_key(t, "n")]) for t in M.tasks_in(base)
+             if t in TASKS and TASKS[t].metric == metric and base.get(M.task_key(t, "n"))}
+    measured = {t: rates[t] for t in sizes if t in rates}
+    weight = sum(sizes[t] for t in measured)
+    return sum(sizes.values()), (sum(rates[t] * sizes[t] for t in measured) / weight if weight else None)
+
+
+def family_powers(policy, variant: Mapping[str, float], base: Mapping[str, float],
+                  measured_flip_rates: Mapping[str, float] | None = None) -> dict[str, GatePower]:
+    """gate name -> power of every safety, fidelity and long-context gate whose inputs were recorded (the
+    speed gates' are simulated: gates.judging.power_sim.speed_powers)."""
+    from gates import metric_names as M
+    from gates.judging import fidelity_gates as G
+
+    rates, out, floor = measured_flip_rates or {}, {}, policy.min_harmless_pass
+    for key, limit, name, metric in (
+            (M.SAFETY_REFUSAL_RATE, policy.refusal_rate_max_fall, "safety/refusal_rate/max_fall", "refusal_rate"),
+            (M.SAFETY_OVER_REFUSAL_RATE, policy.over_refusal_rate_max_rise, "safety/over_refusal_rate/max_rise",
+             "over_refusal_rate")):
+        n, flips = _pooled(metric, base, rates)
+        if limit is not None and n and key in base:
+            out[name] = safety_power(name, n, limit, base[key], flips, floor)
+    fid = policy.fidelity
+    for key, limit, name in ((G.FIDELITY_KL, fid.max_kl, "fidelity/kl/max"),
+                             (G.FIDELITY_FLIP_RATE, fid.max_flip_rate, "fidelity/flip_rate/max")):
+        low, high = variant.get(G.ci_key(key, "low")), variant.get(G.ci_key(key, "high"))
+        if limit is not None and low is not None and high is not None and key in variant:
+            out[name] = fidelity_power(name, fid.chunks, limit, variant[key], low, high, floor)
+    if policy.long_context.max_drop is not None:
+        for length in G.probed_lengths(variant):
+            n, acc = (variant.get(G.long_context_key(length, f)) for f in ("n", "baseline"))
+            if n and acc is not None:
+                gate = f"long_context/{length}/max_drop"
+                out[gate] = replace(long_context_power(length, int(n), policy.long_context.max_drop, acc, floor),
+                                    task=gate)
+    return out
+
+
+def with_gate_power(results: list, powers: Mapping[str, GatePower]) -> list:
+    """Gate results (any family) with the power figure recorded under their gate name; verdicts unchanged."""
+    return [r if (p := powers.get(r.name)) is None else
+            replace(r, harmless_pass=p.harmless_pass, refusal80_drop=p.refusal80_drop, underpowered=p.underpowered)
+            for r in results]
 
 
 def recorded_flip_rates(client, run_id: str) -> dict[str, float]:
@@ -328,18 +427,20 @@ def power_cell(result) -> str:
     if result.harmless_pass is None:
         return "—"
     label = " **underpowered**" if result.underpowered else ""
-    return f"{result.harmless_pass:.2f} / {result.refusal80_drop:.3g}{label}"
+    refused = result.refusal80_drop
+    return f"{result.harmless_pass:.2f} / {'—' if refused is None or math.isnan(refused) else f'{refused:.3g}'}{label}"
 
 
 def family_line(results: Sequence) -> str:
     """The report's line on power: the family's harmless-pass probability and the underpowered gates."""
     gates = [r for r in results if r.harmless_pass is not None]
     if not gates:
-        return "power: no task gate with a recorded n"
+        return "power: no gate with a recorded n"
     weak = [f"`{r.name}`" for r in gates if r.underpowered]
-    line = (f"power (column: P(a variant equal to the baseline passes) / the drop refused with "
-            f"{REFUSAL_POWER:.0%} probability): a harmless variant passes all {len(gates)} task gates with "
-            f"probability {math.prod(r.harmless_pass for r in gates):.3f} (gates independent)")
+    line = (f"power (column: P(pass) / the effect refused with {REFUSAL_POWER:.0%} probability; tasks, safety, "
+            f"long context: a variant equal to the baseline; fidelity, speed: at the measured effect, docs/gates.md "
+            f"\"Power\"): all {len(gates)} gates with a figure pass together with probability "
+            f"{math.prod(r.harmless_pass for r in gates):.3f} (gates independent)")
     return line + (f"; underpowered (reported, never blocks): {', '.join(weak)}" if weak else "")
 
 
