@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 from uuid import UUID
@@ -115,9 +115,21 @@ def current_user() -> str:
     return settings.user()
 
 
-def auto_decision(candidates: list[str]) -> Decision:
-    """`--approve auto`: every variant whose gates all passed is approved, nothing else."""
-    return Decision({v: True for v in candidates}, AUTO_APPROVER, "auto-approved: every release gate passed")
+def auto_decision(candidates: list[str], blind: Mapping[str, Sequence[str]] | None = None) -> Decision:
+    """`--approve auto`: every variant whose gates all passed is approved, nothing else. `blind`: each
+    candidate's uninformative gates (reported, not blocking): the rule is unchanged, but the words say that
+    those gates passed only because they could not have failed, and that a person must judge them."""
+    return Decision({v: True for v in candidates}, AUTO_APPROVER, auto_comment(candidates, blind or {}))
+
+
+def auto_comment(candidates: Sequence[str], blind: Mapping[str, Sequence[str]]) -> str:
+    unjudged = {v: list(blind.get(v) or []) for v in candidates if blind.get(v)}
+    if not unjudged:
+        return "auto-approved: every release gate passed"
+    count = sum(len(g) for g in unjudged.values())
+    which = "; ".join(f"{v}: {', '.join(g)}" for v, g in unjudged.items())
+    return (f"auto-approved: gates passed, with {count} uninformative gate{'s' if count > 1 else ''} a person "
+            f"must judge ({which})")
 
 
 def decide(candidates: list[str], answer: ApprovalInput, offered: Sequence[Offer] = ()) -> Decision:

@@ -20,7 +20,7 @@ def approve_variants(summary: ReleaseSummary, candidates: list[str], mode: str, 
             r.decision = undecided(r)
         return Decision({}, "", "")
     if mode == "auto":
-        decision = auto_decision(candidates)
+        decision = auto_decision(candidates, {r.name: r.gates_uninformative for r in summary.rows[1:]})
     else:
         with stage(f"waiting for approval of {', '.join(candidates + [o.variant for o in offered])}"):
             report = records.approval_report(summary)

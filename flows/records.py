@@ -16,6 +16,7 @@ from gates.evidence.manifest import ERROR_TAG
 from gates.evidence.manifest import write_evidence as write_manifest
 from gates.evidence.signing import load_private_key
 from gates.judging.gate_report import render_markdown
+from gates.records import run_notes as notes
 from gates.records.evaluation import read_evaluation
 from gates.records.registry import CHAMPION, resolve_registered_model, set_initial_champion
 from gates.records.registry import aliases as read_aliases
@@ -148,10 +149,22 @@ def log_canary_artifacts(challenger_run_id: str, result: dict[str, Any]) -> None
 
 
 def log_summary(release_run_id: str, summary: ReleaseSummary) -> None:
+    """summary.md/json on the release run, whose description (what the MLflow UI shows first) is the release
+    table; each variant run's description is rewritten with the decision and the aliases it ended with."""
     client = get_client()
-    client.log_text(release_run_id, render_summary(summary), "summary.md")
+    text = render_summary(summary)
+    client.log_text(release_run_id, text, "summary.md")
     client.log_dict(release_run_id, json.loads(json.dumps(summary.as_dict(), default=str)), "summary.json")
     client.set_tag(release_run_id, "quantgate.outcome", summary.outcome[:5000])
+    notes.set_note(client, release_run_id, text)
+    for row in summary.rows:
+        held = tuple(sorted(a for a, v in summary.aliases.items() if row.version and str(v) == str(row.version)))
+        evaluation = read_evaluation(row.run_id, "release", client)
+        if evaluation is None:
+            notes.set_note(client, row.run_id, notes.baseline_note(row.name, summary.machine, row.decision, held))
+            continue
+        metrics = client.get_run(row.run_id).data.metrics
+        notes.set_note(client, row.run_id, notes.variant_note(evaluation, row.name, metrics, row.decision, held))
 
 
 def check_signing_key() -> None:
@@ -170,5 +183,42 @@ def write_evidence(release_run_id: str) -> None:
         tag_release(release_run_id, {ERROR_TAG: f"{type(exc).__name__}: {exc}"[:5000]})
         note(f"EVIDENCE NOT WRITTEN for release {release_run_id}: {exc}")
         return
+    try:
+        describe_versions(release_run_id)
+    except Exception as exc:  # the words are for people; the evidence above is what verify checks
+        note(f"version descriptions not updated for release {release_run_id}: {exc}")
     signed = f"signed with key {written.key_id}" if written.key_id else "unsigned (no QUANTGATE_SIGNING_KEY)"
     note(f"evidence manifest sha256 {written.manifest_sha256[:16]}, {signed}; quantgate verify {release_run_id}")
+
+
+_DESCRIPTION_MAX = 4990  # MLflow keeps 5000 characters of a version's description
+
+
+def version_headline(client, run_id: str, name: str) -> str:
+    """What a registered version's description says first: its verdict and the gates behind it."""
+    evaluation = read_evaluation(run_id, "release", client)
+    if evaluation is None:
+        return f"**REFERENCE**: `{name}` is the baseline every variant of its release was judged against.\n"
+    metrics = client.get_run(run_id).data.metrics
+    lines = [f"**{notes.headline(evaluation)}** (release gates)"]
+    lines += [notes.gate_line(r, metrics) for r in notes.by_attention(evaluation) if not notes.is_clean_pass(r)]
+    return "\n".join(lines) + "\n"
+
+
+def describe_versions(release_run_id: str) -> None:
+    """Each version of the release leads its description (the model card) with its verdict and failing figures,
+    and the release run gets the alias history as readable Markdown (`registry/alias_history.md`)."""
+    from gates.records.registry import alias_history_markdown
+    from gates.records.tracking import TAG_VARIANT, release_children
+
+    client = get_client()
+    registered = None
+    for run in release_children(release_run_id, client):
+        for mv in client.search_model_versions(f"run_id = '{run.info.run_id}'"):
+            registered = mv.name
+            head = version_headline(client, run.info.run_id, run.data.tags.get(TAG_VARIANT, run.info.run_name))
+            card = mv.description or ""
+            room = _DESCRIPTION_MAX - len(card) - 2
+            client.update_model_version(mv.name, mv.version, description=head[:room] + "\n" + card)
+    if registered:
+        client.log_text(release_run_id, alias_history_markdown(registered), "registry/alias_history.md")

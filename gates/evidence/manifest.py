@@ -41,6 +41,7 @@ if TYPE_CHECKING:
 KIND = "quantgate-evidence"
 FORMAT_VERSION = 1
 MANIFEST_PATH = "evidence/manifest.json"
+READABLE_NAME = "manifest.pretty.json"  # beside it: the same JSON indented, not hashed
 SIGNATURE_PATH = "evidence/signature.json"
 CARD_SHA_TAG = "evidence.manifest_sha256"
 CARD_RUN_TAG = "evidence.release_run_id"
@@ -306,6 +307,10 @@ def write_evidence(release_run_id: str, signing_key: Path | None = None,
         folder = Path(tmp) / "evidence"
         folder.mkdir()
         (folder / "manifest.json").write_bytes(payload)
+        # The same manifest indented for people reading it in the MLflow UI; only the canonical bytes above
+        # are hashed, signed and verified (one 256 KB line is unreadable in the artifact viewer).
+        (folder / READABLE_NAME).write_text(json.dumps(manifest, indent=2, sort_keys=True, ensure_ascii=False) + "\n",
+                                            encoding="utf-8")
         record = signature or signing.NO_SIGNATURE
         (folder / "signature.json").write_text(json.dumps(record.as_dict(), indent=2) + "\n")
         client.log_artifacts(release_run_id, str(folder), "evidence")

@@ -60,6 +60,14 @@ def comparison_markdown(release_run_id: str) -> tuple[str, list, dict]:
     return "\n".join(lines) + "\n", variants, (baseline.data.metrics if baseline else {})
 
 
+def _results(run_id: str, client) -> list:
+    """A variant's release gates, for the figure's colours (none when it was never judged)."""
+    from gates.records.evaluation import read_evaluation
+
+    evaluation = read_evaluation(run_id, "release", client)
+    return evaluation.results if evaluation else []
+
+
 def log_release_comparison(release_run_id: str) -> str:
     """Write the side-by-side table and figure onto the release run; returns the Markdown."""
     from gates.records.release_plots import comparison_figure
@@ -70,7 +78,8 @@ def log_release_comparison(release_run_id: str) -> str:
     text, variants, baseline = comparison_markdown(release_run_id)
     client.log_text(release_run_id, text, "comparison/comparison.md")
     named = [(r.data.tags.get(TAG_VARIANT, r.info.run_name), r.data.metrics) for r in variants]
-    client.log_figure(release_run_id, comparison_figure(named, baseline), "comparison/comparison.png")
+    verdicts = {name: _results(r.info.run_id, client) for (name, _), r in zip(named, variants, strict=True)}
+    client.log_figure(release_run_id, comparison_figure(named, baseline, verdicts), "comparison/comparison.png")
     from gates.records.lineage import log_release_lineage
 
     log_release_lineage(client, release_children(release_run_id, client))  # flips tables, dataset inputs

@@ -270,6 +270,22 @@ def rollback(model: str, reason: str = "", by: str | None = None) -> AliasMove:
     return move
 
 
+def alias_history_markdown(model: str) -> str:
+    """The alias moves as a table a person reads (the `alias_history/<seq>` tags are JSON, one per move)."""
+    name = resolve_registered_model(model)
+    current = aliases(name)
+    lines = [f"# Alias history of `{name}`", "",
+             "Now: " + (", ".join(f"**@{a}** → v{v}" for a, v in sorted(current.items())) or "no aliases"), "",
+             "| # | when (UTC) | alias | move | from | to | by | reason |",
+             "| ---: | --- | --- | --- | --- | --- | --- | --- |"]
+    for m in alias_history(name):
+        reason = m.reason.replace("|", "\\|").replace("\n", " ")
+        lines.append(f"| {m.seq} | {m.at[:19].replace('T', ' ')} | @{m.alias} | {m.kind} | "
+                     f"{'v' + m.previous if m.previous else '—'} | {'v' + m.version if m.version else 'removed'} | "
+                     f"{m.by} | {reason} |")
+    return "\n".join(lines) + "\n"
+
+
 def aliases(model: str) -> dict[str, str]:
     client = get_client()
     return _aliases(client, resolve_registered_model(model, client))
@@ -282,6 +298,7 @@ __all__ = [
     "AliasMove",
     "PromotionRefused",
     "alias_history",
+    "alias_history_markdown",
     "aliases",
     "check_promotable",
     "champion_lineage",
