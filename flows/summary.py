@@ -91,6 +91,13 @@ def _short(value: Any) -> str:
     return f"{value:.4g}" if isinstance(value, float) else str(value)
 
 
+def _alias_text(data: dict[str, Any]) -> str:
+    """`**@champion** → v3 (int8wo)`: which variant each alias now names."""
+    names = {str(row["version"]): row["name"] for row in data["rows"] if row.get("version")}
+    return ", ".join(f"**@{alias}** → v{v}" + (f" ({names[str(v)]})" if str(v) in names else "")
+                     for alias, v in sorted(data["aliases"].items()))
+
+
 def render_markdown(summary) -> str:
     data = summary if isinstance(summary, dict) else summary.as_dict()
     lines = [
@@ -99,6 +106,7 @@ def render_markdown(summary) -> str:
         f"- source sha256 `{data['source_hash'][:16]}`, Prefect flow run `{data['flow_run_id']}`",
         *([f"- note: {DEFAULT_MODEL_NOTE}"] if data.get("model") == DEFAULT_MODEL else []),
         f"- outcome: **{data['outcome']}**",
+        *([f"- registry `{data.get('registered_model', '')}`: {_alias_text(data)}"] if data.get("aliases") else []),
         f"- speeds measured on: {data.get('machine') or 'not recorded'}",
         "",
         "| variant | version | weight MB | gates | decision | run |",

@@ -55,8 +55,13 @@ def is_clean_pass(r: GateResult) -> bool:
 
 
 def by_attention(evaluation: Evaluation) -> list[GateResult]:
-    """Blocking gates first (failures before uninformative), then the rest, by name."""
-    return sorted(evaluation.results, key=lambda r: (r.passed, r.verdict != UNINFORMATIVE, r.name))
+    """Failures first, then blocking uninformative, reported uninformative, underpowered, clean passes."""
+    def rank(r: GateResult) -> int:
+        if r.verdict == UNINFORMATIVE:
+            return 2 if r.passed else 1
+        return 0 if not r.passed else 3 if r.underpowered else 4
+
+    return sorted(evaluation.results, key=lambda r: (rank(r), r.name))
 
 
 def table_rows(evaluation: Evaluation, metrics: dict[str, float]) -> list[dict]:
@@ -91,7 +96,7 @@ def gate_line(r: GateResult, metrics: dict[str, float]) -> str:
     return f"- **`{r.name}`**: {_fig(r.observed)}{ci_text} vs threshold {r.threshold:.4g} → **{label}** — {r.reason}"
 
 
-def headline(evaluation: Evaluation, decision: str = "") -> str:
+def headline(evaluation: Evaluation, decision: str = "", aliases: tuple[str, ...] = ()) -> str:
     """PROMOTED / REFUSED / NEEDS A PERSON / PASSED, in words that agree with the gates."""
     failed = [r for r in evaluation.failed if r.verdict != UNINFORMATIVE]
     blind = evaluation.uninformative
@@ -99,7 +104,7 @@ def headline(evaluation: Evaluation, decision: str = "") -> str:
         return f"REFUSED: {len(failed)} gate{'s' if len(failed) > 1 else ''} failed"
     if not evaluation.passed:
         return f"NEEDS A PERSON: blocked only by {len(evaluation.failed)} uninformative gate(s)"
-    verb = "PROMOTED" if "champion" in decision else "APPROVED" if decision.startswith("approved") else "PASSED"
+    verb = "PROMOTED" if "champion" in aliases else "APPROVED" if decision.startswith("approved") else "PASSED"
     if blind:
         return f"{verb}: gates passed, with {len(blind)} uninformative gate(s) a person must judge"
     return f"{verb}: every gate passed"
@@ -109,7 +114,7 @@ def variant_note(evaluation: Evaluation, name: str, metrics: dict[str, float], d
                  aliases: tuple[str, ...] = ()) -> str:
     """The run's description: the decision, the gates behind it with their figures, the machine, the evidence."""
     stage = evaluation.stage
-    lines = [f"### {name}: {headline(evaluation, ' '.join(aliases) + ' ' + decision)}", ""]
+    lines = [f"### {name}: {headline(evaluation, decision, aliases)}", ""]
     if aliases:
         lines.append(f"- registry alias: **{', '.join(f'@{a}' for a in aliases)}**")
     if decision:
