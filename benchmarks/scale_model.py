@@ -25,7 +25,8 @@ from quantgate.gguf_convert import write_index, write_safetensors
 
 BLOCK_BYTES = 64 << 20  # rows generated and written at a time
 DISK_MARGIN_BYTES = 2 << 30  # left free beyond the model's own bytes (other writers, metadata)
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                    "chat_template.jinja")
 
 
 @dataclass(frozen=True)
@@ -46,7 +47,8 @@ class LlamaShapes:
 
 LLAMA3_8B = LlamaShapes(hidden=4096, layers=32, heads=32, kv_heads=8, intermediate=14336, vocab=128256)
 # The same structure (GQA, untied head, one shard per layer) in ~0.2 MB, for tests.
-TINY_LLAMA = LlamaShapes(hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128, vocab=512, max_positions=256)
+TINY_LLAMA = LlamaShapes(hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128, vocab=512,
+                         max_positions=256)
 
 
 class NotEnoughDiskError(OSError):
@@ -84,8 +86,9 @@ def write_random_llama(out_dir: Path, shapes: LlamaShapes = LLAMA3_8B, seed: int
 def shard_layout(shapes: LlamaShapes) -> dict[str, dict[str, tuple[int, ...]]]:
     """Shard file -> {tensor name: shape}: embeddings, then one shard per decoder layer, then norm + head."""
     h, f, kv = shapes.hidden, shapes.intermediate, shapes.kv_heads * shapes.head_dim
-    layer = {"input_layernorm.weight": (h,), "self_attn.q_proj.weight": (h, h), "self_attn.k_proj.weight": (kv, h),
-             "self_attn.v_proj.weight": (kv, h), "self_attn.o_proj.weight": (h, h),
+    layer = {"input_layernorm.weight": (h,), "self_attn.q_proj.weight": (h, h),
+             "self_attn.k_proj.weight": (kv, h), "self_attn.v_proj.weight": (kv, h),
+             "self_attn.o_proj.weight": (h, h),
              "post_attention_layernorm.weight": (h,), "mlp.gate_proj.weight": (f, h),
              "mlp.up_proj.weight": (f, h), "mlp.down_proj.weight": (h, f)}
     groups = [{"model.embed_tokens.weight": (shapes.vocab, h)}]
@@ -101,8 +104,8 @@ def check_free_disk(out_dir: Path, need: int, margin: int = DISK_MARGIN_BYTES) -
     free = shutil.disk_usage(probe).free
     if free < need + margin:
         raise NotEnoughDiskError(
-            f"writing the model into {out_dir} needs {need / 1e9:.1f} GB plus {margin / 1e9:.1f} GB left free; "
-            f"{probe} has {free / 1e9:.1f} GB free. Free space or choose another directory.")
+            f"writing the model into {out_dir} needs {need / 1e9:.1f} GB plus {margin / 1e9:.1f} GB left "
+            f"free; {probe} has {free / 1e9:.1f} GB free. Free space or choose another directory.")
 
 
 def llama_config(shapes: LlamaShapes) -> Any:
@@ -110,10 +113,13 @@ def llama_config(shapes: LlamaShapes) -> Any:
 
     return LlamaConfig(
         vocab_size=shapes.vocab, hidden_size=shapes.hidden, intermediate_size=shapes.intermediate,
-        num_hidden_layers=shapes.layers, num_attention_heads=shapes.heads, num_key_value_heads=shapes.kv_heads,
+        num_hidden_layers=shapes.layers, num_attention_heads=shapes.heads,
+        num_key_value_heads=shapes.kv_heads,
         head_dim=shapes.head_dim, max_position_embeddings=shapes.max_positions, rms_norm_eps=1e-5,
         rope_parameters={"rope_type": "default", "rope_theta": shapes.rope_theta}, tie_word_embeddings=False,
-        bos_token_id=128000 if shapes.vocab > 128001 else None, eos_token_id=128001 if shapes.vocab > 128001 else None,
+        # Llama-3's <|begin_of_text|> / <|end_of_text|> where the vocabulary has them
+        bos_token_id=128000 if shapes.vocab > 128001 else None,
+        eos_token_id=128001 if shapes.vocab > 128001 else None,
         architectures=["LlamaForCausalLM"], dtype="bfloat16")
 
 

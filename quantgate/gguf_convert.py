@@ -1,4 +1,4 @@
-"""A GGUF file -> a plain HF directory, one tensor at a time, so memory is bounded by the largest tensor.
+"""A GGUF file -> a plain HF directory, one tensor at a time: memory does not grow with the model.
 
 transformers' own GGUF load (`from_pretrained(gguf_file=...)`) dequantizes every tensor into one fp32 state
 dict and then builds the whole model from it: ~11-12 bytes per parameter at peak. Here the GGUF is read by
@@ -6,9 +6,10 @@ mmap (gguf-py's `GGUFReader`), one tensor at a time is dequantized and passed th
 per-tensor processing (`modeling_gguf_pytorch_utils`: the GGUF -> HF name map and the architecture's
 `TensorProcessor`, e.g. Llama's q/k reverse permutation), and its bytes are appended to a safetensors
 shard whose header was written up front (every shape is known beforehand from the model built on the
-meta device). A tensor its processor leaves alone (all but Llama's q/k) goes through in row chunks, so
-even the embedding is never whole in memory; the others are dequantized whole, then processed. config.json, generation_config.json and the tokenizer files are
-what `save_pretrained` of transformers' loaded model writes.
+meta device). A tensor its processor leaves alone (all but Llama's q/k and Gemma's norms) goes through
+in blocks of rows, so even the embedding is never whole in memory; the others are dequantized whole, then
+processed. config.json, generation_config.json and the tokenizer files are what `save_pretrained` of
+transformers' loaded model writes.
 
 The weights are stored as fp32, bit-identical to transformers' fp32 load: a K-quant value is an fp16
 scale times a 4-6 bit code minus an fp16-scaled min, up to ~17 significant bits, and bf16 keeps 8, so a
@@ -135,7 +136,8 @@ def write_safetensors(path: Path, specs: list[tuple[str, str, tuple[int, ...]]],
                 handle.write(view)
                 del view, buffer
             if written != end - begin:
-                raise ValueError(f"{path.name}: {name} came to {written} bytes, its header says {end - begin}")
+                raise ValueError(f"{path.name}: {name} came to {written} bytes, "
+                                 f"its header says {end - begin}")
 
 
 def write_index(out_dir: Path, weight_map: dict[str, str], total_parameters: int, total_size: int) -> None:
@@ -181,9 +183,9 @@ def _check_architecture(reader: GGUFReader, gguf: Path) -> str:
     streamable = sorted(a for a in GGUF_SUPPORTED_ARCHITECTURES if not is_gguf_arch_supported(a)
                         and TENSOR_PROCESSORS.get(a, TensorProcessor).__name__ in _ONE_TO_ONE_PROCESSORS)
     if processor not in _ONE_TO_ONE_PROCESSORS or is_gguf_arch_supported(architecture):
-        raise GGUFConversionError(f"{gguf}: transformers converts GGUF architecture {architecture!r} across "
-                                  f"tensors (fused experts or packed loading), which quantgate does not stream; "
-                                  f"it converts {', '.join(streamable)}")
+        raise GGUFConversionError(f"{gguf}: transformers converts GGUF architecture {architecture!r} "
+                                  f"across tensors (fused experts or packed loading), which quantgate "
+                                  f"does not stream; it converts {', '.join(streamable)}")
     if architecture not in GGUF_SUPPORTED_ARCHITECTURES:
         raise GGUFConversionError(f"{gguf}: transformers cannot convert GGUF architecture {architecture!r}; "
                                   f"quantgate converts {', '.join(streamable)}")
@@ -206,7 +208,8 @@ def _meta_model(gguf: Path) -> tuple[PreTrainedModel, dict[str, Any]]:
         with model_construction(), torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     except ValueError as err:
-        raise GGUFConversionError(f"{gguf}: no causal-LM class for model type {config.model_type!r}: {err}") from err
+        raise GGUFConversionError(
+            f"{gguf}: no causal-LM class for model type {config.model_type!r}: {err}") from err
     # what save_pretrained records of the loaded model
     model.config.dtype = "float32"
     model.config.architectures = [type(model).__name__]

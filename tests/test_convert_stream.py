@@ -74,7 +74,7 @@ def test_streamed_conversion_is_bit_identical_to_todays(default_model_dir, tmp_p
     assert index["metadata"]["total_size"] == sum(t.numel() * 4 for t in ours.values())
     state = load_causal_lm(default_model_dir, dtype=torch.float32).state_dict()  # refuses missing weights
     assert all(_bit_equal(state[name], theirs[name]) for name in theirs)
-    assert torch.equal(state["lm_head.weight"], theirs["model.embed_tokens.weight"])  # tied as transformers ties
+    assert torch.equal(state["lm_head.weight"], theirs["model.embed_tokens.weight"])  # tied
 
 
 def test_shards_fill_up_to_the_cap_in_order():
@@ -92,7 +92,8 @@ def test_an_older_conversion_is_done_again(tmp_path):
     target = tmp_path / "model"
     target.mkdir()
     assert not _current_conversion(target)
-    (target / "quantgate-converted.json").write_text(json.dumps({"source": "x", "note": "dequantized from GGUF"}))
+    old_marker = {"source": "x", "note": "dequantized from GGUF"}
+    (target / "quantgate-converted.json").write_text(json.dumps(old_marker))
     assert not _current_conversion(target)  # the whole-model converter's marker names no converter
     (target / "quantgate-converted.json").write_text("{not json")
     assert not _current_conversion(target)
@@ -155,7 +156,8 @@ def test_random_llama_writes_one_shard_per_layer(tmp_path):
     assert index["model.embed_tokens.weight"] == files[0].name
     assert index["lm_head.weight"] == index["model.norm.weight"] == files[-1].name
     for layer in range(TINY_LLAMA.layers):
-        assert {v for k, v in index.items() if k.startswith(f"model.layers.{layer}.")} == {files[layer + 1].name}
+        in_layer = {v for k, v in index.items() if k.startswith(f"model.layers.{layer}.")}
+        assert in_layer == {files[layer + 1].name}
     assert not list(out.glob("tokenizer*"))
     model = load_causal_lm(out)  # refuses missing weights
     assert model.dtype == torch.bfloat16 and not model.config.tie_word_embeddings
