@@ -11,7 +11,6 @@ writes scale.json and scale.png (peak anon and wall per stage against parameters
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import subprocess
@@ -50,6 +49,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--in-memory-up-to", type=float, default=1e9,
                    help="also time the in-memory build (the old path) for models up to this many parameters")
     p.add_argument("--keep", action="store_true", help="keep the converted models and variants")
+    p.add_argument("--no-load", dest="load", action="store_false", help="skip loading each variant")
     p.add_argument("--out-dir", default=None)
     p.add_argument("--no-plots", dest="plots", action="store_false")
     p.add_argument("--stage", default=None, help=argparse.SUPPRESS)  # internal: run one stage in this process
@@ -71,7 +71,8 @@ def _model_rows(name: str, args: argparse.Namespace, workdir: Path) -> list[dict
     for method in args.methods:
         variant = workdir / f"{name}-{method}"
         rows.append(_row(name, params, f"quantize {method}", "streamed", _watch("quantize", source, variant, method)))
-        rows.append(_row(name, params, f"load {method}", "no copy", _watch("load", variant)))
+        if args.load:
+            rows.append(_row(name, params, f"load {method}", "no copy", _watch("load", variant)))
         if params <= args.in_memory_up_to:
             rows.append(_row(name, params, f"quantize {method}", "in-memory (before)",
                              _watch("in-memory", source, workdir / f"{name}-{method}-old", method)))
@@ -250,53 +251,13 @@ def _convert(target: Path) -> None:
 
 
 def _write_random(target: Path) -> None:
-    """Llama-3-8B's shapes, random bf16 weights, written shard by shard (benchmarks/scale_model.py's
-    `write_random_llama` where it exists, else the small writer below)."""
-    try:
-        from benchmarks.scale_model import write_random_llama
-    except ImportError:
-        write_random_llama = _write_random_llama
+    """Llama-3-8B's shapes, random bf16 weights, written shard by shard (benchmarks/scale_model.py)."""
+    from benchmarks.scale_model import write_random_llama
+
     tmp = target.with_name(f".{target.name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     write_random_llama(tmp)
     tmp.rename(target)
-
-
-LLAMA3_8B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
-             "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
-             "num_key_value_heads": 8, "vocab_size": 128256, "max_position_embeddings": 8192,
-             "rope_theta": 500000.0, "rms_norm_eps": 1e-5, "tie_word_embeddings": False, "dtype": "bfloat16",
-             "bos_token_id": 128000, "eos_token_id": 128001, "hidden_act": "silu"}
-
-
-def _write_random_llama(out: Path, layers_per_shard: int = 4) -> None:
-    """Random N(0, 0.02) bf16 weights of Llama-3-8B's shapes, one ~1.8 GB shard in memory at a time."""
-    import torch
-    from safetensors.torch import save_file
-
-    c = LLAMA3_8B
-    h, f, kv = c["hidden_size"], c["intermediate_size"], c["hidden_size"] // c["num_attention_heads"] * c["num_key_value_heads"]
-    layer = {"self_attn.q_proj.weight": (h, h), "self_attn.k_proj.weight": (kv, h), "self_attn.v_proj.weight": (kv, h),
-             "self_attn.o_proj.weight": (h, h), "mlp.gate_proj.weight": (f, h), "mlp.up_proj.weight": (f, h),
-             "mlp.down_proj.weight": (h, f), "input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,)}
-    shards = [{"model.embed_tokens.weight": (c["vocab_size"], h)}]
-    for first in range(0, c["num_hidden_layers"], layers_per_shard):
-        shards.append({f"model.layers.{i}.{k}": s for i in range(first, first + layers_per_shard) for k, s in layer.items()})
-    shards.append({"model.norm.weight": (h,), "lm_head.weight": (c["vocab_size"], h)})
-    out.mkdir(parents=True, exist_ok=True)
-    gen, weight_map, total = torch.Generator().manual_seed(0), {}, 0
-    for i, shapes in enumerate(shards):
-        name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        tensors = {k: (torch.ones(s) if len(s) == 1 else torch.randn(s, generator=gen) * 0.02).to(torch.bfloat16)
-                   for k, s in shapes.items()}
-        save_file(tensors, str(out / name), metadata={"format": "pt"})
-        total += sum(t.numel() * 2 for t in tensors.values())
-        weight_map |= dict.fromkeys(tensors, name)
-        print(f"wrote {name} ({i + 1}/{len(shards)})", flush=True)
-        del tensors
-    (out / "model.safetensors.index.json").write_text(json.dumps(
-        {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
-    (out / "config.json").write_text(json.dumps(c, indent=1))
 
 
 if __name__ == "__main__":
