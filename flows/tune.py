@@ -9,7 +9,12 @@ evaluate-gates), cached the same way by content hash, so a second run quantizes 
 The first candidate that passes every gate on the search split is confirmed on held-out items (the next
 `limit` items of every task, the next windows of the fidelity text, other long-context keys, fresh speed
 rounds) before it is reported as chosen: picking the first of many candidates that pass on the same items
-favours lucky ones. If the confirmation fails, the search goes on with the next candidate.
+favours lucky ones. If the confirmation fails, the search goes on with the next candidate, and its
+confirmation takes a split no earlier confirmation used (split k: items k*limit .. (k+1)*limit - 1):
+re-using a split that has already turned a candidate away would let the search pick, among many tries,
+one that happens to pass those items. The tasks' items allow at most floor(items / limit) - 1
+confirmations (items: the smallest task of the suites; the fidelity text's windows bound them too); a
+candidate that passes the search split once they are used up is reported `unconfirmed` and never chosen.
 
 MLflow: one parent run (tag `quantgate.tune=search`) with the baseline and a child per candidate carrying
 its gate verdicts; the held-out measurements under a second parent nested in it (`quantgate.tune=held-out`).
@@ -119,23 +124,70 @@ def _judge(parent: str, source: Source, v: Variant, base: Measured, config: Meas
     return run_id, len(ev.results), {r.name: r.reason for r in ev.failed}, measured.metrics.get(M.WEIGHTS_BYTES)
 
 
+def max_confirmations(items: int | None, limit: int) -> int:
+    """Held-out splits a tune may confirm on: floor(items / limit) - 1 (split 0 is the search's); items None
+    (a task whose items cannot be counted): the one held-out split every task with 2 * limit items has."""
+    return 1 if items is None else max(items // limit - 1, 0)
+
+
+def split_items(suites: list[str]) -> int | None:
+    """The items of the smallest task of the suites (None: none could be counted)."""
+    from evals.tasks import resolve_tasks
+    from gates.release_plan import available_items
+
+    counts = [c for c in (available_items(spec) for spec in resolve_tasks(suites)) if c is not None]
+    return min(counts) if counts else None
+
+
+def fidelity_splits(model_path: str, config: MeasureConfig) -> int | None:
+    """Held-out splits the fidelity text allows beside the search's: each split takes the next `chunks` windows
+    (None: no fidelity gate, or the text cannot be counted here)."""
+    if not config.fidelity_chunks:
+        return None
+    try:
+        from transformers import AutoTokenizer
+
+        from evals.fidelity import held_text
+
+        ids = AutoTokenizer.from_pretrained(model_path)(held_text(), add_special_tokens=False).input_ids
+    except (OSError, ValueError):
+        return None
+    return len(ids) // (config.fidelity_chunks * (config.fidelity_chunk_tokens - 1)) - 1
+
+
+def confirmations(model_path: str, config: MeasureConfig, limit: int) -> int:
+    """The held-out splits this tune can confirm on: the tasks' items and the fidelity text both bound them."""
+    bound = max_confirmations(split_items(list(config.suites)), limit)
+    text = fidelity_splits(model_path, config)
+    return bound if text is None else max(min(bound, text), 0)
+
+
 class _HeldOut:
-    """The held-out split's parent run and baseline, opened the first time a candidate needs confirming."""
+    """The held-out splits, each with its own parent run and baseline, opened when a confirmation takes it;
+    `take` hands out each split once (1, 2, ... up to `available`), then None."""
 
-    def __init__(self, tune_id: str, source: Source, config: MeasureConfig, run_config: dict, fresh: bool) -> None:
+    def __init__(self, tune_id: str, source: Source, config: MeasureConfig, run_config: dict, fresh: bool,
+                 available: int) -> None:
         self.tune_id, self.source, self.config, self.run_config, self.fresh = tune_id, source, config, run_config, fresh
-        self.run_id = ""
-        self.base: Measured | None = None
+        self.available = available
+        self.run_ids: list[str] = []  # one per split taken, in order
 
-    def open(self) -> tuple[str, Measured]:
-        if not self.run_id:
-            self.run_id = R.start_release(self.source, {**self.run_config, "split": self.config.split})
-            records.tag_release(self.run_id, {TUNE_TAG: "held-out", "mlflow.parentRunId": self.tune_id,
-                                              "mlflow.runName": f"tune-held-out-{time.strftime('%Y%m%d-%H%M%S')}"})
-            self.base = R._measure(_baseline(self.source), self.config, self.fresh)
-            R.record(self.run_id, self.base, None)
-        assert self.base is not None
-        return self.run_id, self.base
+    @property
+    def run_id(self) -> str:
+        return self.run_ids[0] if self.run_ids else ""
+
+    def take(self) -> tuple[int, str, Measured, MeasureConfig] | None:
+        split = len(self.run_ids) + 1
+        if split > self.available:
+            return None
+        config = replace(self.config, split=split)
+        run_id = R.start_release(self.source, {**self.run_config, "split": split})
+        self.run_ids.append(run_id)
+        records.tag_release(run_id, {TUNE_TAG: "held-out", "mlflow.parentRunId": self.tune_id,
+                                     "mlflow.runName": f"tune-held-out-{split}-{time.strftime('%Y%m%d-%H%M%S')}"})
+        base = R._measure(_baseline(self.source), config, self.fresh)
+        R.record(run_id, base, None)
+        return split, run_id, base, config
 
 
 def _search(source: Source, order: list[recipes.Candidate], rows: dict[str, T.CandidateRow], ctx: dict) -> str | None:
@@ -156,10 +208,19 @@ def _search(source: Source, order: list[recipes.Candidate], rows: dict[str, T.Ca
             row.status = T.FAILED
             note(f"{cand.name}: failed {', '.join(row.gates_failed)}")
             continue
-        note(f"{cand.name}: passed all {row.gates_total} gates on the search items; confirming on held-out items")
-        held_id, held_base = held.open()
+        taken = held.take()
+        if taken is None:
+            row.status = T.UNCONFIRMED
+            row.reason = (f"passed on the search items, but all {held.available} held-out split(s) the tasks' items "
+                          "allow are used by earlier confirmations: not chosen")
+            note(f"{cand.name}: {row.reason}")
+            continue
+        split, held_id, held_base, held_config = taken
+        note(f"{cand.name}: passed all {row.gates_total} gates on the search items; confirming on held-out split "
+             f"{split} of {held.available}")
+        row.held_out_split = split
         row.held_out_run_id, _, row.held_out_gates_failed, _ = _judge(
-            held_id, source, v, held_base, held.config, replace(plan, seed=plan.seed + 1), policy, fresh)
+            held_id, source, v, held_base, held_config, replace(plan, seed=plan.seed + split), policy, fresh)
         if row.held_out_gates_failed:
             row.status = T.HELD_OUT_FAILED
             note(f"{cand.name}: the held-out items failed {', '.join(row.held_out_gates_failed)}: "
@@ -199,8 +260,9 @@ def tune_flow(
     result = T.TuneResult(source.name, model, source.content_hash, opts.objective, pol.source,
                           opts.limit, list(config.suites), tune_id, tracking_uri=tracking_uri())
     rows = {c.name: T.CandidateRow(c.name, _describe(c.recipe), c.kv_cache_dtype, c.weight_bytes) for c in cands}
-    held = _HeldOut(tune_id, source, replace(config, split=1), run_config, fresh)
-    note(f"MLflow tune run {tune_id}: {len(cands)} candidates, {len(refused)} refused before building")
+    held = _HeldOut(tune_id, source, config, run_config, fresh, confirmations(source.path, config, opts.limit))
+    note(f"MLflow tune run {tune_id}: {len(cands)} candidates, {len(refused)} refused before building; "
+         f"{held.available} held-out split(s) for confirmations")
     try:
         for r in refused:
             note(f"{r.name}: refused: {r.reason}")
@@ -213,18 +275,18 @@ def tune_flow(
         result.rows = [rows[c.name] for c in order] + [
             T.CandidateRow(r.name, _describe(recipes.parse(split_variant(r.name)[0])),
                            split_variant(r.name)[1], 0, T.REFUSED, r.reason) for r in refused]
-        result.held_out_run_id = held.run_id
+        result.held_out_run_id, result.held_out_run_ids = held.run_id, list(held.run_ids)
         result.outcome = _outcome(result)
         result.file = str(T.write(result, T.default_file(source.name, source.content_hash)))
         if result_file:
             T.write(result, Path(result_file))
         _log(tune_id, result)
-        if held.run_id:
-            end_release(held.run_id)
+        for run_id in held.run_ids:
+            end_release(run_id)
         end_release(tune_id)
     except BaseException:
-        if held.run_id:
-            end_release(held.run_id, status="FAILED")
+        for run_id in held.run_ids:
+            end_release(run_id, status="FAILED")
         end_release(tune_id, status="FAILED")
         raise
     note(result.outcome)
@@ -240,7 +302,9 @@ def _outcome(result: T.TuneResult) -> str:
     if result.chosen:
         return (f"chosen: {result.chosen} ({result.objective} of the candidates that pass every gate, confirmed on "
                 f"held-out items) after {len(tried)} candidate(s) measured")
-    return f"no candidate passed every gate and its held-out confirmation ({len(tried)} measured)"
+    unconfirmed = [r.name for r in result.rows if r.status == T.UNCONFIRMED]
+    extra = f"; unconfirmed (no unused held-out split left): {', '.join(unconfirmed)}" if unconfirmed else ""
+    return f"no candidate passed every gate and its held-out confirmation ({len(tried)} measured){extra}"
 
 
 def _log(tune_id: str, result: T.TuneResult) -> None:

@@ -16,6 +16,7 @@ REFUSED = "refused"  # not built: its group size does not divide the model, or t
 FAILED = "failed"  # built, measured, judged on the search split: a gate stopped it
 HELD_OUT_FAILED = "held-out failed"  # passed the search split, failed on the held-out items
 CHOSEN = "chosen"  # passed every gate on the search split and again on the held-out items
+UNCONFIRMED = "unconfirmed"  # passed the search split, but every held-out split was used: never chosen
 NOT_TRIED = "not tried"  # after the chosen one
 
 
@@ -33,6 +34,7 @@ class CandidateRow:
     gates_failed: dict[str, str] = field(default_factory=dict)  # gate -> reason (search split)
     held_out_run_id: str = ""
     held_out_gates_failed: dict[str, str] | None = None  # None: not confirmed (yet)
+    held_out_split: int | None = None  # the held-out split its confirmation took (each split once)
     speed_score: float | None = None  # objective fastest: geometric mean speed ratio of its layout
 
 
@@ -46,7 +48,8 @@ class TuneResult:
     limit: int
     suites: list[str]
     tune_run_id: str
-    held_out_run_id: str = ""
+    held_out_run_id: str = ""  # the first held-out split's parent run
+    held_out_run_ids: list[str] = field(default_factory=list)  # one parent run per held-out split, in order
     tracking_uri: str = ""
     rows: list[CandidateRow] = field(default_factory=list)
     chosen: str | None = None
@@ -125,6 +128,8 @@ def _status(r: dict[str, Any]) -> str:
     if r["status"] == HELD_OUT_FAILED:
         return (f"passed {r['gates_total']} gates on the search items, failed on the held-out items: "
                 + _gates(r["held_out_gates_failed"] or {}))
+    if r["status"] == UNCONFIRMED:
+        return f"UNCONFIRMED: {r['reason']}"
     if r["status"] == CHOSEN:
         return f"CHOSEN: passed all {r['gates_total']} gates on the search items and again on the held-out items"
     return r["status"]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -97,6 +98,78 @@ def test_candidates_are_ordered_by_size_and_non_dividing_groups_refused(tiny_mod
     assert recipes.parse("int8wo").method == "int8wo"
     with pytest.raises(ValueError, match="unknown quantization method"):
         recipes.parse("int4_foo_g64")
+
+
+def test_confirmations_are_bounded_by_the_items_a_task_has(tiny_model_dir):
+    from types import SimpleNamespace
+
+    from flows.tune import fidelity_splits, max_confirmations, split_items
+
+    assert max_confirmations(235, 75) == 2 and max_confirmations(151, 75) == 1 and max_confirmations(149, 75) == 0
+    assert max_confirmations(None, 40) == 1
+    assert split_items(SUITES) >= 151  # facts_mc 235, perplexity's windows: our own tasks hold 151-235 items
+    small = fidelity_splits(str(tiny_model_dir), SimpleNamespace(fidelity_chunks=4, fidelity_chunk_tokens=32))
+    large = fidelity_splits(str(tiny_model_dir), SimpleNamespace(fidelity_chunks=64, fidelity_chunk_tokens=128))
+    assert small > large >= 0  # the held text's windows bound the splits too
+    assert fidelity_splits(str(tiny_model_dir), SimpleNamespace(fidelity_chunks=0, fidelity_chunk_tokens=32)) is None
+
+
+@dataclass(frozen=True)
+class MeasureConfigStub:
+    split: int = 0
+
+
+def _fake_search(monkeypatch, available: int, held_out_passes: set[str]) -> tuple[str | None, dict, list]:
+    """flows.tune._search over three candidates that all pass the search split, the release's stages faked:
+    each confirmation passes only for the candidates in `held_out_passes`."""
+    from types import SimpleNamespace
+
+    from flows import release, tune
+    from flows import tune_report as T
+
+    @dataclass(frozen=True)
+    class Plan:
+        seed: int = 0
+
+    splits_measured, runs = [], iter(f"held-{i}" for i in range(1, 10))
+    monkeypatch.setattr(release, "start_release", lambda source, cfg: next(runs))
+    monkeypatch.setattr(tune.records, "tag_release", lambda run_id, tags: None)
+    monkeypatch.setattr(release, "_measure", lambda v, config, fresh: splits_measured.append(config.split) or "base")
+    monkeypatch.setattr(release, "record", lambda *a, **k: ("r", None))
+    monkeypatch.setattr(tune, "_variant", lambda source, name, fresh: SimpleNamespace(name=name))
+    monkeypatch.setattr(tune, "_baseline", lambda source: "baseline")
+
+    def judge(parent, source, v, base, config, plan, policy, fresh):
+        if parent == "tune":
+            return f"search-{v.name}", 5, {}, 1.0
+        assert plan.seed == config.split  # fresh speed rounds per split
+        return f"{parent}-{v.name}", 5, ({} if v.name in held_out_passes else {"g": "crafted"}), 1.0
+
+    monkeypatch.setattr(tune, "_judge", judge)
+    names = ["a", "b", "c"]
+    rows = {n: T.CandidateRow(n, "m", "auto", 1) for n in names}
+    held = tune._HeldOut("tune", None, MeasureConfigStub(), {}, False, available)
+    ctx = {"tune_id": "tune", "base": "base", "config": None, "plan": Plan(), "policy": None, "fresh": False,
+           "held": held}
+    chosen = tune._search(None, [SimpleNamespace(name=n, weight_bytes=1) for n in names], rows, ctx)
+    return chosen, rows, splits_measured
+
+
+def test_each_confirmation_takes_an_unused_split_and_none_left_is_unconfirmed(monkeypatch):
+    from flows import tune_report as T
+
+    chosen, rows, splits = _fake_search(monkeypatch, 2, {"b", "c"})
+    assert chosen == "b" and splits == [1, 2]  # a failed on split 1; b confirmed on split 2, not on split 1 again
+    assert rows["a"].status == T.HELD_OUT_FAILED and rows["a"].held_out_split == 1
+    assert rows["b"].status == T.CHOSEN and rows["b"].held_out_split == 2 and rows["b"].held_out_run_id == "held-2-b"
+    assert rows["c"].status == T.NOT_TRIED
+
+    chosen, rows, splits = _fake_search(monkeypatch, 1, {"b", "c"})
+    assert chosen is None and splits == [1]  # b and c passed the search split, but no unused split is left
+    assert rows["a"].status == T.HELD_OUT_FAILED
+    assert rows["b"].status == rows["c"].status == T.UNCONFIRMED and rows["b"].held_out_run_id == ""
+    assert "held-out split(s)" in rows["b"].reason
+    assert "UNCONFIRMED" in T._status(vars(rows["b"]))
 
 
 def test_bad_options_fail_before_anything_runs(policies):
