@@ -164,7 +164,8 @@ def log_summary(release_run_id: str, summary: ReleaseSummary) -> None:
             notes.set_note(client, row.run_id, notes.baseline_note(row.name, summary.machine, row.decision, held))
             continue
         metrics = client.get_run(row.run_id).data.metrics
-        notes.set_note(client, row.run_id, notes.variant_note(evaluation, row.name, metrics, row.decision, held))
+        dtypes = notes.dtype_line(client, row.run_id, evaluation.extra.get("machine", ""))
+        notes.set_note(client, row.run_id, notes.variant_note(evaluation, row.name, metrics, row.decision, held, dtypes))
 
 
 def check_signing_key() -> None:
@@ -202,6 +203,7 @@ def version_headline(client, run_id: str, name: str) -> str:
     metrics = client.get_run(run_id).data.metrics
     lines = [f"**{notes.headline(evaluation)}** (release gates)"]
     lines += [notes.gate_line(r, metrics) for r in notes.by_attention(evaluation) if not notes.is_clean_pass(r)]
+    lines += [line for line in [notes.dtype_line(client, run_id, evaluation.extra.get("machine", ""))] if line]
     return "\n".join(lines) + "\n"
 
 

@@ -107,7 +107,9 @@ def render_markdown(summary) -> str:
         *([f"- note: {DEFAULT_MODEL_NOTE}"] if data.get("model") == DEFAULT_MODEL else []),
         f"- outcome: **{data['outcome']}**",
         *([f"- registry `{data.get('registered_model', '')}`: {_alias_text(data)}"] if data.get("aliases") else []),
-        f"- speeds measured on: {data.get('machine') or 'not recorded'}",
+        f"- speeds measured on: {data.get('machine') or 'not recorded'}"
+        + (" (that dtype is what the engine computes in; what each variant stores is in its run's description)"
+           if data.get("machine") else ""),
         "",
         "| variant | version | weight MB | gates | decision | run |",
         "| --- | --- | ---: | --- | --- | --- |",

@@ -126,3 +126,18 @@ def test_auto_approval_names_the_gates_nobody_could_judge():
     assert blind.approved == {"int8": True, "nf4": True}  # the rule is unchanged: only the words differ
     assert blind.comment.startswith("auto-approved: gates passed, with 2 uninformative gates a person must judge")
     assert "int8: task/harmbench/max_drop" in blind.comment
+
+
+def test_storage_and_compute_dtypes_are_named_apart(tmp_path):
+    import json
+
+    class Client:  # what dtype_line reads: the variant's recorded quantgate.json
+        def download_artifacts(self, run_id, path, dst):
+            target = tmp_path / "quantgate.json"
+            target.write_text(json.dumps({"options": {"dtype": "float32"},
+                                          "weight_bytes_by_dtype": {"I8": 1, "F32": 2}}))
+            return str(target)
+
+    line = N.dtype_line(Client(), "r", "Xeon (amx), 2 threads, bfloat16 on cpu, kernel path x")
+    assert line == ("- dtypes: weights stored as F32, I8 (the recipe's unquantized tensors: float32); "
+                    "computed in bfloat16 (the serving engine's)")

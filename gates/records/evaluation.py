@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import datetime as dt
 from collections.abc import Mapping
-from dataclasses import asdict, fields
+from dataclasses import asdict, fields, replace
 from typing import TYPE_CHECKING
 
 from gates import metric_names as M
@@ -89,7 +89,9 @@ def _record(client: MlflowClient, run, evaluation: Evaluation, policy: Policy, b
     version_tag = "verdict" if stage == "release" else f"{stage}_verdict"
     for mv in client.search_model_versions(f"run_id = '{run_id}'"):
         client.set_model_version_tag(mv.name, mv.version, version_tag, verdict)
-    notes.set_note(client, run_id, notes.variant_note(evaluation, run.info.run_name or run_id, run.data.metrics))
+    dtypes = notes.dtype_line(client, run_id, evaluation.extra.get("machine", ""))
+    notes.set_note(client, run_id, notes.variant_note(evaluation, run.info.run_name or run_id, run.data.metrics,
+                                                      dtypes=dtypes))
     client.set_tag(run_id, M.stage_tag(stage, "verdict"), verdict)
 
 
@@ -170,7 +172,8 @@ def read_evaluation(run_id: str, stage: str = "release", client: MlflowClient | 
     extra = {"verdict": tags[M.stage_tag(stage, "verdict")], "machine": tags.get(M.MACHINE_TAG, "")}
     data = _read_json(client, run_id, stage)
     if data is not None:
-        results = [GateResult(**{k: v for k, v in r.items() if k in _RESULT_FIELDS}) for r in data["results"]]
+        results = [_with_tags(GateResult(**{k: v for k, v in r.items() if k in _RESULT_FIELDS}), tags)
+                   for r in data["results"]]
         return Evaluation(run_id=run_id, stage=stage, results=results, evaluated_at=data.get("evaluated_at", ""),
                           policy_sha256=data.get("policy_sha256", ""), policy_source=data.get("policy_source", ""),
                           baseline_run_id=data.get("baseline_run_id", ""), extra=extra)
@@ -178,6 +181,21 @@ def read_evaluation(run_id: str, stage: str = "release", client: MlflowClient | 
 
 
 _RESULT_FIELDS = {f.name for f in fields(GateResult)}
+
+
+def _with_tags(result: GateResult, tags: Mapping[str, str]) -> GateResult:
+    """A gate as gates.json recorded it, with whatever its filterable tags say on top: a tag changed after the
+    evaluation changes what is read, so `quantgate verify` sees it disagree with the manifest."""
+    key = lambda f: M.gate_key(result.name, f)  # noqa: E731
+    if not any(key(f) in tags for f in ("verdict", "blocks", "observed", "underpowered")):
+        return result
+    verdict = tags.get(key("verdict"), result.verdict)
+    blocks = tags.get(key("blocks"), "false" if result.passed else "true")
+    observed = tags.get(key("observed"))
+    return replace(result, verdict=verdict,
+                   passed=verdict == "pass" or (verdict == UNINFORMATIVE and blocks == "false"),
+                   observed=result.observed if observed is None else None if observed == NOT_MEASURED else float(observed),
+                   underpowered=tags.get(key("underpowered"), str(result.underpowered).lower()) == "true")
 
 
 def _read_json(client: MlflowClient, run_id: str, stage: str) -> dict | None:

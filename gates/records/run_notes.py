@@ -8,6 +8,8 @@ measured on, and where the evidence is. The release run's note is the release ta
 
 from __future__ import annotations
 
+import json
+import re
 from typing import TYPE_CHECKING
 
 from gates import metric_names as M
@@ -111,7 +113,7 @@ def headline(evaluation: Evaluation, decision: str = "", aliases: tuple[str, ...
 
 
 def variant_note(evaluation: Evaluation, name: str, metrics: dict[str, float], decision: str = "",
-                 aliases: tuple[str, ...] = ()) -> str:
+                 aliases: tuple[str, ...] = (), dtypes: str | None = None) -> str:
     """The run's description: the decision, the gates behind it with their figures, the machine, the evidence."""
     stage = evaluation.stage
     lines = [f"### {name}: {headline(evaluation, decision, aliases)}", ""]
@@ -123,7 +125,7 @@ def variant_note(evaluation: Evaluation, name: str, metrics: dict[str, float], d
     lines.append(f"- {stage} gates: {clean}/{total} passed cleanly; the others:")
     notable = [r for r in by_attention(evaluation) if not is_clean_pass(r)]
     lines += [gate_line(r, metrics) for r in notable] or ["- (none)"]
-    lines += ["", f"- measured on: {evaluation.extra.get('machine') or 'not recorded'}",
+    lines += ["", f"- measured on: {evaluation.extra.get('machine') or 'not recorded'}", *([dtypes] if dtypes else []),
               f"- evidence: Artifacts → `gates/{stage}/gates.md` (every gate), `gates/{stage}/{GATES_TABLE}` "
               f"(sortable), `gates/{stage}/task_deltas.png`, `gates/{stage}/speed.png`; policy sha256 "
               f"`{evaluation.policy_sha256[:12]}`"]
@@ -140,6 +142,36 @@ def baseline_note(name: str, machine: str, decision: str = "", aliases: tuple[st
         lines.append(f"- decision: {decision}")
     lines.append(f"- measured on: {machine or 'not recorded'}")
     return "\n".join(lines) + "\n"
+
+
+_COMPUTE_RE = re.compile(r"\b(float32|bfloat16|float16|float64)\b on ")
+
+
+def dtype_line(client: MlflowClient, run_id: str, machine: str) -> str | None:
+    """Storage and compute dtypes named apart: the recipe's `dtype` is what the unquantized tensors are stored
+    in (and what the tables by dtype count); the machine line's dtype is what the engine computes in."""
+    manifest = _variant_manifest(client, run_id)
+    storage = ((manifest or {}).get("options") or {}).get("dtype")
+    by_dtype = ", ".join(sorted((manifest or {}).get("weight_bytes_by_dtype") or {}))
+    compute = _COMPUTE_RE.search(machine or "")
+    if not storage and not compute:
+        return None
+    stored = f"weights stored as {by_dtype or '?'} (the recipe's unquantized tensors: {storage or '?'})"
+    return f"- dtypes: {stored}; computed in {compute.group(1) if compute else '?'} (the serving engine's)"
+
+
+def _variant_manifest(client: MlflowClient, run_id: str) -> dict | None:
+    import tempfile
+
+    from mlflow.exceptions import MlflowException
+
+    with tempfile.TemporaryDirectory(prefix="quantgate-note-") as tmp:
+        try:
+            path = client.download_artifacts(run_id, "variant/quantgate.json", tmp)
+        except (MlflowException, OSError):
+            return None
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
 
 
 def set_note(client: MlflowClient, run_id: str, text: str) -> None:
