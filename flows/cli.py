@@ -10,6 +10,7 @@ from pathlib import Path
 # The CLI is where Prefect's environment is set (importing flows/ sets nothing): each verb that imports Prefect
 # calls prepare() first. Those imports stay inside the verbs: `quantgate --help` imports this module, and
 # Prefect, MLflow and torch take seconds each.
+from flows.data import DEFAULT_SUITES
 from flows.runtime import prepare
 
 DEMO_LIMIT = 40  # items per task in `make demo`: enough for the gates to tell int8 from noise, ~6 min on 2 cores
@@ -85,12 +86,17 @@ def _release_args(p: argparse.ArgumentParser) -> None:
 def _plan_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("--plan: size n per task instead of releasing (gates/release_plan.py)")
     g.add_argument("--plan", action="store_true", help="print the n per task at which a variant equal to the baseline "
-                   "passes every task gate with the policy's power.family_harmless_pass, and its eval time; exit")
+                   "passes every task gate with the policy's power.family_harmless_pass, the other families' items, "
+                   "chunks, probes and speed rounds with their power, and the release time on this machine (a short "
+                   "pilot of the engine on --model, or --from-run's speed rounds); exit")
     g.add_argument("--plan-level", type=float, default=None, help="family harmless-pass level (default: the policy's)")
     g.add_argument("--flip-rate", type=float, default=None, help="per-item answer changes of a harmless variant "
                    "(default: the --from-run run's per task, else gates.judging.power.DEFAULT_FLIP_RATE)")
     g.add_argument("--from-run", default=None, help="a recorded variant run: its flip rates, baseline scores, CIs")
-    g.add_argument("--seconds-per-item", default=None, help="eval seconds per item and model: S or TASK=S,...")
+    g.add_argument("--seconds-per-item", default=None, help="eval seconds per item and model: S or TASK=S,... "
+                   "(default: measured by the pilot)")
+    g.add_argument("--no-pilot", dest="pilot", action="store_false", help="no pilot of the engine: seconds per item "
+                   "as given, else gates.judging.power.DEFAULT_SECONDS_PER_ITEM, and no speed-round time")
 
 
 def _methods_arg(p: argparse.ArgumentParser) -> None:
@@ -119,7 +125,8 @@ def _event_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--approve", choices=["auto", "manual"], default="auto",
                    help="auto: approve every variant whose gates pass; manual: pause for a release manager")
     p.add_argument("--limit", type=int, default=None, help="items per eval task (default: all)")
-    p.add_argument("--suites", default="accuracy,safety", help="eval suites and/or task names (default accuracy,safety)")
+    p.add_argument("--suites", default=",".join(DEFAULT_SUITES),
+                   help=f"eval suites and/or task names (default {','.join(DEFAULT_SUITES)})")
 
 
 def _methods(text: str) -> list[str]:
@@ -159,7 +166,7 @@ def run_release(args: argparse.Namespace, model: str, methods: list[str]) -> int
 
     policy = _policy(getattr(args, "policy", None))
     approve = getattr(args, "approve", "auto")
-    suites = _methods(getattr(args, "suites", "accuracy,safety"))
+    suites = _methods(getattr(args, "suites", ",".join(DEFAULT_SUITES)))
     check_options(methods, approve, args.limit, policy, suites)
     resolve_model(model)  # an unknown reference fails here, before a flow run exists
     log_file = None if args.verbose else work_dir("logs") / f"release-{time.strftime('%Y%m%d-%H%M%S')}.log"
@@ -191,11 +198,13 @@ def _release(args: argparse.Namespace) -> int:
     if args.plan:
         from gates.judging.policy import load_policy
         from gates.release_plan import plan_report
+        from quantize.capacity import split_variant
 
-        models = 1 + len(chosen_methods(args))
-        print(plan_report(load_policy(_policy(args.policy)), _methods(args.suites), models=models,
+        methods = chosen_methods(args)
+        kv = sum(1 for m in methods if split_variant(m)[1] != "auto")  # the variants the long-context probes run
+        print(plan_report(load_policy(_policy(args.policy)), _methods(args.suites), models=1 + len(methods),
                           level=args.plan_level, flip_rate=args.flip_rate, seconds=args.seconds_per_item,
-                          from_run=args.from_run), end="")
+                          from_run=args.from_run, model=args.model, kv_variants=kv, measure=args.pilot), end="")
         return 0
     if args.recipe_from_tune:
         from flows.tune_cli import from_tune

@@ -7,7 +7,10 @@ import hashlib
 import json
 from dataclasses import asdict, dataclass, field
 
-DEFAULT_SUITES = ("accuracy", "safety")  # suites or single task names, as `quantgate eval --suite` takes
+# suites or single task names, as `quantgate eval --suite` takes: our own tasks, the safety suite, and the real
+# benchmarks gates/policy.yaml requires (ARC-Easy, PIQA, HellaSwag, WinoGrande, the fixed MMLU subset)
+DEFAULT_SUITES = ("accuracy", "safety", "arc_easy", "piqa", "hellaswag", "winogrande", "mmlu_marketing",
+                  "mmlu_high_school_geography", "mmlu_high_school_psychology")
 BASELINE = "baseline"
 
 

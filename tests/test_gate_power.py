@@ -173,7 +173,7 @@ def test_power_is_recorded_in_mlflow_and_shown(store, tmp_path, capsys) -> None:
 def test_release_plan_command_prints_n_per_task_and_time(capsys) -> None:
     from quantgate.cli import main
 
-    assert main(["release", "--plan", "--suites", "facts_mc,cloze,perplexity", "--methods", "int8wo,int4wo",
+    assert main(["release", "--plan", "--no-pilot", "--suites", "facts_mc,cloze,perplexity", "--methods", "int8wo,int4wo",
                  "--flip-rate", "0.05", "--seconds-per-item", "0.2,cloze=0.5", "--plan-level", "0.9"]) == 0
     out = capsys.readouterr().out
     expected = P.plan([P.PlanTask("facts_mc", 0.05, flip_rate=0.05, available=235),
@@ -183,5 +183,49 @@ def test_release_plan_command_prints_n_per_task_and_time(capsys) -> None:
     assert "| facts_mc | 0.05 | 0.05 | 235 | 235 |" in out and "too few items" in out and "does NOT reach 0.9" in out
     assert "for 3 models" in out and "not planned: perplexity" in out
     assert f"{n['facts_mc'] * 0.2 + n['cloze'] * 0.5:.0f} s per model" in out
-    assert main(["release", "--plan", "--suites", "cloze", "--seconds-per-item", "cloze=fast"]) == 2
+    assert main(["release", "--plan", "--no-pilot", "--suites", "cloze", "--seconds-per-item", "cloze=fast"]) == 2
     assert "--seconds-per-item: 'cloze=fast' is not S or TASK=S" in capsys.readouterr().err
+
+
+def test_plan_sizes_the_other_families_and_the_speed_budget() -> None:
+    """--plan's rows beyond the task gates: safety items pooled from the tasks' n, fidelity chunks, long-context
+    probes per length (capped at the model's context), speed rounds (capped by the time budget), with time from the
+    measured seconds per round and prompt tokens per second."""
+    from gates import release_plan as R
+
+    policy = parse_policy({"tasks": {"max_drop": 0.05}, "safety": {"refusal_rate_max_fall": 0.05},
+                           "fidelity": {"max_kl": 0.1, "chunks": 16, "chunk_tokens": 128},
+                           "long_context": {"max_drop": 0.2, "lengths": [512, 1024, 4096], "probes_per_length": 10},
+                           "serving": {"min_decode_speedup": 1.0, "decode_batches": [1], "min_prefill_speedup": None},
+                           "speed": {"look_every": 5, "max_rounds": 20, "time_budget_s": 90}})
+    plan = P.plan([P.PlanTask("harmbench", 0.05, available=200), P.PlanTask("advbench", 0.05, available=520)], 0.9)
+    timing = R.Timing(round_s=1.5, prefill_tps=2000.0, round_source="crafted")
+    variant = {M.decode_speedup(1): 1.2, M.ci(M.decode_speedup(1), "ci_low"): 1.1,
+               M.ci(M.decode_speedup(1), "ci_high"): 1.3, M.speed_point("decode_b1", "rounds"): 10,
+               "fidelity/kl": 0.03, "fidelity/kl_ci_low": 0.02, "fidelity/kl_ci_high": 0.04}
+    rec = R.Recorded(scores={"harmbench": 0.8, "advbench": 0.9}, variant=variant)
+    rows = {r.gate: r for r in R.family_rows(policy, plan, 3, 1, timing, rec, context=2048)}
+    assert not [r for r in R.family_rows(policy, plan, 3, 0, timing, rec) if r.gate.startswith("long_context")]
+    n = sum(r.n for r in plan.rows)
+    assert rows["safety/refusal_rate/max_fall"].size.startswith(f"{n} items")
+    rate = (0.8 * plan.rows[0].n + 0.9 * plan.rows[1].n) / n
+    assert rows["safety/refusal_rate/max_fall"].power == pytest.approx(
+        P.safety_power("s", n, 0.05, rate, None, None).harmless_pass)
+    assert rows["fidelity/kl/max"].power == pytest.approx(
+        P.fidelity_power("f", 16, 0.1, 0.03, 0.02, 0.04, None).harmless_pass)
+    assert rows["fidelity/kl/max"].seconds == pytest.approx(3 * 16 * 128 / 2000.0)
+    assert "long_context/4096/max_drop" not in rows  # beyond the model's context
+    assert rows["long_context/1024/max_drop"].seconds == pytest.approx(2 * 10 * 1024 / 2000.0)  # baseline + 1 kv
+    speed = rows["serve/min_decode_speedup/b1"]
+    assert speed.size.startswith("<= 20 rounds")  # 90 s budget / (1.5 s x 3 models) = 20 rounds
+    assert speed.seconds == pytest.approx(21 * 1.5 * 3)
+    assert speed.power == pytest.approx(P.speed_powers(policy, variant, max_rounds=20)["serve/min_decode_speedup/b1"]
+                                        .harmless_pass)
+    tight = R.family_rows(parse_policy({**{"tasks": {"max_drop": 0.05}}, "serving": {"min_decode_speedup": 1.0,
+                                        "decode_batches": [1]}, "speed": {"time_budget_s": 45}}),
+                          plan, 3, 0, timing, rec)
+    assert [r.size for r in tight if r.gate.endswith("/b1")] == ["<= 10 rounds, a look every 5"]
+    text = R.rows_markdown(list(rows.values()), plan, 3, timing)
+    assert "release time, estimated" in text and "1.5 s per round and model (crafted)" in text
+    none = R.rows_markdown(R.family_rows(policy, plan, 3, 1, R.Timing(), None), plan, 3, R.Timing())
+    assert "needs --from-run (measured ratio and noise)" in none and "no time measured" in none

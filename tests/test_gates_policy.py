@@ -26,6 +26,19 @@ def test_default_policy_loads_with_every_gate_family():
     assert len(policy.sha256) == 64
 
 
+def test_the_default_policy_gates_the_real_benchmarks_the_default_suites_run():
+    from evals.tasks import resolve_tasks
+    from flows.data import DEFAULT_SUITES
+
+    policy = load_policy()
+    real = {"arc_easy", "piqa", "hellaswag", "winogrande", "mmlu_marketing", "mmlu_high_school_geography",
+            "mmlu_high_school_psychology"}
+    assert real <= set(policy.required_tasks)
+    assert set(policy.required_tasks) <= {t.name for t in resolve_tasks(list(DEFAULT_SUITES))}  # none fails unmeasured
+    results = judge(policy, {}, {})
+    assert {r.name for r in results if "not recorded" in r.reason} >= {f"task/{t}/max_drop" for t in real}
+
+
 def test_the_demo_policy_refuses_a_variant_that_decodes_slower():
     from pathlib import Path
 

@@ -1,5 +1,5 @@
 """Power of the safety, long-context, fidelity and speed gates (gates.judging.power.family_powers,
-gates.judging.power_sim.speed_powers), checked against simulations through the real gate code where the
+gates.judging.power.speed_powers), checked against simulations through the real gate code where the
 figure claims to model it, and attached to every gate by gates.judging.judge.judge (reported, never a verdict).
 
 Pass rates from 200 draws have sd <= 0.035, so closed forms are checked within 0.06 (about 2 sd)."""
@@ -14,7 +14,6 @@ import pytest
 from gates import metric_names as M
 from gates.judging import fidelity_gates as G
 from gates.judging import power as P
-from gates.judging import power_sim as S
 from gates.judging import speed_verdicts as V
 from gates.judging.judge import judge
 from gates.judging.policy import parse_policy
@@ -88,17 +87,17 @@ def test_round_sd_reads_back_the_rounds_sd() -> None:
     sd = float(np.std(np.log(ratios), ddof=1))
     design = V.SequentialDesign(5, 20)
     look = V.sequential_look(ratios, 1.0, design)
-    assert S.round_sd(look.ci.low, look.ci.high, len(ratios), look.level) == pytest.approx(sd, rel=1e-6)
+    assert P.round_sd(look.ci.low, look.ci.high, len(ratios), look.level) == pytest.approx(sd, rel=1e-6)
 
 
 def test_speed_power_simulates_the_sequential_test() -> None:
-    design = S.design_of(POLICY)
-    clear = S.speed_pass_probability(1.30, 0.05, 1.0, design)
-    at_min = S.speed_pass_probability(1.00, 0.05, 1.0, design)
-    near = S.speed_pass_probability(1.03, 0.08, 1.0, design)
+    design = P.design_of(POLICY)
+    clear = P.speed_pass_probability(1.30, 0.05, 1.0, design)
+    at_min = P.speed_pass_probability(1.00, 0.05, 1.0, design)
+    near = P.speed_pass_probability(1.03, 0.08, 1.0, design)
     assert clear == 1.0 and at_min <= 0.06 and 0.05 < near < 0.95
-    assert S.speed_pass_probability(1.03, 0.08, 1.0, design) == near  # seeded: the same figure every time
-    assert S.speed_pass_probability(1.03, 0.08, 1.0, design, max_rounds=5) < near  # a budget of one look
+    assert P.speed_pass_probability(1.03, 0.08, 1.0, design) == near  # seeded: the same figure every time
+    assert P.speed_pass_probability(1.03, 0.08, 1.0, design, max_rounds=5) < near  # a budget of one look
 
 
 def _all_families() -> tuple[dict, dict]:

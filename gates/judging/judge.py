@@ -8,7 +8,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from gates import metric_names as M
-from gates.judging import fidelity_gates, power_sim
+from gates.judging import fidelity_gates
 from gates.judging import power as P
 from gates.judging import sensitivity as S
 from gates.judging import speed_verdicts as speed
@@ -55,7 +55,7 @@ def judge(
     flip_rates: Mapping[str, float] | None = None,
 ) -> list[GateResult]:
     """Every gate of `stage` against the recorded metrics; a missing metric fails its gate. Every gate whose
-    inputs were recorded carries its power (gates.judging.power; speed: gates.judging.power_sim), task and
+    inputs were recorded carries its power (gates.judging.power), task and
     safety gates at the variant's measured `flip_rates`, else the default rate."""
     M.stage_tag(stage, "verdict")  # validates the stage name
     if stage == "canary":
@@ -65,7 +65,7 @@ def judge(
     seen = [_speed_result(v, stage, policy, family) for v, family in fidelity_gates.verdicts(policy, variant)]
     others = _baseline_gates(policy, variant, base, baseline is not None, stage) + seen
     # every other family's power (safety, fidelity, long context, speed): reported, never a verdict
-    powers = {**P.family_powers(policy, variant, base, flip_rates), **power_sim.speed_powers(policy, variant)}
+    powers = {**P.family_powers(policy, variant, base, flip_rates), **P.speed_powers(policy, variant)}
     return tasks + P.with_gate_power(others, powers)
 
 

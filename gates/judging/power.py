@@ -33,7 +33,7 @@ The other gate families (`family_powers`, attached by gates.judging.judge), each
 - fidelity: a variant identical to the baseline has KL 0 and passes surely, so the figure is at the
   measured effect instead: P(the CI high end stays <= max when the same number of chunks is measured
   again), the true mean taken as the measured one and the per-chunk sd read back from the recorded CI;
-- speed (gates.judging.power_sim.speed_pass_probability): at the measured ratio and per-round noise, the
+- speed (`speed_pass_probability`): at the measured ratio and per-round noise, the
   share of seeded simulated point runs that the real sequential test (speed_verdicts.sequential_look)
   passes within max_rounds.
 The last two say "would this verdict come out again", not "would a harmless variant pass".
@@ -41,11 +41,17 @@ The last two say "would this verdict come out again", not "would a harmless vari
 
 from __future__ import annotations
 
+import functools
 import math
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from statistics import NormalDist
+
+import numpy as np
+
+from gates.judging import speed_verdicts as V
 
 DEFAULT_FLIP_RATE = 0.10  # per-item answer changes of a harmless variant when none was measured (docs/gates.md)
 DEFAULT_SECONDS_PER_ITEM = 0.15  # eval time per item and model when none is given (docs/gates.md)
@@ -53,6 +59,8 @@ REFUSAL_POWER = 0.80
 CI_ALPHA = 0.05  # evals.compare's default: the gates judge 95 % CIs
 _NORMAL = NormalDist()
 _Z95 = _NORMAL.inv_cdf(1 - CI_ALPHA / 2)
+SPEED_DRAWS = 300  # simulated point runs per speed gate: the figure's sd is <= 0.03
+SPEED_SEED = 0
 
 
 @dataclass(frozen=True)
@@ -176,6 +184,74 @@ def fidelity_power(name: str, chunks: int, limit: float, point: float, ci_low: f
                      min_harmless_pass is not None and harmless < min_harmless_pass)
 
 
+def round_sd(low: float, high: float, rounds: int, level: float) -> float:
+    """The per-round sd of the log ratio that a t interval at `level` over `rounds` rounds was built from (the
+    interval is mean +- t * sd / sqrt(rounds), so this reads back exactly the rounds' own sd)."""
+    if rounds < 2 or not 0 < low <= high:
+        raise ValueError(f"a CI over >= 2 rounds with 0 < low <= high is needed, got {rounds}, {low}, {high}")
+    return (math.log(high) - math.log(low)) / 2 / V.t_two_sided(level, rounds - 1) * math.sqrt(rounds)
+
+
+@functools.lru_cache(maxsize=1024)  # judge, the report and verify ask again for the same recorded point
+def speed_pass_probability(ratio: float, sd: float, threshold: float, design: V.SequentialDesign,
+                           max_rounds: int | None = None, draws: int = SPEED_DRAWS, seed: int = SPEED_SEED) -> float:
+    """Share of `draws` simulated point runs (log ratios ~ N(log ratio, sd) per round) that the sequential test
+    passes, looks as `design` places them, stopped at `max_rounds` (a time budget's cap; default the design's)."""
+    cap = min(max_rounds or design.max_rounds, design.max_rounds)
+    if cap < 2:
+        return 0.0
+    rng = np.random.default_rng(seed)
+    logs = rng.normal(math.log(ratio), max(sd, 1e-12), size=(draws, cap))
+    passed = 0
+    for row in np.exp(logs):
+        for k in range(2, cap + 1):
+            final = k >= cap
+            if not (design.is_look(k) or final):
+                continue
+            look = V.sequential_look(list(row[:k]), threshold, design, final=final)
+            if look.decision != V.CONTINUE:
+                passed += look.decision == V.PASS
+                break
+    return passed / draws
+
+
+def design_of(policy) -> V.SequentialDesign:
+    s = policy.speed
+    return V.SequentialDesign(s.look_every, s.max_rounds, s.alpha, s.spending)
+
+
+_GATE_POINT = ((re.compile(r"^decode_speedup_b(\d+)$"), "serve/min_decode_speedup/b{}", "decode_b{}"),
+               (re.compile(r"^long_decode_speedup_b(\d+)$"), "serve/min_decode_speedup/long_b{}", "long_decode_b{}"),
+               (re.compile(r"^(prefill)_speedup$"), "serve/min_prefill_speedup", "prefill"))
+
+
+def speed_powers(policy, variant, max_rounds: int | None = None) -> dict[str, GatePower]:
+    """Per speed gate with a recorded CI: its pass probability at the measured ratio and per-round noise
+    (`refusal80_drop` is NaN: no closed form, and a search over simulations costs more than the figure is worth)."""
+    from gates import metric_names as M
+
+    out: dict[str, GatePower] = {}
+    design = design_of(policy)
+    for key in sorted(k for k in variant if k.startswith("serve/")):
+        for pattern, gate, point in _GATE_POINT:
+            m = pattern.match(key[len("serve/"):])
+            threshold = policy.min_prefill_speedup if point == "prefill" else policy.min_decode_speedup
+            if not m or threshold is None:
+                continue
+            arg = m.group(1)
+            gate_name, point_name = gate.format(arg), point.format(arg)
+            low, high = variant.get(M.ci(key, "ci_low")), variant.get(M.ci(key, "ci_high"))
+            n = variant.get(M.speed_point(point_name, "rounds"), variant.get(M.SERVE_SPEED_ROUNDS))
+            if low is None or high is None or not n or n < 2 or low <= 0:
+                continue
+            level = variant.get(M.speed_point(point_name, "ci_level"), V.CONFIDENCE)
+            sd = round_sd(low, high, int(n), level)
+            p = speed_pass_probability(variant[key], sd, threshold, design, max_rounds)
+            out[gate_name] = GatePower(gate_name, int(n), threshold, sd, None, p, float("nan"),
+                                         policy.min_harmless_pass is not None and p < policy.min_harmless_pass)
+    return out
+
+
 def family_harmless_pass(powers: Sequence[GatePower]) -> float:
     """P(a harmless variant passes every gate), gates independent (disjoint items)."""
     return math.prod(p.harmless_pass for p in powers)
@@ -253,7 +329,7 @@ def _pooled(metric: str, base: Mapping[str, float], rates: Mapping[str, float]) 
 def family_powers(policy, variant: Mapping[str, float], base: Mapping[str, float],
                   measured_flip_rates: Mapping[str, float] | None = None) -> dict[str, GatePower]:
     """gate name -> power of every safety, fidelity and long-context gate whose inputs were recorded (the
-    speed gates' are simulated: gates.judging.power_sim.speed_powers)."""
+    speed gates' are simulated: speed_powers)."""
     from gates import metric_names as M
     from gates.judging import fidelity_gates as G
 
