@@ -157,6 +157,7 @@ def _add_script_benchmarks(verbs: argparse._SubParsersAction) -> None:
         ("isa", "benchmarks.isa_paths", "weight-only linear on every kernel path (avx512, avx2) vs fp32, paired, "
                                         "with the machine's read bandwidth"),
         ("scale", "benchmarks.scale", "peak memory and wall time of convert / quantize / load against parameters"),
+        ("step", "benchmarks.step", "one decode step split into its parts, each beside its bound, per path/variant"),
     ):
         p = verbs.add_parser(name, help=what, add_help=False)  # its options (and --help) are the script's
         p.set_defaults(func=_script, module=module, passes_extra_args=True, script_args=[])
