@@ -18,6 +18,7 @@ def render_markdown(evaluation: Evaluation, title: str) -> str:
         f"- measured on: {evaluation.extra.get('machine') or 'not recorded'}",
         f"- {P.family_line(evaluation.results)}",
         "",
+        *_attention(evaluation),
         "| gate | rule | threshold | observed | verdict | reason | power |",
         "| --- | --- | ---: | ---: | --- | --- | --- |",
     ]
@@ -41,3 +42,16 @@ def _uninformative_line(evaluation: Evaluation) -> str:
         return "every gate could have failed at this baseline and sample size"
     return (f"uninformative (could not have failed at this baseline and sample size; a person must judge "
             f"them): {', '.join(names)}")
+
+
+def _attention(evaluation: Evaluation) -> list[str]:
+    """What stopped the variant, above the full table (the MLflow viewer shows a report in a fixed box: the
+    one FAIL row of a long table was below its fold)."""
+    stopping = [r for r in evaluation.results if not r.passed]
+    if not stopping:
+        return []
+    lines = ["**Stopped by:**", ""]
+    for r in stopping:
+        observed = NOT_MEASURED if r.observed is None else f"{r.observed:.4g}"
+        lines.append(f"- `{r.name}` {verdict_label(r)}: observed {observed}, threshold {r.threshold:.4g} — {r.reason}")
+    return [*lines, ""]
