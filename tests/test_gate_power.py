@@ -229,3 +229,20 @@ def test_plan_sizes_the_other_families_and_the_speed_budget() -> None:
     assert "release time, estimated" in text and "1.5 s per round and model (crafted)" in text
     none = R.rows_markdown(R.family_rows(policy, plan, 3, 1, R.Timing(), None), plan, 3, R.Timing())
     assert "needs --from-run (measured ratio and noise)" in none and "no time measured" in none
+
+
+def test_pilot_measures_seconds_per_item_and_per_round_on_the_engine(tiny_model_dir) -> None:
+    """The pilot --plan runs when no --seconds-per-item is given: the engine on the model, a task at 1 and 3
+    items, one speed round at the policy's points (small ones here: the tiny random Llama)."""
+    from gates import release_plan as R
+
+    policy = parse_policy({"tasks": {"max_drop": 0.05},
+                           "serving": {"min_decode_speedup": 1.0, "decode_batches": [1, 2]},
+                           "speed": {"prefill_tokens": 32, "decode_context": 16, "decode_steps": 4,
+                                     "long_context": None}})
+    timing = R.pilot(str(tiny_model_dir), ["facts_mc"], policy)
+    assert timing.item_s["facts_mc"] > 0 and timing.round_s > 0 and timing.prefill_tps > 0
+    assert "a pilot of 1 and 3 items per task" in timing.source
+    report = R.plan_report(policy, ["facts_mc"], models=2, model=str(tiny_model_dir))
+    assert "measured here: a pilot of 1 and 3 items per task" in report and "0.15 (default" not in report
+    assert "s per round and model (one pilot round of the baseline on" in report
