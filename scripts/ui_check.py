@@ -83,7 +83,9 @@ def find_release(release_id: str | None) -> dict:
             ci = gate_ci(gate.name, run.data.metrics)
             found["refused"] = {"run": run.info.run_id, "name": run.data.tags.get(TAG_VARIANT), "gate": gate.name,
                                 "figure": f"{gate.observed:.4g}" if gate.observed is not None else "not measured",
-                                "ci": f"95 % CI {ci[0]:.4g} to {ci[1]:.4g}" if ci else None}
+                                "ci": f"95 % CI {ci[0]:.4g} to {ci[1]:.4g}" if ci else None,
+                                "speed_plot": any(f.path.endswith("speed.png")
+                                                  for f in client.list_artifacts(run.info.run_id, "gates/release"))}
     aliases = client.get_registered_model(found["model"]).aliases
     found["champion"] = str(aliases.get("champion")) if aliases.get("champion") else None
     return found
@@ -148,8 +150,9 @@ def run_checks(base: str, found: dict, out: Path, chromium: str) -> list[str]:
     if refused:
         expect = [f"{refused['name']}: REFUSED", refused["gate"], refused["figure"], *([refused["ci"]] if refused["ci"] else [])]
         pages.append(("mlflow_refused_note", f"#/experiments/{exp}/runs/{refused['run']}?{ML_VIEW}", "REFUSED", expect))
-        pages.append(("mlflow_refused_speed", f"#/experiments/{exp}/runs/{refused['run']}/artifacts/gates/release/"
-                      f"speed.png?{ML_VIEW}", "speed.png", []))
+        if refused["speed_plot"]:
+            pages.append(("mlflow_refused_speed", f"#/experiments/{exp}/runs/{refused['run']}/artifacts/gates/"
+                          f"release/speed.png?{ML_VIEW}", "speed.png", []))
     pages.append(("mlflow_registry_versions", f"#/models/{found['model']}?{ML_VIEW}", "champion", ["champion"]))
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=chromium, args=["--no-sandbox", "--headless=new"])

@@ -116,15 +116,16 @@ def variant_note(evaluation: Evaluation, name: str, metrics: dict[str, float], d
                  aliases: tuple[str, ...] = (), dtypes: str | None = None) -> str:
     """The run's description: the decision, the gates behind it with their figures, the machine, the evidence."""
     stage = evaluation.stage
+    # The UI folds a description after a few lines: the headline and the stopping gates come first.
     lines = [f"### {name}: {headline(evaluation, decision, aliases)}", ""]
+    notable = [r for r in by_attention(evaluation) if not is_clean_pass(r)]
+    lines += [gate_line(r, metrics) for r in notable]
     if aliases:
         lines.append(f"- registry alias: **{', '.join(f'@{a}' for a in aliases)}**")
     if decision:
         lines.append(f"- decision: {decision}")
     total, clean = len(evaluation.results), sum(is_clean_pass(r) for r in evaluation.results)
-    lines.append(f"- {stage} gates: {clean}/{total} passed cleanly; the others:")
-    notable = [r for r in by_attention(evaluation) if not is_clean_pass(r)]
-    lines += [gate_line(r, metrics) for r in notable] or ["- (none)"]
+    lines.append(f"- {stage} gates: {clean}/{total} passed cleanly" + (", the others above" if notable else ""))
     lines += ["", f"- measured on: {evaluation.extra.get('machine') or 'not recorded'}", *([dtypes] if dtypes else []),
               f"- evidence: Artifacts → `gates/{stage}/gates.md` (every gate), `gates/{stage}/{GATES_TABLE}` "
               f"(sortable), `gates/{stage}/task_deltas.png`, `gates/{stage}/speed.png`; policy sha256 "
