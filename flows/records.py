@@ -156,7 +156,7 @@ def log_summary(release_run_id: str, summary: ReleaseSummary) -> None:
     client.log_text(release_run_id, text, "summary.md")
     client.log_dict(release_run_id, json.loads(json.dumps(summary.as_dict(), default=str)), "summary.json")
     client.set_tag(release_run_id, "quantgate.outcome", summary.outcome[:5000])
-    notes.set_note(client, release_run_id, text)
+    notes.set_note(client, release_run_id, release_note(summary, text))
     for row in summary.rows:
         held = tuple(sorted(a for a, v in summary.aliases.items() if row.version and str(v) == str(row.version)))
         evaluation = read_evaluation(row.run_id, "release", client)
@@ -166,6 +166,18 @@ def log_summary(release_run_id: str, summary: ReleaseSummary) -> None:
         metrics = client.get_run(row.run_id).data.metrics
         dtypes = notes.dtype_line(client, row.run_id, evaluation.extra.get("machine", ""))
         notes.set_note(client, row.run_id, notes.variant_note(evaluation, row.name, metrics, row.decision, held, dtypes))
+
+
+def release_note(summary: ReleaseSummary, table: str) -> str:
+    """The release run's description: the outcome and where each alias points (above the UI's fold), then the
+    release table (summary.md without its title)."""
+    by_version = {str(r.version): r.name for r in summary.rows if r.version}
+    held = ", ".join(f"**@{a}** → v{v}" + (f" ({by_version[str(v)]})" if str(v) in by_version else "")
+                     for a, v in sorted(summary.aliases.items())) or "no aliases"
+    refused = [f"{r.name} ({', '.join(r.gates_failed)})" for r in summary.rows[1:] if r.gates_passed is False]
+    lines = [f"**Release of {summary.model}: {summary.outcome}**", "",
+             f"- registry: {held}" + (f"; refused: {'; '.join(refused)}" if refused else "")]
+    return "\n".join(lines) + "\n\n" + table.split("\n", 2)[2]
 
 
 def check_signing_key() -> None:
@@ -199,9 +211,9 @@ def version_headline(client, run_id: str, name: str) -> str:
     """What a registered version's description says first: its verdict and the gates behind it."""
     evaluation = read_evaluation(run_id, "release", client)
     if evaluation is None:
-        return f"**REFERENCE**: `{name}` is the baseline every variant of its release was judged against.\n"
+        return f"REFERENCE: `{name}` is the baseline every variant of its release was judged against.\n"
     metrics = client.get_run(run_id).data.metrics
-    lines = [f"**{notes.headline(evaluation)}** (release gates)"]
+    lines = [f"{notes.headline(evaluation)} (release gates)"]  # plain: the versions table shows it raw
     lines += [notes.gate_line(r, metrics) for r in notes.by_attention(evaluation) if not notes.is_clean_pass(r)]
     lines += [line for line in [notes.dtype_line(client, run_id, evaluation.extra.get("machine", ""))] if line]
     return "\n".join(lines) + "\n"
@@ -209,7 +221,8 @@ def version_headline(client, run_id: str, name: str) -> str:
 
 def describe_versions(release_run_id: str) -> None:
     """Each version of the release leads its description (the model card) with its verdict and failing figures,
-    and the release run gets the alias history as readable Markdown (`registry/alias_history.md`)."""
+    and the alias history is readable Markdown (`registry/alias_history.md` on the release run, and the registered
+    model's description)."""
     from gates.records.registry import alias_history_markdown
     from gates.records.tracking import TAG_VARIANT, release_children
 
@@ -223,4 +236,7 @@ def describe_versions(release_run_id: str) -> None:
             room = _DESCRIPTION_MAX - len(card) - 2
             client.update_model_version(mv.name, mv.version, description=head[:room] + "\n" + card)
     if registered:
-        client.log_text(release_run_id, alias_history_markdown(registered), "registry/alias_history.md")
+        history = alias_history_markdown(registered)
+        client.log_text(release_run_id, history, "registry/alias_history.md")
+        # the registered model's description: the same table, where the raw `alias_history/<seq>` JSON tags are
+        client.update_registered_model(registered, description=history[:_DESCRIPTION_MAX])

@@ -83,7 +83,7 @@ def find_release(release_id: str | None) -> dict:
             ci = gate_ci(gate.name, run.data.metrics)
             found["refused"] = {"run": run.info.run_id, "name": run.data.tags.get(TAG_VARIANT), "gate": gate.name,
                                 "figure": f"{gate.observed:.4g}" if gate.observed is not None else "not measured",
-                                "ci": f"95 % CI {ci[0]:.4g} to {ci[1]:.4g}" if ci else None,
+                                "ci": f"CI {ci[0]:.4g} to {ci[1]:.4g}" if ci else None,
                                 "speed_plot": any(f.path.endswith("speed.png")
                                                   for f in client.list_artifacts(run.info.run_id, "gates/release"))}
     aliases = client.get_registered_model(found["model"]).aliases
@@ -107,19 +107,42 @@ def save(page, out: Path, name: str) -> Path:
     return path
 
 
-def on_first_screen(page, text: str) -> bool:
-    """Some element showing `text` is visible and lies wholly inside the viewport as loaded (no scrolling)."""
-    matches = page.get_by_text(text, exact=False)
-    for i in range(min(matches.count(), 20)):
-        item = matches.nth(i)
-        box = item.bounding_box() if item.is_visible() else None
-        if box and box["y"] >= 0 and box["y"] + min(box["height"], 40) <= VIEWPORT["height"] \
-                and box["x"] + 10 <= VIEWPORT["width"]:
-            return True
-    return False
+# Whether some element showing `t` (the deepest one holding all of it) lies inside the viewport, above the fade
+# of a folded description ("Show more": the last lines above it are faded out), and is what the page shows at
+# its point (a textless element on top is the fade's transparent overlay). Text laid out off screen (the UI keeps
+# measuring copies there), clipped or covered by other content is not on the first screen.
+_ON_FIRST_SCREEN = """t => {
+  const norm = s => (s || '').replace(/\\s+/g, ' ');
+  const more = [...document.querySelectorAll('button, a')].find(
+    b => b.textContent.trim() === 'Show more' && b.getBoundingClientRect().height > 0);
+  const holders = [...document.querySelectorAll('body *')].filter(
+    e => norm(e.textContent).includes(t) && ![...e.children].some(c => norm(c.textContent).includes(t)));
+  return holders.some(el => {
+    const r = el.getBoundingClientRect();
+    const folded = more && el.closest('div') && more.parentElement && more.parentElement.parentElement
+      && more.parentElement.parentElement.contains(el);
+    const limit = folded ? Math.min(innerHeight, more.getBoundingClientRect().top - 16) : innerHeight;
+    const x = r.left + Math.min(r.width / 2, 24), y = r.top + Math.min(r.height / 2, 10);
+    if (r.width === 0 || r.top < 0 || r.top + Math.min(r.height, 22) > limit || x < 0 || x > innerWidth) return false;
+    const hit = document.elementFromPoint(x, y);
+    return !!hit && (hit === el || el.contains(hit) || hit.contains(el) || !norm(hit.textContent).trim());
+  });
+}"""
 
 
-def check_page(context, base: str, route: str, wait_for: str, expect: list[str], out: Path, name: str) -> list[str]:
+def on_first_screen(page, text: str, wait_s: float = 15.0) -> bool:
+    """`text` is shown, on top, inside the viewport as loaded (no scrolling, no click); the UI lays the page out
+    in several passes, so it is asked again for a while."""
+    deadline = time.monotonic() + wait_s
+    while not page.evaluate(_ON_FIRST_SCREEN, text):
+        if time.monotonic() > deadline:
+            return False
+        page.wait_for_timeout(500)
+    return True
+
+
+def check_page(context, base: str, route: str, wait_for: str, expect: list[str], out: Path, name: str,
+               folded: tuple[str, ...] = ()) -> list[str]:
     page = context.new_page()
     page.set_default_timeout(90_000)
     page.goto(f"{base}/{route}")
@@ -134,6 +157,10 @@ def check_page(context, base: str, route: str, wait_for: str, expect: list[str],
         ok = on_first_screen(page, text)
         print(f"  [{'ok' if ok else 'FAIL'}] {name}: {text!r} on the first screen")
         failures += [] if ok else [f"{name}: {text!r} not on the first screen"]
+    for text in folded:  # the check itself can fail: a note's last line lies under the fold
+        ok = not on_first_screen(page, text, wait_s=0)
+        print(f"  [{'ok' if ok else 'FAIL'}] {name}: {text!r} under the fold (the check can tell)")
+        failures += [] if ok else [f"{name}: {text!r} counted as on the first screen although folded"]
     page.close()
     return failures
 
@@ -144,12 +171,12 @@ def run_checks(base: str, found: dict, out: Path, chromium: str) -> list[str]:
     exp, refused = found["experiment"], found["refused"]
     failures = [] if refused else ["this release has no variant refused by a failed gate: nothing to check there"]
     failures += [] if found["champion"] else ["the registered model has no champion alias"]
-    champion = f"@champion → v{found['champion']}"
     pages = [("mlflow_release_note", f"#/experiments/{exp}/runs/{found['release']}?{ML_VIEW}", "Release of",
-              ["Release of", champion])]
+              ["Release of", f"champion → v{found['champion']}"])]
     if refused:
         expect = [f"{refused['name']}: REFUSED", refused["gate"], refused["figure"], *([refused["ci"]] if refused["ci"] else [])]
-        pages.append(("mlflow_refused_note", f"#/experiments/{exp}/runs/{refused['run']}?{ML_VIEW}", "REFUSED", expect))
+        pages.append(("mlflow_refused_note", f"#/experiments/{exp}/runs/{refused['run']}?{ML_VIEW}", "REFUSED", expect,
+                      ("evidence: Artifacts",)))
         if refused["speed_plot"]:
             pages.append(("mlflow_refused_speed", f"#/experiments/{exp}/runs/{refused['run']}/artifacts/gates/"
                           f"release/speed.png?{ML_VIEW}", "speed.png", []))
@@ -158,9 +185,9 @@ def run_checks(base: str, found: dict, out: Path, chromium: str) -> list[str]:
         browser = p.chromium.launch(executable_path=chromium, args=["--no-sandbox", "--headless=new"])
         context = browser.new_context(viewport=VIEWPORT)
         context.add_init_script(f"for (const [k, v] of Object.entries({json.dumps(QUIET)})) localStorage.setItem(k, v);")
-        for name, route, wait_for, expect in pages:
+        for name, route, wait_for, expect, *folded in pages:
             print(f"{name}: {base}/{route}")
-            failures += check_page(context, base, route, wait_for, expect, out, name)
+            failures += check_page(context, base, route, wait_for, expect, out, name, *folded)
         browser.close()
     return failures
 

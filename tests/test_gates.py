@@ -79,7 +79,7 @@ def test_passing_variant_is_promotable_and_readable_back(store, policy_file, tmp
     assert run.data.tags["gates/release/verdict"] == "pass"
     # A clean pass gets no tags of its own (every field is in gates.json and the table); the note says it.
     assert not [k for k in run.data.tags if k.startswith("gate/")]
-    assert run.data.tags["mlflow.note.content"].startswith("### int8: PASSED: every gate passed")
+    assert run.data.tags["mlflow.note.content"].startswith("**int8: PASSED: every gate passed**")
     assert run.data.metrics["gate/task/arc/max_drop/pass"] == 1.0
     assert run.data.metrics["gate/task/arc/max_drop/observed"] == pytest.approx(-0.03)
     assert run.data.tags["mlflow.parentRunId"] == runs["release"][0]

@@ -90,12 +90,12 @@ def _fig(value: float | None) -> str:
 
 
 def gate_line(r: GateResult, metrics: dict[str, float]) -> str:
-    """`serve/min_decode_speedup/b16`: 0.935 (CI 0.91–0.96) vs threshold 1 → FAIL — reason."""
+    """`serve/min_decode_speedup/b16` FAIL: 0.935 (95 % CI 0.91 to 0.96) vs threshold 1 — reason."""
     ci = gate_ci(r.name, metrics)
     ci_text = f" (95 % CI {ci[0]:.4g} to {ci[1]:.4g})" if ci else ""
     label = ("FAIL" if r.verdict == "fail" else "UNINFORMATIVE, blocks" if r.verdict == UNINFORMATIVE and not r.passed
              else "uninformative, reported" if r.verdict == UNINFORMATIVE else "pass, underpowered")
-    return f"- **`{r.name}`**: {_fig(r.observed)}{ci_text} vs threshold {r.threshold:.4g} → **{label}** — {r.reason}"
+    return f"- `{r.name}` **{label}**: {_fig(r.observed)}{ci_text} vs threshold {r.threshold:.4g} — {r.reason}"
 
 
 def headline(evaluation: Evaluation, decision: str = "", aliases: tuple[str, ...] = ()) -> str:
@@ -117,7 +117,7 @@ def variant_note(evaluation: Evaluation, name: str, metrics: dict[str, float], d
     """The run's description: the decision, the gates behind it with their figures, the machine, the evidence."""
     stage = evaluation.stage
     # The UI folds a description after a few lines: the headline and the stopping gates come first.
-    lines = [f"### {name}: {headline(evaluation, decision, aliases)}", ""]
+    lines = [f"**{name}: {headline(evaluation, decision, aliases)}**", ""]
     notable = [r for r in by_attention(evaluation) if not is_clean_pass(r)]
     lines += [gate_line(r, metrics) for r in notable]
     if aliases:
@@ -135,7 +135,7 @@ def variant_note(evaluation: Evaluation, name: str, metrics: dict[str, float], d
 
 
 def baseline_note(name: str, machine: str, decision: str = "", aliases: tuple[str, ...] = ()) -> str:
-    lines = [f"### {name}: REFERENCE", "",
+    lines = [f"**{name}: REFERENCE**", "",
              "- the baseline every variant of this release is judged against (it has no gates of its own)"]
     if aliases:
         lines.append(f"- registry alias: **{', '.join(f'@{a}' for a in aliases)}**")
