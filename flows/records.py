@@ -191,6 +191,10 @@ def write_evidence(release_run_id: str) -> None:
     """The release's evidence manifest (gates.evidence.manifest). Aliases have moved by now, so a failure to write
     it is recorded on the run and said, not turned into a failed release; `quantgate verify` reports it."""
     try:
+        log_alias_history(release_run_id)  # before the manifest, which hashes every release run artifact
+    except Exception as exc:  # words for people: never a reason to write no evidence
+        note(f"alias history not written for release {release_run_id}: {exc}")
+    try:
         written = write_manifest(release_run_id)
     except Exception as exc:
         tag_release(release_run_id, {ERROR_TAG: f"{type(exc).__name__}: {exc}"[:5000]})
@@ -219,24 +223,34 @@ def version_headline(client, run_id: str, name: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def describe_versions(release_run_id: str) -> None:
-    """Each version of the release leads its description (the model card) with its verdict and failing figures,
-    and the alias history is readable Markdown (`registry/alias_history.md` on the release run, and the registered
-    model's description)."""
+def _registered(client, release_run_id: str) -> list:
+    """The registered versions of the release's runs (with their runs)."""
+    from gates.records.tracking import release_children
+
+    return [(run, mv) for run in release_children(release_run_id, client)
+            for mv in client.search_model_versions(f"run_id = '{run.info.run_id}'")]
+
+
+def log_alias_history(release_run_id: str) -> None:
+    """The alias history as readable Markdown: `registry/alias_history.md` on the release run, and the
+    registered model's description (where the raw `alias_history/<seq>` JSON tags are)."""
     from gates.records.registry import alias_history_markdown
-    from gates.records.tracking import TAG_VARIANT, release_children
 
     client = get_client()
-    registered = None
-    for run in release_children(release_run_id, client):
-        for mv in client.search_model_versions(f"run_id = '{run.info.run_id}'"):
-            registered = mv.name
-            head = version_headline(client, run.info.run_id, run.data.tags.get(TAG_VARIANT, run.info.run_name))
-            card = mv.description or ""
-            room = _DESCRIPTION_MAX - len(card) - 2
-            client.update_model_version(mv.name, mv.version, description=head[:room] + "\n" + card)
-    if registered:
-        history = alias_history_markdown(registered)
+    names = {mv.name for _, mv in _registered(client, release_run_id)}
+    for name in sorted(names):
+        history = alias_history_markdown(name)
         client.log_text(release_run_id, history, "registry/alias_history.md")
-        # the registered model's description: the same table, where the raw `alias_history/<seq>` JSON tags are
-        client.update_registered_model(registered, description=history[:_DESCRIPTION_MAX])
+        client.update_registered_model(name, description=history[:_DESCRIPTION_MAX])
+
+
+def describe_versions(release_run_id: str) -> None:
+    """Each version of the release leads its description (the model card) with its verdict and failing figures."""
+    from gates.records.tracking import TAG_VARIANT
+
+    client = get_client()
+    for run, mv in _registered(client, release_run_id):
+        head = version_headline(client, run.info.run_id, run.data.tags.get(TAG_VARIANT, run.info.run_name))
+        card = mv.description or ""
+        room = _DESCRIPTION_MAX - len(card) - 2
+        client.update_model_version(mv.name, mv.version, description=head[:room] + "\n" + card)
