@@ -120,7 +120,10 @@ def _assign_tensors(model: PreTrainedModel, path: Path, tied: dict[str, str]) ->
             module_name, _, attr = key.rpartition(".")
             module = model.get_submodule(module_name)
             current = getattr(module, attr)
-            tensor = handle.get_tensor(key).to(current.dtype)  # as load_state_dict's copy would cast it
+            tensor = handle.get_tensor(key)
+            # Own the memory: a tensor that borrows the file's mapping dangles once the handle closes (a
+            # segfault in the first kernel that reads it). A cast copies anyway; one tensor at a time.
+            tensor = tensor.to(current.dtype) if tensor.dtype != current.dtype else tensor.clone()
             if attr in module._parameters:
                 module._parameters[attr] = torch.nn.Parameter(tensor, requires_grad=current.requires_grad)
             else:
