@@ -194,15 +194,11 @@ def run_checks(base: str, found: dict, out: Path, chromium: str) -> list[str]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--home", help="QUANTGATE_HOME of the release (default: the environment's)")
     parser.add_argument("--release", help="release run id (default: the newest)")
     parser.add_argument("--out", default="docs/img")
     parser.add_argument("--port", type=int, default=0)
     parser.add_argument("--chromium", default=os.environ.get("CHROMIUM", "/usr/bin/chromium"))
-    args = parser.parse_args()
-    if args.home:
-        os.environ["QUANTGATE_HOME"] = args.home
-        os.environ.pop("MLFLOW_TRACKING_URI", None)
+    args = parser.parse_args()  # the release's store: run with QUANTGATE_HOME (and no MLFLOW_TRACKING_URI) set
     from quantgate.ports import free_port
 
     port = args.port or free_port()
