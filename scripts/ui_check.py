@@ -3,8 +3,8 @@ release run, a refused variant's run and the registered model in headless Chromi
 Playwright), save screenshots (PNG, each < 300 KB) and assert that the verdict, the failing gate's figure and
 CI, and the champion alias are on the first screen, without scrolling.
 
-    python scripts/ui_check.py --home /tmp/release-home --out docs/img     # QUANTGATE_HOME of a release
-    python scripts/ui_check.py --home H --release RUN_ID                   # a given release run
+    QUANTGATE_HOME=/tmp/release-home python scripts/ui_check.py --out docs/img   # the home of a release
+    QUANTGATE_HOME=H python scripts/ui_check.py --release RUN_ID                 # a given release run
 
 Needs `apt-get install -y chromium` and `pip install playwright==1.65.2` (no browser download: it drives
 /usr/bin/chromium). Exit 0 when every check passed; each check is printed.
