@@ -94,10 +94,10 @@ def test_bitsandbytes_greedy_through_triton_follows_the_torch_path(variants, met
     path's (8-bit activations may turn a 1e-6 attention difference into a near-tie flip, so from the third
     token on a part is allowed); on CUDA with the default graphs (NF4 captured, LLM.int8() eager)."""
     pytest.importorskip("triton")
-    from serving.kernels.cuda.graphs import CudaGraph, capture_blocker
     from words_llama import word_prompts
 
     from serving import SamplingParams
+    from serving.kernels.cuda.graphs import CudaGraph, capture_blocker
 
     params = [SamplingParams(max_tokens=6, temperature=0, ignore_eos=True) for _ in range(4)]
     kwargs = dict(max_num_batched_tokens=8)

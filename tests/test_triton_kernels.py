@@ -17,10 +17,10 @@ import torch  # noqa: E402
 
 pytest.importorskip("triton")
 
-from serving.kernels.cuda.attention import attend as triton_attend  # noqa: E402
-from serving.kernels.cuda.step import PagedStep  # noqa: E402
 from words_llama import VOCAB, build_words_llama, word_prompts  # noqa: E402
 
+from serving.kernels.cuda.attention import attend as triton_attend  # noqa: E402
+from serving.kernels.cuda.step import PagedStep  # noqa: E402
 from serving.model import attention  # noqa: E402
 from serving.model.attention import AttentionContext, DecodeGroup, PrefillChunk  # noqa: E402
 
@@ -250,10 +250,10 @@ def test_weight_only_model_through_fused_triton_projections(llama_dir, group_siz
     """Every Linear of the decoder int8 (or int4, groups of 32) weight-only: q/k/v and gate/up fused into one
     GEMM each, o_proj and down_proj alone, against the model with those weights dequantized (fp32, one
     prefill). (Not the layers' own CPU forward: its kernel paths round activations their own way.)"""
-    from serving.kernels.cuda.projections import fuse_projections
     from transformers import AutoModelForCausalLM
 
     from serving import LLMEngine, SamplingParams
+    from serving.kernels.cuda.projections import fuse_projections
     from serving.model.quant.int8 import replace_linears
 
     engine = LLMEngine.from_pretrained(str(llama_dir), device=DEVICE, dtype="float32", attention="triton",
