@@ -23,7 +23,7 @@ demo: setup
 	$(BIN)/quantgate demo
 
 test: setup
-	$(BIN)/ruff check .
+	$(BIN)/ruff check --no-cache .
 	$(BIN)/python -m pytest -q -x --timeout=900
 
 lint: setup
