@@ -1,16 +1,18 @@
 """The release's speed evidence: paired, repeated, with a confidence interval.
 
-The baseline and every variant are loaded together in this process and timed in interleaved rounds: in
-each round every model runs every operating point (prefill, decode at each batch the policy names) on
-the same fresh prompts, one after the other (the order rotates from round to round, so no model always
-goes first). A drift of the machine's speed during a round falls on every model alike, and each round's
-ratio variant / baseline is taken within the round. The rounds are group-sequential
-(`sequential_rounds`, statistics in `gates.judging.speed_verdicts`): at every look (each `look_every` rounds) each
-(variant, point) still running gets its repeated CI at the look's adjusted level; one that clears the gate's
-minimum or lies wholly below it stops and is no longer timed, the rest go on until the rounds or the time
-budget run out (then `uninformative` if they still straddle). One untimed warm-up round first covers kernel
-builds, first-call packing and every batch shape. The points are the policy's (`SpeedPlan.from_policy`):
-served prompt and context lengths, and a long-context point for KV-quantized variants.
+The baseline is paired with each variant in turn (`measure`): the baseline is loaded once, then each variant
+is loaded, timed against it, and released before the next one loads, so at most two models are resident at
+any time. Within a pair the two are timed in interleaved rounds: in each round both run every operating point
+(prefill, decode at each batch the policy names) on the same fresh prompts, one after the other (the order
+rotates from round to round, so neither always goes first). A drift of the machine's speed during a round
+falls on both alike, and each round's ratio variant / baseline is taken within the round. The rounds are
+group-sequential (`sequential_rounds`, statistics in `gates.judging.speed_verdicts`): at every look (each
+`look_every` rounds) each (variant, point) still running gets its repeated CI at the look's adjusted level;
+one that clears the gate's minimum or lies wholly below it stops and is no longer timed, the rest go on until
+the rounds or the time budget run out (then `uninformative` if they still straddle). One untimed warm-up round
+first covers kernel builds, first-call packing and every batch shape. The points are the policy's
+(`SpeedPlan.from_policy`): served prompt and context lengths, and a long-context point for KV-quantized
+variants.
 
 The timing itself is `timer(model, point, round) -> tok/s`: the engines' (`engine_timer`) in the flow,
 crafted numbers in tests.
@@ -193,17 +195,32 @@ def kv_blocks(plan: SpeedPlan) -> int:
     return max(sizes)
 
 
-def load_engines(models: Sequence[Variant], plan: SpeedPlan) -> dict:
-    """Every model's engine, loaded as the measure stage serves it (device, dtype, threads), with a KV
-    cache just big enough for the rounds and no prefix cache (fresh prompts must be computed)."""
+def load_engine(model: Variant, plan: SpeedPlan):
+    """A model's engine, loaded as the measure stage serves it (device, dtype, threads), with a KV cache just
+    big enough for the rounds and no prefix cache (fresh prompts must be computed)."""
     from flows.machine import engine_placement
     from serving import LLMEngine
 
     blocks, batch = kv_blocks(plan), max([*plan.decode_batches, plan.long_batch if plan.long_context else 1])
-    return {m.name: LLMEngine.from_pretrained(m.path, **engine_placement(plan.device), kv_cache_dtype=m.kv_cache_dtype,
-                                              model_name=m.name, enable_prefix_caching=False,
-                                              max_num_seqs=batch, block_size=BLOCK_SIZE, num_kv_blocks=blocks)
-            for m in models}
+    return LLMEngine.from_pretrained(model.path, **engine_placement(plan.device), kv_cache_dtype=model.kv_cache_dtype,
+                                     model_name=model.name, enable_prefix_caching=False,
+                                     max_num_seqs=batch, block_size=BLOCK_SIZE, num_kv_blocks=blocks)
+
+
+def load_engines(models: Sequence[Variant], plan: SpeedPlan) -> dict:
+    """Every model's engine (`load_engine`), all resident at once: for a check of one model's engine;
+    `measure` holds two at most."""
+    return {m.name: load_engine(m, plan) for m in models}
+
+
+def release_engine_memory() -> None:
+    """Collect a dropped engine now and hand its freed heap pages back to the OS before the next one loads."""
+    import gc
+
+    from serving.model.quant.checkpoint import release_freed_memory
+
+    gc.collect()
+    release_freed_memory()
 
 
 def _prompts(vocab: int, n: int, length: int, seed: int) -> list[list[int]]:
@@ -254,29 +271,78 @@ def capped(plan: SpeedPlan, model_path: str) -> SpeedPlan:
     return replace(plan, long_context=max(0, limit - plan.long_tokens - 2))
 
 
+def _units(plan: SpeedPlan, variants: Sequence[Variant]) -> dict[str, list[str]]:
+    """Point -> the variants timed there: every variant at the served points; the long-context one only where
+    the KV cache is quantized."""
+    units = {p: [m.name for m in variants] for p in plan.points()}
+    kv = [m.name for m in variants if m.kv_cache_dtype != "auto"]
+    units.update({p: kv for p in plan.points(kv=True) if p not in units and kv})
+    return units
+
+
+def _time_pair(base_engine, variant: Variant, plan: SpeedPlan, budget_s: float | None,
+               progress: Callable[[int], None] | None, load: Callable) -> tuple[Speeds, Looks]:
+    """The baseline and one variant in the sequential rounds; the variant's engine is dropped on return."""
+    engines = {BASELINE: base_engine, variant.name: load(variant, plan)}
+    units = _units(plan, [variant])
+    design = SequentialDesign(plan.look_every, plan.rounds, plan.alpha, plan.spending)
+    return sequential_rounds([BASELINE, variant.name], units, engine_timer(engines, plan), design,
+                             {p: plan.minimum(p) for p in units}, plan.warmup_rounds, budget_s, progress=progress)
+
+
+def pair_budget(plan: SpeedPlan, variants: int) -> float | None:
+    """Each pair's share of the timed rounds' budget: what its variant's timings took when every model ran in
+    one round (a round of n variants times n + 1 models, a pair's round two), so each variant gets about the
+    rounds it got then; the stage's timed rounds take 2n / (n + 1) times the budget (the baseline is timed
+    again in every pair)."""
+    if not plan.time_budget_s:
+        return None
+    return plan.time_budget_s * 2 / (variants + 1)
+
+
+def merge_pairs(pairs: dict[str, Speeds]) -> Speeds:
+    """Every model's rounds: each variant's from its pair; the baseline's from every pair, in pair order."""
+    merged: Speeds = {BASELINE: {}}
+    for name, speeds in pairs.items():
+        merged[name] = speeds[name]
+        for point, values in speeds[BASELINE].items():
+            merged[BASELINE].setdefault(point, []).extend(values)
+    return merged
+
+
 def measure(models: Sequence[Variant], plan: SpeedPlan, out: Path, machine: str,
-            progress: Callable[[int], None] | None = None) -> SpeedResult:
-    """Load every model, time the sequential rounds, write every round's figures to `out`/speed.json."""
+            progress: Callable[[int], None] | None = None, load: Callable = load_engine) -> SpeedResult:
+    """Time the baseline against each variant in turn (two models resident at most), write every round's
+    figures to `out`/speed.json: `rounds` as before (each variant's rounds; the baseline's of every pair, in
+    pair order), and `pairs`, each variant's rounds beside the baseline's of its own pair (the pairing its
+    ratios were taken from). `load(variant, plan)` builds an engine (`load_engine`)."""
     if models[0].name != BASELINE:
         raise ValueError(f"the baseline comes first, got {[m.name for m in models]}")
     start = time.perf_counter()
     plan = capped(plan, models[0].path)
-    engines = load_engines(models, plan)
-    names = [m.name for m in models]
-    # every variant at the served points; the long-context one only where the KV cache is quantized
-    units = {p: [m.name for m in models[1:]] for p in plan.points()}
-    kv = [m.name for m in models[1:] if m.kv_cache_dtype != "auto"]
-    units.update({p: kv for p in plan.points(kv=True) if p not in units and kv})
+    variants = list(models[1:])
+    base_engine = load(models[0], plan)
+    pairs: dict[str, Speeds] = {}
+    looks: Looks = {}
+    metrics: dict[str, dict[str, float]] = {}
+    for variant in variants:
+        pairs[variant.name], pair_looks = _time_pair(base_engine, variant, plan, pair_budget(plan, len(variants)),
+                                                     progress, load)
+        release_engine_memory()  # the variant's engine is gone: its memory goes back before the next one loads
+        looks.update(pair_looks)
+        metrics[variant.name] = sequential_metrics(pairs[variant.name], pair_looks, plan)[variant.name]
+    del base_engine
+    release_engine_memory()
+    speeds = merge_pairs(pairs)
+    metrics = {BASELINE: sequential_metrics({BASELINE: speeds[BASELINE]}, {}, plan)[BASELINE], **metrics}
+    units = _units(plan, variants)
     design = SequentialDesign(plan.look_every, plan.rounds, plan.alpha, plan.spending)
-    speeds, looks = sequential_rounds(names, units, engine_timer(engines, plan), design,
-                                      {p: plan.minimum(p) for p in units}, plan.warmup_rounds, plan.time_budget_s or None,
-                                      progress=progress)
-    metrics = sequential_metrics(speeds, looks, plan)
     out.mkdir(parents=True, exist_ok=True)
     report = out / "speed.json"
     report.write_text(json.dumps({
         "machine": machine, "plan": asdict(plan), "points": {p: plan.shape(p) for p in units},
         "design": asdict(design), "elapsed_s": time.perf_counter() - start, "rounds": speeds,
+        "pairs": pairs,
         "looks": {f"{v}/{p}": {"rounds": look.ci.n, "level": look.level, "decision": look.decision,
                                 "estimate": look.ci.estimate, "low": look.ci.low, "high": look.ci.high}
                   for (v, p), look in sorted(looks.items())},
