@@ -13,9 +13,11 @@ again on numbers that follow from the items rather than on the aggregates the ru
   (`evals.fidelity.compare`, seeded by the plan the file records);
 - long context: both models' `long_context.json` -> per-length paired CI (`evals.long_context.compare`,
   seed 0 + length, as the release calls it);
-- speed: every round in `speed.json` -> per point the paired ratio and its CI
-  (`gates.judging.speed_verdicts.ratio_ci`), but only for the fixed-round plan this code knows: a plan
-  with other fields (a sequential design) is left to the hash check.
+- speed: every round in `speed.json` -> per point the paired ratio and its CI: for the group-sequential
+  design (speed.json has `design`) every look replayed from the rounds (`gates.evidence.speed_replay`: the
+  round each point stopped at, the stopping look's CI at its adjusted level); for the older fixed-round
+  plan the t interval over all rounds (`gates.judging.speed_verdicts.ratio_ci`); a record of neither kind
+  is left to the hash check.
 
 Weights, capacity and latency gates read measurements with no per-item record: verify hash-checks them.
 The metric-key mapping of fidelity, long context and speed repeats `flows` (gates may not import flows).
@@ -157,6 +159,15 @@ def _speed(out: Derived, base: Path | None, var: Path | None, variant: str, base
     if path is None or not path.is_file():
         return
     record: dict[str, Any] = json.loads(path.read_text())
+    if "design" in record:  # group-sequential rounds: every look replayed
+        from gates.evidence import speed_replay
+
+        metrics, problems = speed_replay.derive(record, variant, baseline)
+        out.metrics.update(metrics)
+        out.problems += problems
+        out.families.append(f"speed from every round and look of {', '.join(sorted(record['rounds'][variant]))} "
+                            f"(group-sequential, looks every {record['design']['look_every']} rounds)")
+        return
     unknown = set(record.get("plan", {})) - _FIXED_SPEED_PLAN
     if unknown:
         out.notes.append(f"speed: {SPEED_FILE} has plan fields {sorted(unknown)} this verify does not know (not "
@@ -173,12 +184,9 @@ def _speed(out: Derived, base: Path | None, var: Path | None, variant: str, base
 
 
 def _point_key(point: str) -> str:
-    """flows.speed_rounds.point_key: the speedup metric of "prefill" or "decode_b<N>"."""
-    if point == "prefill":
-        return M.SERVE_PREFILL_SPEEDUP
-    if point.startswith("decode_b") and point[len("decode_b"):].isdigit():
-        return M.decode_speedup(int(point[len("decode_b"):]))
-    raise ValueError(f"unknown operating point {point!r}")
+    from gates.evidence.speed_replay import point_key
+
+    return point_key(point)
 
 
 _GATE_OF = (  # metric key -> the gate that reads it
@@ -191,6 +199,11 @@ _GATE_OF = (  # metric key -> the gate that reads it
     (re.compile(r"^long_context/(\d+)/.+$"), r"long_context/\1/max_drop"),
     (re.compile(r"^serve/decode_speedup_b(\d+)(_ci_low|_ci_high)?$"), r"serve/min_decode_speedup/b\1"),
     (re.compile(r"^serve/paired_decode_b(\d+)_tps$"), r"serve/min_decode_speedup/b\1"),
+    (re.compile(r"^serve/point/decode_b(\d+)/.+$"), r"serve/min_decode_speedup/b\1"),
+    (re.compile(r"^serve/long_decode_speedup_b(\d+)(_ci_low|_ci_high)?$"), r"serve/min_decode_speedup/long_b\1"),
+    (re.compile(r"^serve/(paired_long_decode_b|point/long_decode_b)(\d+)(_tps|/.+)$"),
+     r"serve/min_decode_speedup/long_b\2"),
+    (re.compile(r"^serve/point/prefill/.+$"), "serve/min_prefill_speedup"),
     (re.compile(r"^serve/(prefill_speedup(_ci_low|_ci_high)?|paired_prefill_tps)$"), "serve/min_prefill_speedup"),
     (re.compile(r"^serve/speed_rounds$"), "the speed gates"),
 )
@@ -204,6 +217,7 @@ _DECIDED_BY = (
     (re.compile(r"^fidelity/flip_rate/max$"), "fidelity/flip_rate_ci_high"),
     (re.compile(r"^long_context/(\d+)/max_drop$"), r"long_context/\1/delta_ci_low"),
     (re.compile(r"^serve/min_decode_speedup/b(\d+)$"), r"serve/decode_speedup_b\1_ci_low"),
+    (re.compile(r"^serve/min_decode_speedup/long_b(\d+)$"), r"serve/long_decode_speedup_b\1_ci_low"),
     (re.compile(r"^serve/min_prefill_speedup$"), "serve/prefill_speedup_ci_low"),
 )
 

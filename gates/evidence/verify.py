@@ -9,7 +9,9 @@ file at its source path while it exists), the source hash and the eval data file
 Then the verdicts are re-derived from the evidence, not taken from the manifest's own aggregates: from the
 per-item records the hash checks just bound to the manifest (per-sample logs, fidelity.json,
 long_context.json, speed.json) `gates.evidence.rederive` recomputes every task, safety, fidelity,
-long-context and speed metric with the release's code and seeded resamples; each must equal what the run
+long-context and speed metric with the release's code and seeded resamples (group-sequential speed rounds are
+replayed look by look, `gates.evidence.speed_replay`: a point timed past its decision, or ended undecided, is
+a mismatch naming its gate); each must equal what the run
 recorded (else a mismatch naming the gate), and every gate is judged again (`gates.judging.judge.judge`)
 on the recomputed numbers. The report lists which gates were re-derived from items and which (weights,
 capacity, latency, canary; any family whose records are absent) could only be hash-checked.
