@@ -6,6 +6,9 @@ or the rows of the linear that produces x) by s_c: exact in floating point, but 
 spends its resolution where x is large. s = mean|x|^a / mean|w|^(1-a) (AutoAWQ's "duo" scaling) with a
 searched on a grid to minimise the group's output error after round-to-nearest; s = 1 (plain
 round-to-nearest) is always a candidate, so the search never does worse than it on the calibration data.
+
+Its cost per parameter is flat: each candidate's error is measured on a fixed sample of calibration rows
+(SEARCH_ROWS) and of output rows (all of a small stage, a quarter of a wide one), on every core.
 """
 
 from __future__ import annotations
@@ -15,10 +18,13 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from quantize.group_grid import fake_quantize, one_thread
+from quantize.group_grid import fake_quantize
 
 DEFAULT_GRID = 20
-SEARCH_ROWS = 2048  # calibration rows the search measures the output error on
+SEARCH_ROWS = 512  # calibration rows (spread over every sequence) the search measures the output error on
+SEARCH_OUTPUTS = 2048  # at least this many output rows (a fixed, even spread) carry the candidates' error
+OUTPUT_SHARE = 4  # ... and at least one in OUTPUT_SHARE of them: the search's cost stays flat per parameter
+ERROR_CHUNK = 1 << 22  # weight elements fake-quantized at a time: bounds the search's temporaries
 
 
 @dataclass(frozen=True)
@@ -30,34 +36,53 @@ class ScaleChoice:
 
 
 def search_scales(x: torch.Tensor, weights: list[torch.Tensor], group_size: int, bits: int,
-                  grid: int = DEFAULT_GRID) -> ScaleChoice:
-    """The per-channel scales for `weights` (each [N_i, K]) reading inputs `x` [T, K] (a sample)."""
+                  grid: int = DEFAULT_GRID, x_mean: torch.Tensor | None = None) -> ScaleChoice:
+    """The per-channel scales for `weights` (each [N_i, K]) reading inputs `x` [T, K] (a sample of the
+    calibration rows); `x_mean` is mean|x| per channel over all of them (else over the sample)."""
     x = x.reshape(-1, x.shape[-1]).float()
-    x_mean = x.abs().mean(0)
-    weight = torch.cat([w.float() for w in weights])
+    x_mean = x.abs().mean(0) if x_mean is None else x_mean.float()
+    weight = torch.cat([w.detach().float() for w in weights])
     n, k = weight.shape
     groups = weight.abs().view(n, k // group_size, group_size)
     w_mean = (groups / groups.amax(-1, keepdim=True).clamp(min=1e-8)).view(n, k).mean(0)
-    # The output error over the sample, mean((x D^T)^2) with D the weight's quantization error, is
-    # sum((D G) * D) / (T N) with G = x^T x: [N, K] x [K, K] per candidate instead of [T, K] x [K, N].
-    gram = (x.T.double() @ x.double()).float()
-    count = x.shape[0] * n
+    error = _error_on(x, _output_rows(weight), group_size, bits)
+    ones = torch.ones(k)
+    best = ScaleChoice(ones, None, error(ones), 0.0)
+    for step in range(grid):
+        alpha = step / grid
+        scales = (x_mean.pow(alpha) / w_mean.pow(1 - alpha).clamp(min=1e-4)).clamp(min=1e-4)
+        scales = scales / (scales.max() * scales.min()).sqrt()
+        candidate = error(scales)
+        if candidate < best.error:
+            best = ScaleChoice(scales, alpha, candidate, 0.0)
+    return ScaleChoice(best.scales, best.alpha, best.error, error(ones))
+
+
+def _output_rows(weight: torch.Tensor) -> torch.Tensor:
+    """The rows the candidates are compared on: all of a small stage, else an even spread (every candidate
+    sees the same rows, so the comparison stays paired)."""
+    n = weight.shape[0]
+    keep = max(SEARCH_OUTPUTS, -(-n // OUTPUT_SHARE))
+    return weight if keep >= n else weight[torch.linspace(0, n - 1, keep).round().long()]
+
+
+def _error_on(x: torch.Tensor, weight: torch.Tensor, group_size: int, bits: int):
+    """mean((x D^T)^2) over the sample, D the weight's quantization error at given scales. Computed as
+    x D^T, T*K per row of D, or as sum((D G) * D) with G = x^T x, K*K per row: whichever is cheaper."""
+    n, k = weight.shape
+    t = x.shape[0]
+    gram = (x.T.double() @ x.double()).float() if k < t else None
+    rows = max(1, ERROR_CHUNK // k)
 
     def error(scales: torch.Tensor) -> float:
-        delta = fake_quantize(weight * scales, group_size, bits) / scales - weight
-        return ((delta @ gram) * delta).sum().item() / count
+        total = 0.0
+        for start in range(0, n, rows):
+            w = weight[start:start + rows]
+            delta = fake_quantize(w * scales, group_size, bits) / scales - w
+            total += ((delta @ gram) * delta).sum().item() if gram is not None else (x @ delta.T).square().sum().item()
+        return total / (t * n)
 
-    ones = torch.ones(k)
-    with one_thread():
-        best = ScaleChoice(ones, None, error(ones), 0.0)
-        for step in range(grid):
-            alpha = step / grid
-            scales = (x_mean.pow(alpha) / w_mean.pow(1 - alpha).clamp(min=1e-4)).clamp(min=1e-4)
-            scales = scales / (scales.max() * scales.min()).sqrt()
-            candidate = error(scales)
-            if candidate < best.error:
-                best = ScaleChoice(scales, alpha, candidate, 0.0)
-        return ScaleChoice(best.scales, best.alpha, best.error, error(ones))
+    return error
 
 
 # RMSNorms whose forward multiplies by (1 + weight), not by weight

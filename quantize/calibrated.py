@@ -130,32 +130,43 @@ def calibrate(model: nn.Module, ids: torch.Tensor, recipe: Recipe, show_progress
     codes: dict[str, GroupCodes] = {}
     bar = tqdm(layers, desc=f"int4-{recipe.algorithm}", unit="layer", disable=not show_progress or None)
     for index, layer in enumerate(bar):
-        fitting = {n: m for n, m in layer.named_modules() if isinstance(m, nn.Linear) and int4_fits(m, recipe.group_size)}
-        if recipe.algorithm == "gptq":
-            found = _gptq_layer(layer, x, kwargs[index], fitting, recipe)
-        elif recipe.algorithm == "awq":
-            found = _awq_layer(layer, x, kwargs[index], fitting, recipe)
-        else:
-            found = {n: round_to_nearest(m.weight, recipe.group_size, recipe.bits) for n, m in fitting.items()}
-        for name, group_codes in found.items():
-            _set_weight(fitting[name], group_codes)
+        for name, group_codes in quantize_layer(layer, x, kwargs[index], recipe).items():
             codes[f"{prefix}.{index}.{name}"] = group_codes
         if x is not None:
             x = run_layer(layer, x, kwargs[index])
         log.info("int4-%s: layer %d/%d quantized", recipe.algorithm, index + 1, len(layers))
-    head_name, head = _head(model, recipe)
+    head_name, head = head_to_quantize(model, recipe)
     if head is not None:
-        if recipe.algorithm == "gptq" and recipe.gptq_lm_head:
-            hessian = Hessian(head.in_features)
-            hessian.add(model.model.norm(x))
-            codes[head_name] = gptq_quantize(head.weight, hessian.matrix(), recipe.group_size, recipe.bits, recipe.damp)
-        else:
-            codes[head_name] = round_to_nearest(head.weight, recipe.group_size, recipe.bits)
+        codes[head_name] = head_codes(head.weight, model.model.norm(x) if x is not None else None, recipe)
         _set_weight(head, codes[head_name])
     return codes
 
 
-def _head(model: nn.Module, recipe: Recipe) -> tuple[str | None, nn.Linear | None]:
+def quantize_layer(layer: nn.Module, x: torch.Tensor | None, kwargs: dict, recipe: Recipe) -> dict[str, GroupCodes]:
+    """One decoder layer's fitting linears quantized in place (dequantized values) on its inputs `x`;
+    their codes by name within the layer."""
+    fitting = {n: m for n, m in layer.named_modules() if isinstance(m, nn.Linear) and int4_fits(m, recipe.group_size)}
+    if recipe.algorithm == "gptq":
+        found = _gptq_layer(layer, x, kwargs, fitting, recipe)
+    elif recipe.algorithm == "awq":
+        found = _awq_layer(layer, x, kwargs, fitting, recipe)
+    else:
+        found = {n: round_to_nearest(m.weight, recipe.group_size, recipe.bits) for n, m in fitting.items()}
+    for name, group_codes in found.items():
+        _set_weight(fitting[name], group_codes)
+    return found
+
+
+def head_codes(weight: torch.Tensor, normed: torch.Tensor | None, recipe: Recipe) -> GroupCodes:
+    """The lm_head's codes: GPTQ on the final normed hidden states (under GPTQ), else round-to-nearest."""
+    if recipe.algorithm == "gptq" and recipe.gptq_lm_head and normed is not None:
+        hessian = Hessian(weight.shape[1])
+        hessian.add(normed)
+        return gptq_quantize(weight, hessian.matrix(), recipe.group_size, recipe.bits, recipe.damp)
+    return round_to_nearest(weight, recipe.group_size, recipe.bits)
+
+
+def head_to_quantize(model: nn.Module, recipe: Recipe) -> tuple[str | None, nn.Linear | None]:
     head = model.get_output_embeddings()
     if not recipe.quantize_lm_head or not isinstance(head, nn.Linear) or not int4_fits(head, recipe.group_size):
         return None, None
@@ -217,9 +228,9 @@ def _awq_layer(layer: nn.Module, x: torch.Tensor, kwargs: dict, fitting: dict[st
         names = [n for n in stage if n in fitting]
         if previous is None or not names:
             continue
-        sample = _rows(inputs[stage[0]], awq.SEARCH_ROWS)
-        choice = awq.search_scales(sample, [fitting[n].weight for n in names], recipe.group_size, recipe.bits,
-                                   recipe.grid)
+        rows = inputs[stage[0]].reshape(-1, inputs[stage[0]].shape[-1])
+        choice = awq.search_scales(_rows(rows, awq.SEARCH_ROWS), [fitting[n].weight for n in names],
+                                   recipe.group_size, recipe.bits, recipe.grid, x_mean=rows.abs().float().mean(0))
         if choice.alpha is None:
             continue
         linears = [layer.get_submodule(n) for n in stage]

@@ -10,12 +10,15 @@ reference implementation does; no activation reordering, so the groups stay cont
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import torch
 
 from quantize.group_grid import GroupCodes, dequantize_with, group_params, one_thread, quantize_with
 
 DEFAULT_DAMP = 0.01
 BLOCK = 128  # columns updated together before the rest of the matrix is corrected
+THREADED_UPDATE = 1 << 20  # elements per column update from which every core helps
 
 
 class Hessian:
@@ -63,7 +66,8 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, group_size: int, 
     scale = torch.zeros(n, k // group_size)
     zero = torch.zeros(n, k // group_size)
     block = max(group_size, BLOCK // group_size * group_size)  # a whole number of groups
-    with one_thread():
+    # each column's update touches N x block values: worth the thread pool's fork and join only when wide
+    with one_thread() if n * block < THREADED_UPDATE else nullcontext():
         for start in range(0, k, block):
             end = min(start + block, k)
             _sweep_block(w, hinv, q, scale, zero, start, end, group_size, bits)

@@ -179,8 +179,14 @@ def _calibrated(algorithm: str, description: str, defaults: dict[str, Any]) -> M
 
         return build_calibrated(source, opts, algorithm)
 
+    def stream(source: Path, opts: dict[str, Any], out: Path) -> dict[str, Any] | None:
+        from quantize.calibrated_build import recipe_of
+        from quantize.calibrated_stream import stream_calibrated
+
+        return stream_calibrated(source, opts, recipe_of(algorithm, opts), out)
+
     _, save = _weight_only("int4wo")
-    return Method(f"int4-{algorithm}", 4, "quantgate", description, 32, build, save,
+    return Method(f"int4-{algorithm}", 4, "quantgate", description, 32, build, save, stream=stream,
                   defaults={"group_size": 32, "bits": 4, "calibration_tokens": 2048, "seq_len": 256,
                             "quantize_lm_head": True, "quantize_embeddings": True, "dtype": "float32", **defaults},
                   weight_files=("int4wo.safetensors",))

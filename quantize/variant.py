@@ -170,7 +170,7 @@ def _build(spec: Method, source: Path, ref: str, source_hash: str, opts: dict[st
     start = time.perf_counter()
     streamed = spec.stream(source, opts, out) if spec.stream is not None else None
     if streamed is not None:  # written and checked tensor by tensor: no model was ever whole in memory
-        tensors, record, probe = streamed["tensors"], {}, streamed["probe"]
+        tensors, record, probe = streamed["tensors"], streamed.get("record", {}), streamed["probe"]
     else:
         model = spec.build(source, opts)
         result = check_built(model, source, source_hash, spec.name)  # before anything is written
