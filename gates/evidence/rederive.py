@@ -14,7 +14,7 @@ again on numbers that follow from the items rather than on the aggregates the ru
 - long context: both models' `long_context.json` -> per-length paired CI (`evals.long_context.compare`,
   seed 0 + length, as the release calls it);
 - speed: every round in `speed.json` -> per point the paired ratio and its CI: for the group-sequential
-  design (speed.json has `design`) every look replayed from the rounds (`gates.evidence.speed_replay`: the
+  design (speed.json has `design`, or a plan with looks) every look replayed from the rounds (`gates.evidence.speed_replay`: the
   round each point stopped at, the stopping look's CI at its adjusted level); for the older fixed-round
   plan the t interval over all rounds (`gates.judging.speed_verdicts.ratio_ci`); a record of neither kind
   is left to the hash check.
@@ -159,14 +159,14 @@ def _speed(out: Derived, base: Path | None, var: Path | None, variant: str, base
     if path is None or not path.is_file():
         return
     record: dict[str, Any] = json.loads(path.read_text())
-    if "design" in record:  # group-sequential rounds: every look replayed
-        from gates.evidence import speed_replay
+    from gates.evidence import speed_replay
 
+    if speed_replay.is_sequential(record):  # group-sequential rounds: every look replayed
         metrics, problems = speed_replay.derive(record, variant, baseline)
         out.metrics.update(metrics)
         out.problems += problems
         out.families.append(f"speed from every round and look of {', '.join(sorted(record['rounds'][variant]))} "
-                            f"(group-sequential, looks every {record['design']['look_every']} rounds)")
+                            f"(group-sequential, looks every {speed_replay.design_of(record).look_every} rounds)")
         return
     unknown = set(record.get("plan", {})) - _FIXED_SPEED_PLAN
     if unknown:

@@ -128,6 +128,19 @@ def replay_group(rounds: Rounds, baseline: str, design: SequentialDesign, minimu
     return next((t for t in consistent if _agrees(t, recorded_looks)), consistent[0] if consistent else tries[0])
 
 
+def design_of(record: Mapping[str, Any]) -> SequentialDesign:
+    """The design the rounds ran under: speed.json's `design`, else the one its plan's fields make
+    (flows.speed_rounds.measure builds it from the plan, so a record without `design` still replays)."""
+    if "design" in record:
+        return SequentialDesign(**record["design"])
+    plan = record["plan"]
+    return SequentialDesign(plan["look_every"], plan["rounds"], plan["alpha"], plan["spending"])
+
+
+def is_sequential(record: Mapping[str, Any]) -> bool:
+    return "design" in record or {"look_every", "rounds", "alpha", "spending"} <= set(record.get("plan", {}))
+
+
 def _group(record: Mapping[str, Any], variant: str, baseline: str) -> Rounds:
     """The rounds `variant` shared a round counter with: its pair's, or the joint run's."""
     pairs = record.get("pairs")
@@ -139,8 +152,8 @@ def _group(record: Mapping[str, Any], variant: str, baseline: str) -> Rounds:
 def derive(record: Mapping[str, Any], variant: str, baseline: str) -> tuple[dict[str, float], list[str]]:
     """`variant`'s speed metrics as the sequential rounds in `record` (a speed.json) imply them, and the
     problems found replaying them (each naming its gate)."""
-    design = SequentialDesign(**record["design"])
     plan = record.get("plan", {})
+    design = design_of(record)
     group = _group(record, variant, baseline)
     minimums = {p: plan.get("min_prefill") if p == "prefill" else plan.get("min_decode")
                 for by_point in group.values() for p in by_point}
@@ -182,4 +195,4 @@ def _check_recorded_look(said: Mapping[str, Any] | None, look: Look, variant: st
             + ", ".join(f"{k} {now[k]!r}" for k in wrong)]
 
 
-__all__ = ["Replay", "derive", "gate_name", "point_key", "replay", "replay_group"]
+__all__ = ["Replay", "derive", "design_of", "gate_name", "is_sequential", "point_key", "replay", "replay_group"]
