@@ -21,6 +21,7 @@ from flows import fidelity_stage, serving_harness
 from flows.data import MeasureConfig, Measured, Variant
 from flows.machine import engine_placement
 from flows.recipes import parse
+from flows.speed_rounds import release_engine_memory
 from gates import metric_names as M
 from quantgate.loading import resident_bytes
 from quantize.capacity import ModelShape, capacity_row, split_variant
@@ -74,12 +75,22 @@ def load_engine(variant: Variant, config: MeasureConfig):
 
 
 def measure(variant: Variant, config: MeasureConfig, out: Path, advance: Callable[[int], None]) -> Measured:
-    """Weights and KV capacity are recorded as served: counted after the serving benchmark, once the
-    engine has packed what it packs on first use (an int4 layer keeps its codes beside the kernel's copy)."""
+    """One model's engine, loaded, measured (`measure_engine`) and released: it is collected and its freed heap
+    handed back to the OS before this returns, so the next model loads beside no other."""
     start = time.perf_counter()
     engine = load_engine(variant, config)
-    metrics: dict[str, float] = {M.WEIGHTS_LOADED_BYTES: float(resident_bytes(engine.model)),
-                                 "load_s": time.perf_counter() - start}
+    try:
+        return measure_engine(engine, variant, config, out, advance, time.perf_counter() - start)
+    finally:
+        del engine
+        release_engine_memory()
+
+
+def measure_engine(engine, variant: Variant, config: MeasureConfig, out: Path, advance: Callable[[int], None],
+                   load_s: float) -> Measured:
+    """Weights and KV capacity are recorded as served: counted after the serving benchmark, once the
+    engine has packed what it packs on first use (an int4 layer keeps its codes beside the kernel's copy)."""
+    metrics: dict[str, float] = {M.WEIGHTS_LOADED_BYTES: float(resident_bytes(engine.model)), "load_s": load_s}
     advance(1)
     bench_json = out / "serving.json"
     metrics.update(serving_benchmark(engine, config, variant.name, bench_json))

@@ -65,3 +65,27 @@ def test_each_pair_gets_its_variants_share_of_the_time_budget():
     assert pair_budget(SpeedPlan(), 2) is None
     assert pair_budget(SpeedPlan(time_budget_s=90.0), 1) == 90.0  # one variant: as before
     assert pair_budget(SpeedPlan(time_budget_s=90.0), 2) == 60.0  # 2 of the 3 timings a round had
+
+
+def test_the_measure_stage_holds_one_engine_and_leaves_none_behind(tiny_model_dir, tmp_path, monkeypatch):
+    """flows/measuring.py measure(): one model's engine for its benchmark, evals and capacity; once the stage
+    returns, nothing (server, eval harness) keeps it alive, so the next model loads beside none."""
+    from flows import measuring
+    from flows.data import MeasureConfig
+
+    live: weakref.WeakSet = weakref.WeakSet()
+    real = measuring.load_engine
+
+    def counting_load(variant, config):
+        engine = real(variant, config)
+        live.add(engine)
+        return engine
+
+    monkeypatch.setattr(measuring, "load_engine", counting_load)
+    config = MeasureConfig(suites=("facts_mc",), limit=2, bench_requests=2, bench_concurrency=1, bench_max_tokens=2,
+                           kv_cache_memory_gb=0.01)
+    for name in (BASELINE, "v1"):
+        measured = measuring.measure(Variant(name, None, str(tiny_model_dir), name), config, tmp_path / name,
+                                     lambda n: None)
+        assert measured.metrics[M.WEIGHTS_BYTES] > 0 and "task/facts_mc/n" in measured.metrics
+        assert len(live) == 0, f"{name}'s engine is still referenced after its measure stage"
