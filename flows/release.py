@@ -35,11 +35,12 @@ from flows.decision import approve_variants, choose
 from flows.machine import resolve_device
 from flows.progress import note, stage
 from flows.runtime import prepare, work_dir
+from flows.stage_process import StageKilled, run_stage_in_child
 from gates import metric_names as M
 from gates.judging.policy import Policy, load_policy
 from gates.records.comparison import log_release_comparison
 from gates.records.evaluation import evaluate_run
-from gates.records.orphans import fail_orphaned_releases
+from gates.records.orphans import TAG_FAILURE, fail_orphaned_releases
 from gates.records.registry import clear_challenger, promote, set_challenger
 from gates.records.tracking import (
     end_release,
@@ -65,9 +66,10 @@ CACHE_VERSION = "4"
 
 
 def transient(task, task_run, state) -> bool:
-    """Retry what may pass on a second try; bad input (ValueError) and refusals fail at once."""
+    """Retry what may pass on a second try; bad input (ValueError), refusals and a stage the OS killed (an
+    OOM kill would recur: the run is recorded FAILED at once, and a rerun resumes from what finished) fail at once."""
     exc = getattr(state, "data", None)
-    return not isinstance(exc, ValueError | TypeError | KeyError)
+    return not isinstance(exc, ValueError | TypeError | KeyError | StageKilled)
 
 
 RETRIED = {"retries": TASK_RETRIES, "retry_delay_seconds": RETRY_DELAY_S, "retry_condition_fn": transient}
@@ -127,7 +129,9 @@ def _quantize_key(context, parameters) -> str:
 @task(name="quantize", cache_key_fn=_quantize_key, persist_result=True, **RETRIED)
 def quantize_method(source: Source, method: str) -> Variant:
     with stage(f"quantize {source.name} -> {method}"):
-        out = measuring.quantize(Path(source.path), method)
+        # the heaviest stage (a build and its GGUF conversion peaked at 20.7 GB of 24): in a child process, so
+        # that an OOM kill of it is a failure this run records (flows/stage_process.py), not a dead flow
+        out = run_stage_in_child(f"quantize {method}", measuring.quantize, Path(source.path), method)
         manifest = read_manifest(out)
         return Variant(name=method, method=method, path=str(out), content_hash=measuring.variant_hash(manifest),
                        manifest=manifest)
@@ -146,9 +150,11 @@ def _speed_key(context, parameters) -> str:
 
 @task(name="measure-speed", cache_key_fn=_speed_key, persist_result=True, **RETRIED)
 def measure_speed(models: list[Variant], plan: SpeedPlan) -> SpeedResult:
-    """Baseline and variants loaded together, timed in paired interleaved rounds (flows.speed_rounds)."""
-    with stage(f"paired speed: {len(models)} models x {len(plan.points())} points x {plan.rounds} rounds",
-               total=plan.rounds) as advance:
+    """The baseline against each variant in turn, in paired interleaved rounds, two models resident at most
+    (flows.speed_rounds)."""
+    pairs = max(1, len(models) - 1)
+    with stage(f"paired speed: baseline vs {pairs} variant(s) x {len(plan.points())} points x {plan.rounds} rounds",
+               total=plan.rounds * pairs) as advance:
         return speed_stage.measure(models, plan, work_dir("speed", speed_stage.cache_key(models, plan)),
                              machine.line(machine.describe(plan.device)), advance)
 
@@ -312,7 +318,9 @@ def release_flow(
         records.log_summary(release_id, summary)
         records.write_evidence(release_id)
         end_release(release_id)
-    except BaseException:
+    except BaseException as exc:
+        if isinstance(exc, StageKilled):  # the stage, its signal and peak memory on the run, beside FAILED
+            records.tag_release(release_id, {**exc.tags(), TAG_FAILURE: str(exc)})
         if moved_challenger is not None:
             clear_challenger(source.name, reason=f"release {release_id} failed before promotion",
                              version=moved_challenger)
