@@ -73,9 +73,10 @@ class MeasureConfig:
 
 @dataclass(frozen=True)
 class SpeedPlan:
-    """The paired speed measurement (flows.speed_rounds): every model at every operating point in each round,
-    at the lengths users serve (the policy's `speed` section), until each (variant, point) reaches a decision
-    by the group-sequential rule (gates.judging.speed_verdicts) or the rounds or the time budget run out."""
+    """The paired speed measurement (flows.speed_rounds): the baseline paired with each variant in turn, both
+    at every operating point in each round, at the lengths users serve (the policy's `speed` section), until
+    each (variant, point) reaches a decision by the group-sequential rule (gates.judging.speed_verdicts) or the
+    rounds or the time budget run out."""
 
     decode_batches: tuple[int, ...] = (1, 4, 16)  # the policy's decode operating points
     decode_tokens: int = 64  # timed decode steps per sequence
@@ -88,7 +89,8 @@ class SpeedPlan:
     look_every: int = 5  # a sequential look every this many rounds
     spending: str = "pocock"  # Lan-DeMets alpha-spending rule
     alpha: float = 0.05
-    time_budget_s: float | None = None  # the whole stage's wall clock, loading included (None: no cap)
+    time_budget_s: float | None = None  # the timed rounds' wall clock, each pair its share (flows.speed_rounds
+    # pair_budget; loading and warm-up not counted); None: no cap
     min_decode: float | None = None  # the gates' minimums: where a point's CI stops it (None: first look)
     min_prefill: float | None = None
     warmup_rounds: int = 1  # untimed: kernel builds, first-call packing, every batch shape once

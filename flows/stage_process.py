@@ -2,10 +2,10 @@
 
 The out-of-memory killer sends SIGKILL: no handler, no `finally`, no MLflow call runs. A stage run in the
 flow's own process takes the flow with it and leaves the release run RUNNING until the next release's orphan
-sweep (gates/records/orphans.py). Run in a child (multiprocessing's spawn context: a fresh interpreter, never
-a fork of the flow's threads), its death is news the parent can act on: `run_stage_in_child` raises
-`StageKilled(stage, signal, peak_bytes)`, and the release flow marks its run FAILED, naming the stage and the
-peak, before anything moves an alias (flows/release.py).
+sweep (gates/records/orphans.py). Run in a child (a fresh interpreter, `python -c`, never a fork of the flow's
+threads; it is handed the stage pickled on stdin and writes its outcome to a pipe), its death is news the
+parent can act on: `run_stage_in_child` raises `StageKilled(stage, signal, peak_bytes)`, and the release flow
+marks its run FAILED, naming the stage and the peak, before anything moves an alias (flows/release.py).
 
 The child's peak resident memory is its VmHWM (/proc/<pid>/status, a high-water mark), read while it runs;
 a child killed between two reads is covered by `getrusage(RUSAGE_CHILDREN).ru_maxrss` once it is reaped, where
@@ -18,10 +18,13 @@ This module imports nothing heavy: the child imports it to run the stage.
 
 from __future__ import annotations
 
-import multiprocessing
+import os
 import pickle
 import resource
+import select
 import signal as signals
+import subprocess
+import sys
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -62,49 +65,61 @@ class StageKilled(RuntimeError):
 
 
 def run_stage_in_child(stage: str, fn: Callable, *args: Any, **kwargs: Any) -> Any:
-    """`fn(*args, **kwargs)` in a spawned child process: its result, or its exception raised here, or
+    """`fn(*args, **kwargs)` in a child Python process: its result, or its exception raised here, or
     `StageKilled` when a signal ended it. `fn`, the arguments and the result must pickle (`fn` by its module
-    and name: a module-level function)."""
-    ctx = multiprocessing.get_context("spawn")
-    receive, send = ctx.Pipe(duplex=False)
-    child = ctx.Process(target=_child, args=(send, stage, fn, args, kwargs), name=f"quantgate-{stage}")
+    and name: a module-level function). The child imports `fn`'s module, never the parent's `__main__` (a
+    script without a main guard is not run again, as multiprocessing's spawn would)."""
+    payload = pickle.dumps((stage, fn, args, kwargs))
+    read_fd, write_fd = os.pipe()
+    code = (f"import sys; sys.path[:] = {sys.path!r}; from flows.stage_process import _child_main; "
+            f"_child_main({write_fd})")
     before = _children_peak()
-    child.start()
-    send.close()
-    peak, message = 0, None
     try:
-        peak, message = _wait(child, receive)
-        child.join()
+        child = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, pass_fds=(write_fd,))
     finally:
-        if child.is_alive():  # the parent was interrupted: the stage goes with it
+        os.close(write_fd)
+    try:
+        _send(child, payload)
+        peak, data = _wait(child, read_fd)
+        child.wait()
+    finally:
+        os.close(read_fd)
+        if child.poll() is None:  # the parent was interrupted: the stage goes with it
             child.kill()
-            child.join()
-        receive.close()
+            child.wait()
     after = _children_peak()
     peak = max(peak, after if after > before else 0)
-    if message is not None:
-        kind, value = message
+    if data:
+        kind, value = pickle.loads(data)
         if kind == "error":
             raise value
         return value
-    if child.exitcode is not None and child.exitcode < 0:
-        raise StageKilled(stage, -child.exitcode, peak)
-    raise RuntimeError(f"stage {stage!r}: its process exited with code {child.exitcode} and sent no result")
+    if child.returncode < 0:
+        raise StageKilled(stage, -child.returncode, peak)
+    raise RuntimeError(f"stage {stage!r}: its process exited with code {child.returncode} and sent no result")
 
 
-def _wait(child, receive) -> tuple[int, tuple[str, Any] | None]:
-    """The child's peak VmHWM read so far and its message (None: it ended without one)."""
-    peak = 0
+def _send(child: subprocess.Popen, payload: bytes) -> None:
+    try:
+        child.stdin.write(payload)
+        child.stdin.close()
+    except BrokenPipeError:  # it died before reading: its exit status says why
+        pass
+
+
+def _wait(child: subprocess.Popen, fd: int) -> tuple[int, bytes]:
+    """The child's peak VmHWM read while it ran, and what it wrote before it closed the pipe (b"": nothing)."""
+    peak, chunks = 0, []
     while True:
         peak = max(peak, _vm_hwm(child.pid))
-        ended = not child.is_alive()
-        if receive.poll(0 if ended else POLL_S):
-            try:
-                return max(peak, _vm_hwm(child.pid)), receive.recv()
-            except EOFError:  # it closed the pipe by dying
-                return peak, None
-        if ended:
-            return peak, None
+        ready, _, _ = select.select([fd], [], [], POLL_S)
+        if ready:
+            chunk = os.read(fd, 1 << 20)
+            if not chunk:  # every write end is closed: it finished or died
+                return peak, b"".join(chunks)
+            chunks.append(chunk)
+        elif child.poll() is not None and not select.select([fd], [], [], 0)[0]:
+            return peak, b"".join(chunks)  # gone, its pipe held open by a process it left behind
 
 
 def _vm_hwm(pid: int | None) -> int:
@@ -123,17 +138,20 @@ def _children_peak() -> int:
     return resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024  # KiB on Linux
 
 
-def _child(send, stage: str, fn: Callable, args: tuple, kwargs: dict) -> None:
+def _child_main(fd: int) -> None:
+    """The child: read the stage from stdin, run it, write its pickled outcome to `fd`."""
     _die_with_parent()
+    stage, fn, args, kwargs = pickle.loads(sys.stdin.buffer.read())
     try:
         message: tuple[str, Any] = ("ok", fn(*args, **kwargs))
     except BaseException as exc:  # noqa: BLE001 - every failure goes to the parent, which raises it
         message = ("error", _portable(exc, stage, traceback.format_exc()))
     try:
-        send.send(message)
+        data = pickle.dumps(message)
     except (pickle.PicklingError, TypeError, AttributeError) as exc:
-        send.send(("error", RuntimeError(f"stage {stage!r}: its result could not be sent back ({exc})")))
-    send.close()
+        data = pickle.dumps(("error", RuntimeError(f"stage {stage!r}: its result could not be sent back ({exc})")))
+    with os.fdopen(fd, "wb") as out:
+        out.write(data)
 
 
 def _portable(exc: BaseException, stage: str, trace: str) -> BaseException:

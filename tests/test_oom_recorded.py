@@ -62,6 +62,18 @@ def test_a_result_and_an_exception_come_back_as_in_process():
     assert any("in the child process of stage 'refuse'" in note for note in caught.value.__notes__)
 
 
+def test_a_script_without_a_main_guard_is_not_run_again_in_the_child(tmp_path):
+    import subprocess
+    import sys
+
+    script = tmp_path / "unguarded.py"
+    script.write_text("import os\nfrom flows.stage_process import run_stage_in_child\n"
+                      "print('ran', run_stage_in_child('pid', os.getpid) != os.getpid())\n")
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["ran", "True"]  # once, in the parent; the child ran the stage only
+
+
 # ---- the release flow ---------------------------------------------------------------------------------
 
 
