@@ -57,6 +57,13 @@ def test_measure_holds_the_baseline_and_one_variant_at_most(tiny_model_dir, tmp_
     assert M.long_decode_speedup(1) in result.metrics["v2+kv8"] and M.long_decode_speedup(1) not in v1
     assert v1[M.SERVE_SPEED_ROUNDS] == 3 and M.paired_tps("prefill") in result.metrics[BASELINE]
     assert record["metrics"] == json.loads(json.dumps(result.metrics))
+    from gates.evidence import speed_replay  # quantgate verify replays every pair's looks from the file
+
+    for name in ("v1", "v2+kv8"):
+        derived, problems = speed_replay.derive(record, name, BASELINE)
+        assert problems == []
+        for key, value in derived.items():
+            assert abs(value - result.metrics[name][key]) <= 1e-9 * abs(value), key
 
 
 def test_each_pair_gets_its_variants_share_of_the_time_budget():
