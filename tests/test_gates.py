@@ -279,9 +279,12 @@ def test_release_comparison_is_logged_on_the_release_run(store, policy_file, tmp
         evaluate_run(runs[name][0], str(policy_file))
     release = runs["release"][0]
     text = log_release_comparison(release)
-    rows = [line for line in text.splitlines() if line.startswith("| ") and not line.startswith("| variant")]
-    assert [r.split(" | ")[0] for r in rows[1:]] == ["| baseline", "| int8", "| int4"]
-    assert "| int4 | fail |" in text and "| int8 | pass |" in text and "-0.03 [-0.09, 0.03]" in text
+    first = text.split("\n\n")[2].splitlines()  # the title, the legend, then the first table
+    assert [r.split(" | ")[0] for r in first[2:]] == ["| baseline", "| int8", "| int4"]
+    assert first[3].startswith("| int8 | PASSED: every gate passed | 0.409× (220 MB) | 6/6 |")
+    assert first[4].startswith("| int4 | NEEDS A PERSON: blocked only by 1 uninformative gate(s) |")
+    assert first[4].endswith("| `task/arc/max_drop` **uninformative, blocks** -0.09 [-0.09, 0.03] vs -0.05 |")
+    assert "-0.03 [-0.09, 0.03]" in text  # the task table keeps every delta and CI
     assert _artifact(release, "comparison/comparison.md", tmp_path).read_text() == text
     assert _artifact(release, "comparison/comparison.png", tmp_path).read_bytes()[:8] == PNG_MAGIC
 

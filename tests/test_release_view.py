@@ -142,3 +142,41 @@ def test_storage_and_compute_dtypes_are_named_apart(tmp_path):
     line = N.dtype_line(Client(), "r", "Xeon (amx), 2 threads, bfloat16 on cpu, kernel path x")
     assert line == ("- dtypes: weights stored as F32, I8 (the recipe's unquantized tensors: float32); "
                     "computed in bfloat16 (the serving engine's)")
+
+
+def test_comparison_opens_with_a_narrow_decision_table_and_keeps_every_figure(store):
+    from gates_fixtures import make_release
+
+    from gates.records.comparison import FIRST_COLUMNS, comparison_markdown
+
+    variant = {**METRICS, M.WEIGHTS_BYTES: 134.5e6, M.SERVE_DECODE_TPS: 9.5, M.speed_point("decode_b1", "rounds"): 6,
+               M.decode_speedup(4): 1.2, M.ci(M.decode_speedup(4), "ci_low"): 1.1,
+               M.ci(M.decode_speedup(4), "ci_high"): 1.3}
+    runs = make_release("m-view", {"int4": variant}, register=False)
+    text, _, _ = comparison_markdown(runs["release"][0], {runs["int4"][0]: EVALUATION})
+    blocks = text.split("\n\n")
+    first = blocks[2].splitlines()
+    assert first[0] == "| " + " | ".join(FIRST_COLUMNS) + " |" and len(FIRST_COLUMNS) == 5
+    assert first[2].startswith("| baseline | reference | 538 MB |")
+    int4 = first[3]
+    assert int4.startswith("| int4 | REFUSED: 2 gates failed | 0.25× (134.5 MB) | 2/7 |")
+    assert int4.index("`serve/min_decode_speedup/b16` **FAIL** 0.935 [0.91, 0.96] vs 1") < int4.index("piqa")
+    assert "`task/boolq/max_drop` **uninformative** -0.1 [-0.1, 0.1] vs -0.15" in int4
+    assert "`task/arc/max_drop`" not in int4  # a clean pass is counted, not listed
+    tables = {b: blocks[i + 1].splitlines()[2:] for i, b in enumerate(blocks) if b.startswith("## ")}
+    tasks = tables["## Tasks: score (paired Δ vs baseline [95 % CI])"]
+    assert "| piqa | 40 | — | 0.5 (-0.12 [-0.2, -0.04]) |" in tasks
+    speed = [row.split(" | ")[0] for row in tables[next(k for k in tables if k.startswith("## Speed"))]]
+    assert speed == ["| prefill", "| decode_b1", "| decode_b4", "| decode_b16"]  # by batch, not as text
+    serving = tables["## Serving, size, capacity, safety"]
+    assert "| weight MB (served) | 538 | 134.5 |" in serving and "| decode tok/s (own run, unpaired) | 14 | 9.5 |" in serving
+    assert "0.935 [0.91, 0.96], 8 rounds **FAIL** vs 1" in text
+
+
+def test_batches_sort_as_numbers_in_the_gate_table_and_the_note():
+    gates = [_gate(f"serve/min_decode_speedup/b{b}", "fail", 0.9, 1.0) for b in (16, 1, 4)]
+    evaluation = Evaluation("r", "release", gates)
+    assert [r["gate"] for r in N.table_rows(evaluation, {})] == [
+        "serve/min_decode_speedup/b1", "serve/min_decode_speedup/b4", "serve/min_decode_speedup/b16"]
+    note = N.variant_note(evaluation, "v", {})
+    assert note.index("/b1`") < note.index("/b4`") < note.index("/b16`")

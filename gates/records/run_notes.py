@@ -22,6 +22,7 @@ NOTE_TAG = "mlflow.note.content"  # what the MLflow UI shows as a run's descript
 GATES_TABLE = "gates_table.json"
 TABLE_COLUMNS = ("gate", "verdict", "blocks", "observed", "ci_low", "ci_high", "threshold", "rule", "reason",
                  "harmless_pass", "underpowered")
+_DIGITS = re.compile(r"(\d+)")
 _NOTE_MAX = 20000  # a tag value may be long, but a description is read on one screen
 
 
@@ -51,19 +52,26 @@ def gate_ci(gate: str, metrics: dict[str, float]) -> tuple[float, float] | None:
     return (metrics[low], metrics[high]) if low in metrics and high in metrics else None
 
 
+def natural_key(name: str) -> tuple:
+    """Sort key with the numbers in a name compared as numbers: `.../b1`, `.../b4`, `.../b16` (MLflow sorts the
+    metric names `serve/decode_speedup_b1|b16|b4` as text; the names stay, as the judge and verify read them)."""
+    return tuple(int(part) if part.isdigit() else part for part in _DIGITS.split(name))
+
+
 def is_clean_pass(r: GateResult) -> bool:
     """A gate nobody needs to look at: passed, informative, powered."""
     return r.verdict == "pass" and r.passed and not r.underpowered
 
 
 def by_attention(evaluation: Evaluation) -> list[GateResult]:
-    """Failures first, then blocking uninformative, reported uninformative, underpowered, clean passes."""
+    """Failures first, then blocking uninformative, reported uninformative, underpowered, clean passes; by
+    name within each, batches in numeric order."""
     def rank(r: GateResult) -> int:
         if r.verdict == UNINFORMATIVE:
             return 2 if r.passed else 1
         return 0 if not r.passed else 3 if r.underpowered else 4
 
-    return sorted(evaluation.results, key=lambda r: (rank(r), r.name))
+    return sorted(evaluation.results, key=lambda r: (rank(r), natural_key(r.name)))
 
 
 def table_rows(evaluation: Evaluation, metrics: dict[str, float]) -> list[dict]:
