@@ -1,7 +1,7 @@
 """The release manager's view, checked in a real browser: start `mlflow ui` over a release's store, open the
-release run, a refused variant's run and the registered model in headless Chromium (Debian's, driven by
-Playwright), save screenshots (PNG, each < 300 KB) and assert that the verdict, the failing gate's figure and
-CI, and the champion alias are on the first screen, without scrolling.
+release run, a refused variant's run, the release's comparison.md and the registered model in headless
+Chromium (Debian's, driven by Playwright), save screenshots (PNG, each < 300 KB) and assert that the verdict,
+the failing gate's figure and CI, and the champion alias are on the first screen, without scrolling.
 
     QUANTGATE_HOME=/tmp/release-home python scripts/ui_check.py --out docs/img   # the home of a release
     QUANTGATE_HOME=H python scripts/ui_check.py --release RUN_ID                 # a given release run
@@ -55,7 +55,7 @@ def start_ui(port: int) -> subprocess.Popen:
 def find_release(release_id: str | None) -> dict:
     """The release run, its refused variant and failing gate, the champion: what the pages must show."""
     from gates.records.evaluation import read_evaluation
-    from gates.records.run_notes import gate_ci
+    from gates.records.run_notes import gate_ci, headline
     from gates.records.tracking import (
         TAG_VARIANT,
         get_client,
@@ -84,6 +84,8 @@ def find_release(release_id: str | None) -> dict:
             found["refused"] = {"run": run.info.run_id, "name": run.data.tags.get(TAG_VARIANT), "gate": gate.name,
                                 "figure": f"{gate.observed:.4g}" if gate.observed is not None else "not measured",
                                 "ci": f"CI {ci[0]:.4g} to {ci[1]:.4g}" if ci else None,
+                                "ci_pair": f"[{ci[0]:.4g}, {ci[1]:.4g}]" if ci else None,
+                                "headline": headline(evaluation),
                                 "speed_plot": any(f.path.endswith("speed.png")
                                                   for f in client.list_artifacts(run.info.run_id, "gates/release"))}
     aliases = client.get_registered_model(found["model"]).aliases
@@ -180,6 +182,12 @@ def run_checks(base: str, found: dict, out: Path, chromium: str) -> list[str]:
         if refused["speed_plot"]:
             pages.append(("mlflow_refused_speed", f"#/experiments/{exp}/runs/{refused['run']}/artifacts/gates/"
                           f"release/speed.png?{ML_VIEW}", "speed.png", []))
+    if refused:  # the release's comparison: the refused variant's verdict and failing figure in its first table
+        figure = "—" if refused["figure"] == "not measured" else refused["figure"]
+        shown = f"{figure} {refused['ci_pair']}" if refused["ci_pair"] else figure
+        expect = [refused["headline"], refused["gate"], shown]
+        pages.append(("mlflow_comparison", f"#/experiments/{exp}/runs/{found['release']}/artifacts/comparison/"
+                      f"comparison.md?{ML_VIEW}", "variants side by side", expect))
     pages.append(("mlflow_registry_versions", f"#/models/{found['model']}?{ML_VIEW}", "champion", ["champion"]))
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=chromium, args=["--no-sandbox", "--headless=new"])

@@ -149,7 +149,8 @@ def test_comparison_opens_with_a_narrow_decision_table_and_keeps_every_figure(st
 
     from gates.records.comparison import FIRST_COLUMNS, comparison_markdown
 
-    variant = {**METRICS, M.WEIGHTS_BYTES: 134.5e6, M.SERVE_DECODE_TPS: 9.5, M.speed_point("decode_b1", "rounds"): 6,
+    variant = {**METRICS, M.WEIGHTS_BYTES: 134.5e6, M.SERVE_DECODE_TPS: 9.5,
+               M.speed_point("decode_b1", "rounds"): 6,
                M.decode_speedup(4): 1.2, M.ci(M.decode_speedup(4), "ci_low"): 1.1,
                M.ci(M.decode_speedup(4), "ci_high"): 1.3}
     runs = make_release("m-view", {"int4": variant}, register=False)
@@ -169,7 +170,8 @@ def test_comparison_opens_with_a_narrow_decision_table_and_keeps_every_figure(st
     speed = [row.split(" | ")[0] for row in tables[next(k for k in tables if k.startswith("## Speed"))]]
     assert speed == ["| prefill", "| decode_b1", "| decode_b4", "| decode_b16"]  # by batch, not as text
     serving = tables["## Serving, size, capacity, safety"]
-    assert "| weight MB (served) | 538 | 134.5 |" in serving and "| decode tok/s (own run, unpaired) | 14 | 9.5 |" in serving
+    assert "| weight MB (served) | 538 | 134.5 |" in serving
+    assert "| decode tok/s (own run, unpaired) | 14 | 9.5 |" in serving
     assert "0.935 [0.91, 0.96], 8 rounds **FAIL** vs 1" in text
 
 

@@ -56,8 +56,9 @@ def _name(run) -> str:
 
 def _gate_figure(r: GateResult, metrics: dict[str, float]) -> str:
     """`serve/min_decode_speedup/b16` FAIL 0.935 [0.91, 0.96] vs 1."""
-    label = ("FAIL" if r.verdict == "fail" else "uninformative, blocks" if r.verdict == UNINFORMATIVE and not r.passed
-             else "uninformative" if r.verdict == UNINFORMATIVE else "underpowered")
+    blind = r.verdict == UNINFORMATIVE
+    label = ("FAIL" if r.verdict == "fail" else "uninformative, blocks" if blind and not r.passed
+             else "uninformative" if blind else "underpowered")
     ci = gate_ci(r.name, metrics)
     ci_text = f" [{ci[0]:.4g}, {ci[1]:.4g}]" if ci else ""
     return f"`{r.name}` **{label}** {_num(r.observed)}{ci_text} vs {r.threshold:.4g}"
@@ -66,9 +67,10 @@ def _gate_figure(r: GateResult, metrics: dict[str, float]) -> str:
 def _first_row(run, evaluation: Evaluation | None, base_bytes: float | None) -> list[str]:
     m = run.data.metrics
     size = m.get(M.WEIGHTS_BYTES)
-    ratio = f"{size / base_bytes:.3g}× ({size * 1e-6:.4g} MB)" if size and base_bytes else _num(size, 1e-6) + " MB"
+    ratio = f"{size / base_bytes:.3g}× ({size * 1e-6:.4g} MB)" if size and base_bytes else f"{_num(size, 1e-6)} MB"
     if evaluation is None:
-        return [_name(run), run.data.tags.get(M.stage_tag("release", "verdict"), "not judged"), ratio, "—", "—"]
+        verdict = run.data.tags.get(M.stage_tag("release", "verdict"), "not judged")
+        return [_name(run), verdict, ratio, "—", "—"]
     notable = [r for r in by_attention(evaluation) if not is_clean_pass(r)]
     clean = sum(is_clean_pass(r) for r in evaluation.results)
     deciding = "; ".join(_gate_figure(r, m) for r in notable) or "none: every gate passed cleanly"
@@ -78,7 +80,8 @@ def _first_row(run, evaluation: Evaluation | None, base_bytes: float | None) -> 
 def _task_rows(rows: list, tasks: list[str]) -> list[list[str]]:
     out = []
     for t in tasks:
-        ns = sorted({int(r.data.metrics[M.task_key(t, "n")]) for r in rows if M.task_key(t, "n") in r.data.metrics})
+        n_key = M.task_key(t, "n")
+        ns = sorted({int(r.data.metrics[n_key]) for r in rows if n_key in r.data.metrics})
         cells = [t, "/".join(map(str, ns)) or "—"]
         for run in rows:
             m = run.data.metrics
@@ -103,7 +106,8 @@ def speed_points(metrics_list: list[dict[str, float]]) -> list[tuple[str, str, s
                 kind, batch = match.groups()
                 gate = f"serve/min_decode_speedup/{'long_' if kind == 'long_decode' else ''}b{batch}"
                 points[f"{kind}_b{batch}"] = (key, gate)
-    order = sorted(points, key=lambda p: (0 if p == "prefill" else 2 if p.startswith("long") else 1, natural_key(p)))
+    family = lambda p: 0 if p == "prefill" else 2 if p.startswith("long") else 1  # noqa: E731
+    order = sorted(points, key=lambda p: (family(p), natural_key(p)))
     return [(p, *points[p]) for p in order]
 
 
@@ -117,7 +121,8 @@ def _speed_rows(variants: list, evaluations: dict[str, Evaluation | None]) -> li
                 cells.append("—")
                 continue
             low, high = m.get(M.ci(key, "ci_low")), m.get(M.ci(key, "ci_high"))
-            text = f"{m[key]:.4g}" + (f" [{low:.4g}, {high:.4g}]" if low is not None and high is not None else "")
+            text = f"{m[key]:.4g}"
+            text += f" [{low:.4g}, {high:.4g}]" if low is not None and high is not None else ""
             rounds = m.get(M.speed_point(point, "rounds"))
             text += f", {rounds:.0f} rounds" if rounds is not None else ""
             evaluation = evaluations.get(run.info.run_id)
@@ -145,19 +150,22 @@ def comparison_markdown(release_run_id: str, evaluations: dict[str, Evaluation |
     first = [[_name(baseline), "reference", _num(base_bytes, 1e-6) + " MB", "—", "—"]] if baseline else []
     first += [_first_row(r, evaluations.get(r.info.run_id), base_bytes) for r in variants]
     lines = [f"# Release `{release_run_id}`: variants side by side", "",
-             "Each variant's verdict on its release gates and the gates that decided it (every gate: the variant "
-             "run's `gates/release/gates.md`); the tables below give every figure. — means not measured.", "",
+             "Each variant's verdict on its release gates and the gates that decided it (every gate: the "
+             "variant run's `gates/release/gates.md`); the tables below give every figure. — means not "
+             "measured.", "",
              *_table(list(FIRST_COLUMNS), first)]
     names = [_name(r) for r in rows]
-    tasks = sorted(set().union(*(M.tasks_in(r.data.metrics) for r in rows)) if rows else set(), key=natural_key)
+    tasks = sorted(set().union(*(M.tasks_in(r.data.metrics) for r in rows)), key=natural_key) if rows else []
     if tasks:
         lines += ["## Tasks: score (paired Δ vs baseline [95 % CI])", "",
                   *_table(["task", "n", *names], _task_rows(rows, tasks))]
     speed = _speed_rows(variants, evaluations)
     if speed:
-        lines += ["## Speed: paired ratio variant / baseline tok/s [95 % CI], rounds to its stop, verdict", "",
+        lines += ["## Speed: paired ratio variant / baseline tok/s [95 % CI], rounds to its stop, verdict",
+                  "",
                   *_table(["operating point", *[_name(r) for r in variants]], speed)]
-    serving = [[label, *(_num(r.data.metrics.get(key), scale) for r in rows)] for key, label, scale in _SERVING]
+    serving = [[label, *(_num(r.data.metrics.get(key), scale) for r in rows)]
+               for key, label, scale in _SERVING]
     lines += ["## Serving, size, capacity, safety", "", *_table(["metric", *names], serving)]
     return "\n".join(lines), variants, (baseline.data.metrics if baseline else {})
 
@@ -184,7 +192,8 @@ def log_release_comparison(release_run_id: str) -> str:
     named = [(_name(r), r.data.metrics) for r in variants]
     verdicts = {_name(r): (evaluations[r.info.run_id].results if evaluations[r.info.run_id] else [])
                 for r in variants}
-    client.log_figure(release_run_id, comparison_figure(named, baseline, verdicts), "comparison/comparison.png")
+    figure = comparison_figure(named, baseline, verdicts)
+    client.log_figure(release_run_id, figure, "comparison/comparison.png")
     from gates.records.lineage import log_release_lineage
 
     log_release_lineage(client, release_children(release_run_id, client))  # flips tables, dataset inputs

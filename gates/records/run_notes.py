@@ -53,8 +53,9 @@ def gate_ci(gate: str, metrics: dict[str, float]) -> tuple[float, float] | None:
 
 
 def natural_key(name: str) -> tuple:
-    """Sort key with the numbers in a name compared as numbers: `.../b1`, `.../b4`, `.../b16` (MLflow sorts the
-    metric names `serve/decode_speedup_b1|b16|b4` as text; the names stay, as the judge and verify read them)."""
+    """Sort key with the numbers in a name compared as numbers: `.../b1`, `.../b4`, `.../b16` (MLflow sorts
+    the metric names `serve/decode_speedup_b1|b16|b4` as text; the names stay: the judge and verify read
+    them)."""
     return tuple(int(part) if part.isdigit() else part for part in _DIGITS.split(name))
 
 
