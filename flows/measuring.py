@@ -20,15 +20,20 @@ from evals.run import run_suite
 from flows import fidelity_stage, serving_harness
 from flows.data import MeasureConfig, Measured, Variant
 from flows.machine import engine_placement
+from flows.progress import note
 from flows.recipes import parse
 from flows.speed_rounds import release_engine_memory
 from gates import metric_names as M
 from quantgate.loading import resident_bytes
-from quantize.capacity import ModelShape, capacity_row, split_variant
+from quantize.capacity import ModelShape, capacity_row, capacity_shortfall, split_variant
 from quantize.methods import get_method
 from quantize.variant import quantize as build_variant
 from serving import LLMEngine
 from serving.model.quant.integrity import verify_variant
+
+# Recorded in place of capacity/max_seqs where the weights leave the budget no KV block: the bytes they (and one
+# block) exceed it by (1: the baseline's capacity was 0, so no gain); beside gates.metric_names' capacity keys.
+CAPACITY_UNMEASURED = "capacity/unmeasured_over_bytes"
 
 # ---- quantize ---------------------------------------------------------------------------------------
 
@@ -121,21 +126,33 @@ def serving_benchmark(engine, config: MeasureConfig, name: str, out_json: Path) 
 
 def capacity(variant: Variant, weights: int, config: MeasureConfig, kv_dtype_bytes: int,
              kv_cache_dtype: str, block_size: int) -> dict[str, float]:
-    """KV blocks and concurrent sequences of `capacity_seq_len` tokens that fit beside the weights in a
-    fixed `capacity_budget_gb` (quantize.capacity, with the weight bytes measured here; an 8-bit cache
-    counts its codes and scales as the engine stores them)."""
+    """KV blocks and concurrent sequences of `capacity_seq_len` tokens that fit beside the weights in
+    `capacity_budget_gb` (sized by the release's memory plan: flows/memory_plan.py; quantize.capacity, with the
+    weight bytes measured here; an 8-bit cache counts its codes and scales as the engine stores them). Weights
+    that leave no block are no measurement: `CAPACITY_UNMEASURED` (the bytes they exceed the budget by) is
+    recorded instead of 0 sequences, and said so."""
     shape = ModelShape.from_config(json.loads((Path(variant.path) / "config.json").read_text()))
-    row = capacity_row(variant.name, shape, weights, int(config.capacity_budget_gb * 2**30),
+    budget = int(config.capacity_budget_gb * 2**30)
+    row = capacity_row(variant.name, shape, weights, budget,
                        seq_len=config.capacity_seq_len, block_size=block_size, kv_dtype_bytes=kv_dtype_bytes,
                        kv_cache_dtype=kv_cache_dtype, weights_source="measured")
+    reason = capacity_shortfall(row, budget)
+    if reason is not None:
+        note(f"{variant.name}: capacity not measured: {reason}")
+        return {CAPACITY_UNMEASURED: float(max(weights + row.kv_bytes_per_block - budget, 1)),
+                M.CAPACITY_KV_BYTES_PER_BLOCK: float(row.kv_bytes_per_block)}
     return {M.CAPACITY_KV_BLOCKS: float(row.num_blocks), M.CAPACITY_KV_TOKENS: float(row.num_blocks * block_size),
             M.CAPACITY_MAX_SEQS: float(row.max_seqs), M.CAPACITY_KV_BYTES_PER_BLOCK: float(row.kv_bytes_per_block)}
 
 
 def capacity_gain(variant: dict[str, float], baseline: dict[str, float]) -> dict[str, float]:
-    """Concurrent sequences at the fixed budget, variant / baseline (absent when either is missing or 0)."""
+    """Concurrent sequences at the same budget, variant / baseline; where either could not be measured (or the
+    baseline fits none), no gain but `CAPACITY_UNMEASURED` on the variant's run: never a silent gap."""
     v, b = variant.get(M.CAPACITY_MAX_SEQS), baseline.get(M.CAPACITY_MAX_SEQS)
-    return {M.CAPACITY_GAIN: v / b} if v is not None and b else {}
+    if v is not None and b:
+        return {M.CAPACITY_GAIN: v / b}
+    over = max(variant.get(CAPACITY_UNMEASURED, 0.0), baseline.get(CAPACITY_UNMEASURED, 0.0))
+    return {CAPACITY_UNMEASURED: over or 1.0}
 
 
 def run_evals(engine, suite: str, limit: int | None, out_dir: Path, system_prompt: str | None = None,

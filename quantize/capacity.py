@@ -191,6 +191,15 @@ def capacity_row(
     return CapacityRow(variant, weight_bytes, weights_source, per_block, blocks, per_seq, blocks // per_seq)
 
 
+def capacity_shortfall(row: CapacityRow, memory_bytes: int, reserve_bytes: int = 0) -> str | None:
+    """Why a row's capacity is no measurement (its weights leave the budget no KV block), None when it is: a 0 is
+    never reported as a capacity, it is said so."""
+    if row.num_blocks > 0:
+        return None
+    return (f"{row.weight_bytes / GIB:.2f} GiB of weights{f' + {reserve_bytes / GIB:.2f} GiB reserved' if reserve_bytes else ''}"
+            f" leave no {row.kv_bytes_per_block}-byte KV block of a {memory_bytes / GIB:.2f} GiB budget")
+
+
 def capacity_table(
     config: dict[str, Any],
     memory_bytes: int,
