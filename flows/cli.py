@@ -196,15 +196,18 @@ def run_release(args: argparse.Namespace, model: str, methods: list[str]) -> int
 
 def _release(args: argparse.Namespace) -> int:
     if args.plan:
+        from flows.memory_plan import plan_for
         from gates.judging.policy import load_policy
         from gates.release_plan import plan_report
         from quantize.capacity import split_variant
 
-        methods = chosen_methods(args)
+        methods, policy = chosen_methods(args), load_policy(_policy(args.policy))
         kv = sum(1 for m in methods if split_variant(m)[1] != "auto")  # the variants the long-context probes run
-        print(plan_report(load_policy(_policy(args.policy)), _methods(args.suites), models=1 + len(methods),
+        memory = plan_for(args.model, methods, policy, getattr(args, "device", None)).table()  # no model loaded
+        print(plan_report(policy, _methods(args.suites), models=1 + len(methods),
                           level=args.plan_level, flip_rate=args.flip_rate, seconds=args.seconds_per_item,
-                          from_run=args.from_run, model=args.model, kv_variants=kv, measure=args.pilot), end="")
+                          from_run=args.from_run, model=args.model, kv_variants=kv, measure=args.pilot,
+                          memory=memory), end="")
         return 0
     if args.recipe_from_tune:
         from flows.tune_cli import from_tune

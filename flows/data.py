@@ -40,7 +40,9 @@ class MeasureConfig:
     bench_concurrency: int = 4
     bench_max_tokens: int = 32
     kv_cache_memory_gb: float = 0.5
-    capacity_budget_gb: float = 2.0  # weights + KV cache: how many sequences fit beside each variant
+    # weights + KV cache: how many sequences fit beside each variant; the release sizes it from its memory plan
+    # (flows/memory_plan.py: the baseline as served + 1 GiB of KV, whole GiB, never under this default)
+    capacity_budget_gb: float = 2.0
     capacity_seq_len: int = 1024
     seed: int = 0
     # flows.fidelity_stage, from the policy's fidelity / long_context / deployment sections

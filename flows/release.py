@@ -17,7 +17,7 @@ from prefect.cache_policies import NO_CACHE
 from prefect.runtime import flow_run
 
 from evals.tasks import resolve_tasks
-from flows import canary_stage, fidelity_stage, machine, measuring, records
+from flows import canary_stage, fidelity_stage, machine, measuring, memory_plan, records
 from flows import speed_rounds as speed_stage
 from flows.approval import APPROVE_MODES
 from flows.data import (
@@ -266,6 +266,8 @@ def release_flow(
     pol = check_options(methods, approve, limit, policy, suites)
     config = replace(fidelity_stage.measure_config(pol, methods, suites, limit), device=device)
     source = resolve_source(model)
+    mem = memory_plan.for_release(source.path, methods, config, pol)  # config.json only: no model loaded
+    config = replace(config, capacity_budget_gb=mem.capacity_budget_gb)  # never a budget the weights fill
     run_config = {"methods": methods, "approve": approve, "policy": pol.source,
                   "device": device, "measure": asdict(config), "prefect_flow_run_id": str(flow_run.id)}
     release_id = start_release(source, run_config)
@@ -277,6 +279,7 @@ def release_flow(
     note(f"MLflow release run {release_id}; Prefect flow run {flow_run.id}")
     moved_challenger = None
     try:
+        mem.check()  # a stage that cannot fit is refused (MemoryRefused) before anything is built
         variants = _quantize_all(source, methods, fresh)
         baseline_variant = Variant(BASELINE, None, source.path, source.content_hash, None)
         base = _measure(baseline_variant, config, fresh)
@@ -319,7 +322,7 @@ def release_flow(
         records.write_evidence(release_id)
         end_release(release_id)
     except BaseException as exc:
-        if isinstance(exc, StageKilled):  # the stage, its signal and peak memory on the run, beside FAILED
+        if isinstance(exc, StageKilled | memory_plan.MemoryRefused):  # the stage (and its bytes), beside FAILED
             records.tag_release(release_id, {**exc.tags(), TAG_FAILURE: str(exc)})
         if moved_challenger is not None:
             clear_challenger(source.name, reason=f"release {release_id} failed before promotion",

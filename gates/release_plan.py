@@ -230,9 +230,11 @@ def _context(model: str | None) -> int | None:
 
 def plan_report(policy: Policy, suites: list[str], models: int, level: float | None = None,
                 flip_rate: float | None = None, seconds: str | None = None, from_run: str | None = None,
-                min_n: int = 20, model: str | None = None, kv_variants: int = 0, measure: bool = True) -> str:
+                min_n: int = 20, model: str | None = None, kv_variants: int = 0, measure: bool = True,
+                memory: str = "") -> str:
     """The plan as Markdown. Time: `seconds` when given; else a pilot of the engine on `model` (a few items
-    per task, one speed round) when `measure` (else DEFAULT_SECONDS_PER_ITEM, said so)."""
+    per task, one speed round) when `measure` (else DEFAULT_SECONDS_PER_ITEM, said so). `memory`: the memory
+    plan's table (flows/memory_plan.py, which the CLI passes: gates may not import flows), printed last."""
     level = policy.family_harmless_pass if level is None else level
     rec = recorded(from_run, policy) if from_run else None
     given_all = seconds_per_item(seconds)[0] is not None
@@ -250,7 +252,7 @@ def plan_report(policy: Policy, suites: list[str], models: int, level: float | N
     lines = [P.plan_markdown(plan), f"- policy `{policy.source}`; {source}; seconds per item: {item_source}",
              f"- a release at these n: `--limit {max(r.n for r in plan.rows)}` covers every task (the largest n)"]
     lines += [f"- not planned: {s}" for s in skipped]
-    return "\n".join(lines) + "\n\n" + rows_markdown(rows, plan, models, timing)
+    return "\n".join(lines) + "\n\n" + rows_markdown(rows, plan, models, timing) + (f"\n{memory}" if memory else "")
 
 
 ASSUMED_REFUSAL_RATE = 0.5  # no run named: the rate at which the flip cap binds least (a conservative figure)

@@ -1,0 +1,317 @@
+"""The release's memory plan (issue 45): each stage's peak memory, from the source's config.json and its
+safetensors headers alone (no model is loaded), beside what this machine has available.
+
+`plan(inputs, machine)` is pure: dataclasses in, a `MemoryPlan` out (its `table()` is Markdown), so a
+70B-shaped config can be planned on a laptop and tests craft their own. The stages and what each holds at
+its peak:
+
+- `quantize <method>`: a child process (flows/stage_process.py) beside the flow's. A streamed int8wo /
+  int4wo build (quantize/streaming.py) holds one row block of the largest tensor (CHUNK_ELEMENTS, cast to
+  fp32, with quantize_groups' temporaries) and that tensor's scales; a streamed int4-awq / int4-gptq build
+  (quantize/calibrated_stream.py) one decoder layer in the build dtype (fp32) twice (the probe runs the
+  source layer beside the quantized one), the calibration hidden states in and out and the widest linear's
+  inputs, and GPTQ's Hessian of its widest input (then the head and its Hessian, whichever is more). A
+  source without safetensors builds in memory: ~12 bytes per parameter (streaming.py's docstring).
+- `measure <model>`: one engine at a time (flows/measuring.py): its weights as served, the KV cache
+  (MeasureConfig.kv_cache_memory_gb) and the activations of one scheduler step.
+- `speed`: the baseline and the largest variant resident together (flows/speed_rounds.py's pairs), each
+  with the KV blocks of the largest speed point.
+- `canary`: champion and challenger served together (flows/canary_stage.py, CANARY_KV_GB each); before a
+  release the champion is planned as the baseline and the challenger as the largest variant.
+
+Weights as served: the baseline at the engine's dtype on this machine (serving/model/device.py: bf16 where
+the kernel path takes bf16 rows, else fp32; QUANTGATE_DTYPE overrides), int8wo ~1 byte per parameter plus a
+fp32 scale per row, int4wo / int4-awq / int4-gptq ~0.5 byte plus a bf16 scale and zero per group of 32,
+embeddings and head included, the norms at the serving dtype (quantize.capacity.estimate_weight_bytes;
+as served = as stored for these, docs/results/2026-12-01-amd-epyc.md). Every stage adds RUNTIME_BYTES.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from quantize.capacity import DTYPE_BYTES, ModelShape, estimate_weight_bytes, split_variant
+
+GIB = 1 << 30
+# What the flow's own processes hold beside the models: Python with torch, transformers, Prefect and MLflow
+# imported (0.29 GB measured on the 2-core AMX Xeon, 2026-12-05), Prefect's local API server and MLflow's
+# store (~0.4 GB), lm-eval with its datasets and the tokenizer while evals run (~0.3 GB), and the allocator's
+# slack as engines come and go (~0.5 GB): 1.5 GB, the issue's target's own allowance.
+RUNTIME_BYTES = 3 * GIB // 2
+CHILD_RUNTIME_BYTES = GIB // 2  # the quantize stage's child interpreter: torch and transformers imported
+ENGINE_TOKENS = 2048  # serving.core.scheduler.MAX_NUM_BATCHED_TOKENS: the most tokens one engine step runs
+LOGIT_ROWS = 512  # prompt rows one eval step scores (lm-eval's continuations): logits, fp32 copy, log-softmax
+STREAM_BLOCK_BYTES = 4 * (8 << 20) * 4  # quantize.streaming.CHUNK_ELEMENTS as fp32, with ~3 temporaries
+IN_MEMORY_BYTES_PER_PARAM = 12  # a build that cannot stream: the whole model in fp32, quantized in place
+CALIBRATED = ("int4-awq", "int4-gptq")
+CAPACITY_HEADROOM_GB = 1.0  # the capacity budget: the baseline as served + this much KV, at least the default
+WAYS_OUT = ("fewer methods (--methods)", "serve in bfloat16 (QUANTGATE_DTYPE=bfloat16; --dtype bfloat16 where "
+            "the verb has it)", "a smaller KV budget (the policy's speed points and long_context lengths; "
+            "MeasureConfig.kv_cache_memory_gb)", "a machine with more memory")
+
+
+@dataclass(frozen=True)
+class Inputs:
+    """What the plan needs: the config, the methods as the release names them, and the stages' settings."""
+
+    config: dict[str, Any]
+    methods: tuple[str, ...]
+    serving_dtype: str = "bfloat16"  # the engine's on this machine
+    stored_dtype: str = "bfloat16"  # the source's safetensors (what a streamed build reads)
+    streamable: bool = True  # the source has safetensors
+    measure_kv_bytes: int = GIB // 2  # MeasureConfig.kv_cache_memory_gb
+    speed_kv_tokens: int = 16 * 28  # flows.speed_rounds.kv_blocks x BLOCK_SIZE, per engine
+    canary_kv_bytes: int = GIB // 4  # flows.canary_stage.CANARY_KV_GB, per engine
+    calibration_tokens: int = 2048  # quantize.methods' int4-awq / int4-gptq default
+    build_dtype: str = "float32"  # quantize.methods' default `dtype` option
+
+
+@dataclass(frozen=True)
+class Machine:
+    available_bytes: int
+    source: str  # where the figure comes from
+
+
+@dataclass(frozen=True)
+class Stage:
+    name: str
+    models: tuple[str, ...]
+    weights: int  # weights as served (quantize: the build's working set)
+    kv: int
+    activations: int
+    runtime: int
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.kv + self.activations + self.runtime
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    stages: list[Stage]
+    machine: Machine
+    served: dict[str, int] = field(default_factory=dict)  # model -> weights as served
+    serving_dtype: str = "bfloat16"
+    capacity_budget_gb: float = 2.0
+
+    def unfit(self) -> list[Stage]:
+        return [s for s in self.stages if s.total > self.machine.available_bytes]
+
+    def table(self) -> str:
+        lines = ["## Memory per stage (planned from config.json, no model loaded)", "",
+                 "| stage | resident | weights GB | KV GB | activations GB | runtime GB | peak GB | fits |",
+                 "| --- | --- | ---: | ---: | ---: | ---: | ---: | --- |"]
+        avail = self.machine.available_bytes
+        for s in self.stages:
+            lines.append(f"| {s.name} | {' + '.join(s.models)} | {gb(s.weights)} | {gb(s.kv)} | {gb(s.activations)} "
+                         f"| {gb(s.runtime)} | **{gb(s.total)}** | {'yes' if s.total <= avail else '**no**'} |")
+        served = ", ".join(f"{m} {gb(b)} GB" for m, b in self.served.items())
+        lines += ["", f"- available: **{gb(avail)} GB** ({self.machine.source})",
+                  f"- weights as served ({self.serving_dtype} engine): {served}",
+                  f"- runtime: {gb(RUNTIME_BYTES)} GB per stage (the flow's processes; flows/memory_plan.py), "
+                  f"the quantize child's interpreter {gb(CHILD_RUNTIME_BYTES)} GB more",
+                  f"- capacity budget (capacity/max_seqs): {self.capacity_budget_gb:g} GiB of weights + KV"]
+        if self.unfit():
+            lines.append(f"- **the release refuses** before quantizing: {', '.join(s.name for s in self.unfit())} "
+                         f"cannot fit; ways out: {'; '.join(self.ways_out())}")
+        return "\n".join(lines) + "\n"
+
+    def ways_out(self) -> list[str]:
+        return [w for w in WAYS_OUT if self.serving_dtype != "bfloat16" or "bfloat16" not in w]
+
+    def check(self) -> None:
+        """Raise MemoryRefused naming the first stage that cannot fit (the flow calls it before any work)."""
+        unfit = self.unfit()
+        if not unfit:
+            return
+        s, avail, ways = unfit[0], self.machine.available_bytes, self.ways_out()
+        raise MemoryRefused(
+            f"stage {s.name!r} ({' + '.join(s.models)}) needs {s.total:,} bytes ({gb(s.total)} GB) at its peak; "
+            f"this machine has {avail:,} bytes ({gb(avail)} GB) available ({self.machine.source}): refused before "
+            f"anything was built. Ways out: {'; '.join(ways)}.\n\n{self.table()}", s.name, s.total, avail)
+
+
+class MemoryRefused(ValueError):
+    """A stage the plan says cannot fit in this machine's memory; refused before anything is built."""
+
+    def __init__(self, message: str, stage: str, predicted: int, available: int):
+        super().__init__(message)
+        self.stage, self.predicted, self.available = stage, predicted, available
+
+    def __reduce__(self):
+        return (MemoryRefused, (str(self), self.stage, self.predicted, self.available))
+
+    def tags(self) -> dict[str, str]:
+        from flows.stage_process import TAG_FAILED_STAGE
+
+        return {TAG_FAILED_STAGE: self.stage, "quantgate.memory_plan_bytes": str(self.predicted),
+                "quantgate.memory_available_bytes": str(self.available)}
+
+
+def gb(n: int | float) -> str:
+    return f"{n / 1e9:.2f}"
+
+
+def weight_method(name: str) -> str:
+    """A release method or recipe (KV suffix allowed) -> the method whose layout it is served in."""
+    from flows.recipes import parse
+
+    weights, _ = split_variant(name)
+    if weights == "baseline":
+        return "baseline"
+    method = parse(weights).method
+    return "int4wo" if method in CALIBRATED else method
+
+
+def served_bytes(shape: ModelShape, method: str, serving_dtype: str) -> int:
+    return estimate_weight_bytes(shape, method, DTYPE_BYTES[serving_dtype])
+
+
+def activation_bytes(shape: ModelShape, tokens: int, logit_rows: int, dtype_bytes: int) -> int:
+    """One engine step: the hidden states, q/k/v and the MLP's gate and up of `tokens` tokens in the serving
+    dtype, and `logit_rows` rows of logits (in dtype, as fp32 and log-softmaxed)."""
+    q, kv = shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
+    per_token = (3 * shape.hidden_size + q + 2 * kv + 3 * shape.intermediate_size) * dtype_bytes
+    return tokens * per_token + logit_rows * shape.vocab_size * (dtype_bytes + 8)
+
+
+def build_bytes(shape: ModelShape, method: str, inputs: Inputs) -> tuple[int, int]:
+    """The quantize stage's (working set, calibration activations)."""
+    base = split_variant(method)[0]
+    from flows.recipes import parse
+
+    algo = parse(base).method
+    if not inputs.streamable or algo not in ("int8wo", "int4wo", *CALIBRATED):
+        return IN_MEMORY_BYTES_PER_PARAM * shape.num_params(), 0
+    b = DTYPE_BYTES[inputs.build_dtype]
+    largest = max([o * i for o, i in shape.layer_linears()] + [shape.vocab_size * shape.hidden_size])
+    block = min(largest * 4 * 4, STREAM_BLOCK_BYTES)
+    scales = 4 * largest // 32  # the largest tensor's scales (int4's groups of 32; int8's rows are fewer)
+    if algo not in CALIBRATED:
+        return block + scales, 0
+    layer = sum(o * i for o, i in shape.layer_linears()) * b
+    t, widest = inputs.calibration_tokens, max(i for _, i in shape.layer_linears())
+    acts = t * (2 * shape.hidden_size + widest) * b
+    hessian = widest * widest * 4 if algo == "int4-gptq" else 0
+    head = shape.vocab_size * shape.hidden_size * b + (shape.hidden_size ** 2 * 4 if algo == "int4-gptq" else 0)
+    return max(2 * layer + hessian, head) + block + scales, acts
+
+
+def plan(inputs: Inputs, machine: Machine) -> MemoryPlan:
+    """Every stage's peak (see the module's docstring) and the capacity budget the measure stage uses."""
+    shape = ModelShape.from_config(inputs.config)
+    db = DTYPE_BYTES[inputs.serving_dtype]
+    served = {"baseline": served_bytes(shape, "baseline", inputs.serving_dtype)}
+    for m in inputs.methods:  # baseline+kv8 is the baseline's weights
+        served[m] = served_bytes(shape, weight_method(m), inputs.serving_dtype)
+    stages = []
+    for m in dict.fromkeys(split_variant(m)[0] for m in inputs.methods):
+        if m != "baseline":
+            work, acts = build_bytes(shape, m, inputs)
+            stages.append(Stage(f"quantize {m}", (m,), work, 0, acts, RUNTIME_BYTES + CHILD_RUNTIME_BYTES))
+    eval_acts = activation_bytes(shape, ENGINE_TOKENS, LOGIT_ROWS, db)
+    for name, w in served.items():
+        stages.append(Stage(f"measure {name}", (name,), w, inputs.measure_kv_bytes, eval_acts, RUNTIME_BYTES))
+    largest = max(inputs.methods, key=served.get, default=None)
+    kv_token = shape.kv_bytes_per_token(db)
+    if largest is not None:
+        pair = ("baseline", largest)
+        speed_acts = activation_bytes(shape, ENGINE_TOKENS // 4, 16, db)
+        stages.append(Stage("speed", pair, served["baseline"] + served[largest], 2 * inputs.speed_kv_tokens * kv_token,
+                            speed_acts, RUNTIME_BYTES))
+        canary_acts = 2 * activation_bytes(shape, ENGINE_TOKENS // 4, 16, db)
+        stages.append(Stage("canary", ("champion (baseline)", f"challenger ({largest})"),
+                            served["baseline"] + served[largest], 2 * inputs.canary_kv_bytes, canary_acts,
+                            RUNTIME_BYTES))
+    budget = max(2.0, float(math.ceil(served["baseline"] / GIB + CAPACITY_HEADROOM_GB)))
+    return MemoryPlan(stages, machine, served, inputs.serving_dtype, budget)
+
+
+# ---- this machine and this source (read, never loaded) ----------------------------------------------
+
+
+def _cgroup_room() -> tuple[int, str] | None:
+    """What the cgroup's memory.max leaves (v2, else v1), when one is set."""
+    for limit, usage in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+                         ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+        try:
+            text = Path(limit).read_text().strip()
+            if text == "max" or int(text) >= 1 << 60:
+                return None
+            return int(text) - int(Path(usage).read_text().strip()), f"cgroup {limit} {gb(int(text))} GB"
+        except (OSError, ValueError):
+            continue
+    return None
+
+
+def _own_rss() -> int:
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def available_memory() -> Machine:
+    """MemAvailable (/proc/meminfo), the cgroup's room if that is less, plus this process's own resident
+    memory (the plan's runtime counts it already)."""
+    from quantize.capacity import device_free_bytes
+
+    avail, source = device_free_bytes("cpu"), "MemAvailable, /proc/meminfo"
+    room = _cgroup_room()
+    if room is not None and room[0] < avail:
+        avail, source = room[0], room[1]
+    own = _own_rss()
+    return Machine(avail + own, f"{source}, + {gb(own)} GB this process holds")
+
+
+def source_dtype(path: Path) -> tuple[str | None, int]:
+    """The dtype most of the source's safetensors bytes are stored in, and their total (None, 0: none)."""
+    from serving.model.quant.integrity import weight_bytes
+
+    total, by_dtype = weight_bytes(Path(path))
+    names = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}
+    if not total:
+        return None, 0
+    return names.get(max(by_dtype, key=by_dtype.get), "float32"), total
+
+
+def inputs_for(source: str | Path, methods: list[str], config, policy, serving_dtype: str) -> Inputs:
+    """The plan's inputs for a release of `source` (an HF directory) with the flow's MeasureConfig and policy."""
+    import json
+
+    from flows.data import SpeedPlan
+    from flows.speed_rounds import BLOCK_SIZE, kv_blocks
+
+    stored, _ = source_dtype(Path(source))
+    return Inputs(config=json.loads((Path(source) / "config.json").read_text()), methods=tuple(methods),
+                  serving_dtype=serving_dtype, stored_dtype=stored or "float32", streamable=stored is not None,
+                  measure_kv_bytes=int(config.kv_cache_memory_gb * GIB),
+                  speed_kv_tokens=kv_blocks(SpeedPlan.from_policy(policy, config.device)) * BLOCK_SIZE)
+
+
+def serving_dtype(device: str) -> str:
+    """The engine's dtype for `device` on this machine (serving/model/device.py)."""
+    from flows.machine import engine_placement
+    from serving.model.device import resolve_dtype
+
+    return str(resolve_dtype(None, engine_placement(device)["device"])).removeprefix("torch.")
+
+
+def for_release(source: str | Path, methods: list[str], config, policy) -> MemoryPlan:
+    """The plan the release flow runs first (and `quantgate release --plan` prints)."""
+    return plan(inputs_for(source, methods, config, policy, serving_dtype(config.device)), available_memory())
+
+
+def plan_for(model: str, methods: list[str], policy, device: str | None = None) -> MemoryPlan:
+    """`quantgate release --plan`'s: the release's plan for a model reference, at MeasureConfig's defaults."""
+    from flows.data import MeasureConfig
+    from flows.machine import resolve_device
+    from quantgate.models import resolve_model
+
+    return for_release(resolve_model(model), methods, MeasureConfig(device=resolve_device(device)), policy)
