@@ -96,6 +96,7 @@ class MemoryPlan:
     served: dict[str, int] = field(default_factory=dict)  # model -> weights as served
     serving_dtype: str = "bfloat16"
     capacity_budget_gb: float = 2.0
+    not_planned: str = ""  # why there is no plan (a config the shapes cannot be read from): nothing is refused
 
     def unfit(self) -> list[Stage]:
         return [s for s in self.stages if s.total > self.machine.available_bytes]
@@ -105,6 +106,8 @@ class MemoryPlan:
                  "| stage | resident | weights GB | KV GB | activations GB | runtime GB | peak GB | fits |",
                  "| --- | --- | ---: | ---: | ---: | ---: | ---: | --- |"]
         avail = self.machine.available_bytes
+        if self.not_planned:
+            return f"{lines[0]}\n\n- not planned: {self.not_planned}\n"
         for s in self.stages:
             lines.append(f"| {s.name} | {' + '.join(s.models)} | {gb(s.weights)} | {gb(s.kv)} | {gb(s.activations)} "
                          f"| {gb(s.runtime)} | **{gb(s.total)}** | {'yes' if s.total <= avail else '**no**'} |")
@@ -304,8 +307,16 @@ def serving_dtype(device: str) -> str:
 
 
 def for_release(source: str | Path, methods: list[str], config, policy) -> MemoryPlan:
-    """The plan the release flow runs first (and `quantgate release --plan` prints)."""
-    return plan(inputs_for(source, methods, config, policy, serving_dtype(config.device)), available_memory())
+    """The plan the release flow runs first (and `quantgate release --plan` prints); a source whose shapes cannot
+    be read (not a Llama-style decoder config) gets no plan, said so, and is refused nothing."""
+    machine = available_memory()
+    try:
+        return plan(inputs_for(source, methods, config, policy, serving_dtype(config.device)), machine)
+    except (ValueError, KeyError, OSError) as exc:
+        from flows.progress import note
+
+        note(f"memory plan: none for {source} ({exc}); no stage is refused up front")
+        return MemoryPlan([], machine, capacity_budget_gb=config.capacity_budget_gb, not_planned=str(exc))
 
 
 def plan_for(model: str, methods: list[str], policy, device: str | None = None) -> MemoryPlan:

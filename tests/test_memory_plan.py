@@ -89,6 +89,20 @@ def test_the_default_model_fits_with_its_default_budget(default_model_dir):
     assert plan.capacity_budget_gb == 2.0  # unchanged: the demo's measurement keys stay
 
 
+def test_a_config_without_the_shapes_gets_no_plan_and_refuses_nothing(tmp_path, default_model_dir):
+    import json
+
+    from flows.data import MeasureConfig
+    from gates.judging.policy import load_policy
+
+    config = json.loads((default_model_dir / "config.json").read_text())
+    del config["intermediate_size"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    plan = P.for_release(tmp_path, ["int8wo"], MeasureConfig(), load_policy(None))
+    assert plan.stages == [] and "intermediate_size" in plan.not_planned and plan.check() is None
+    assert "not planned" in plan.table() and plan.capacity_budget_gb == MeasureConfig().capacity_budget_gb
+
+
 def test_available_memory_reads_meminfo():
     machine = P.available_memory()
     assert machine.available_bytes > 0 and ("MemAvailable" in machine.source or "cgroup" in machine.source)
