@@ -163,6 +163,7 @@ def test_comparison_opens_with_a_narrow_decision_table_and_keeps_every_figure(st
     assert int4.startswith("| int4 | REFUSED: 2 gates failed | 0.25× (134.5 MB) | 2/7 |")
     assert int4.index("`serve/min_decode_speedup/b16` **FAIL** 0.935 [0.91, 0.96] vs 1") < int4.index("piqa")
     assert "`task/boolq/max_drop` **uninformative** -0.1 [-0.1, 0.1] vs -0.15" in int4
+    assert "`task/cloze/max_drop` **pass, underpowered** -0.08" in int4
     assert "`task/arc/max_drop`" not in int4  # a clean pass is counted, not listed
     tables = {b: blocks[i + 1].splitlines()[2:] for i, b in enumerate(blocks) if b.startswith("## ")}
     tasks = tables["## Tasks: score (paired Δ vs baseline [95 % CI])"]
@@ -173,6 +174,7 @@ def test_comparison_opens_with_a_narrow_decision_table_and_keeps_every_figure(st
     assert "| weight MB (served) | 538 | 134.5 |" in serving
     assert "| decode tok/s (own run, unpaired) | 14 | 9.5 |" in serving
     assert "0.935 [0.91, 0.96], 8 rounds **FAIL** vs 1" in text
+    assert "| prefill | 1 [0.7, 1.3] **uninformative, blocks** vs 0.8 |" in text
 
 
 def test_batches_sort_as_numbers_in_the_gate_table_and_the_note():

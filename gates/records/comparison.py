@@ -54,11 +54,15 @@ def _name(run) -> str:
     return run.data.tags.get(TAG_VARIANT, run.info.run_name)
 
 
+def _label(r: GateResult) -> str:
+    blind = r.verdict == UNINFORMATIVE
+    return ("FAIL" if r.verdict == "fail" else "uninformative, blocks" if blind and not r.passed
+            else "uninformative" if blind else "pass, underpowered" if r.underpowered else r.verdict)
+
+
 def _gate_figure(r: GateResult, metrics: dict[str, float]) -> str:
     """`serve/min_decode_speedup/b16` FAIL 0.935 [0.91, 0.96] vs 1."""
-    blind = r.verdict == UNINFORMATIVE
-    label = ("FAIL" if r.verdict == "fail" else "uninformative, blocks" if blind and not r.passed
-             else "uninformative" if blind else "underpowered")
+    label = _label(r)
     ci = gate_ci(r.name, metrics)
     ci_text = f" [{ci[0]:.4g}, {ci[1]:.4g}]" if ci else ""
     return f"`{r.name}` **{label}** {_num(r.observed)}{ci_text} vs {r.threshold:.4g}"
@@ -128,8 +132,7 @@ def _speed_rows(variants: list, evaluations: dict[str, Evaluation | None]) -> li
             evaluation = evaluations.get(run.info.run_id)
             result = next((r for r in evaluation.results if r.name == gate), None) if evaluation else None
             if result is not None:
-                text += f" **{result.verdict.upper() if result.verdict == 'fail' else result.verdict}** vs " \
-                        f"{result.threshold:.4g}"
+                text += f" **{_label(result)}** vs {result.threshold:.4g}"
             cells.append(text)
         out.append(cells)
     return out
