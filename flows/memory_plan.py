@@ -23,7 +23,8 @@ Weights as served: the baseline at the engine's dtype on this machine (serving/m
 the kernel path takes bf16 rows, else fp32; QUANTGATE_DTYPE overrides), int8wo ~1 byte per parameter plus a
 fp32 scale per row, int4wo / int4-awq / int4-gptq ~0.5 byte plus a bf16 scale and zero per group of 32,
 embeddings and head included, the norms at the serving dtype (quantize.capacity.estimate_weight_bytes;
-as served = as stored for these, docs/results/2026-12-01-amd-epyc.md). Every stage adds RUNTIME_BYTES.
+as served = as stored for these, docs/results/2026-12-01-amd-epyc.md). Every stage adds RUNTIME_BYTES, and
+ENGINE_BYTES per resident engine; activations are one step's or a load's transient (`load_bytes`), the more.
 """
 
 from __future__ import annotations
@@ -42,6 +43,9 @@ GIB = 1 << 30
 # slack as engines come and go (~0.5 GB): 1.5 GB, the issue's target's own allowance.
 RUNTIME_BYTES = 3 * GIB // 2
 CHILD_RUNTIME_BYTES = GIB // 2  # the quantize stage's child interpreter: torch and transformers imported
+# Each resident engine beside its weights and KV: anonymous memory after load minus both, 0.22 GB (int8wo,
+# int4wo) to 0.40 GB (bf16 baseline of an fp32 source), SmolLM2-135M on the AMX Xeon, 2026-12-05
+ENGINE_BYTES = 3 * GIB // 10
 ENGINE_TOKENS = 2048  # serving.core.scheduler.MAX_NUM_BATCHED_TOKENS: the most tokens one engine step runs
 LOGIT_ROWS = 512  # prompt rows one eval step scores (lm-eval's continuations): logits, fp32 copy, log-softmax
 STREAM_BLOCK_BYTES = 4 * (8 << 20) * 4  # quantize.streaming.CHUNK_ELEMENTS as fp32, with ~3 temporaries
@@ -115,22 +119,31 @@ class MemoryPlan:
         lines += ["", f"- available: **{gb(avail)} GB** ({self.machine.source})",
                   f"- weights as served ({self.serving_dtype} engine): {served}",
                   f"- runtime: {gb(RUNTIME_BYTES)} GB per stage (the flow's processes; flows/memory_plan.py), "
-                  f"the quantize child's interpreter {gb(CHILD_RUNTIME_BYTES)} GB more",
+                  f"{gb(ENGINE_BYTES)} GB more per resident engine, the quantize child's interpreter "
+                  f"{gb(CHILD_RUNTIME_BYTES)} GB more; activations: one engine step's or a load's transient",
                   f"- capacity budget (capacity/max_seqs): {self.capacity_budget_gb:g} GiB of weights + KV"]
         if self.unfit():
             lines.append(f"- **the release refuses** before quantizing: {', '.join(s.name for s in self.unfit())} "
-                         f"cannot fit; ways out: {'; '.join(self.ways_out())}")
+                         f"cannot fit; ways out: {'; '.join(self.ways_out(self.unfit()[0]))}")
         return "\n".join(lines) + "\n"
 
-    def ways_out(self) -> list[str]:
-        return [w for w in WAYS_OUT if self.serving_dtype != "bfloat16" or "bfloat16" not in w]
+    def ways_out(self, stage: Stage | None = None) -> list[str]:
+        """WAYS_OUT that can help `stage`: bf16 only where the engine is wider, fewer methods only where a variant
+        is resident (for a pair: without its variant, the next largest pairs with the baseline)."""
+        ways = [w for w in WAYS_OUT if self.serving_dtype != "bfloat16" or "bfloat16" not in w]
+        if stage is not None and stage.models == ("baseline",):
+            ways = ways[1:]
+        elif stage is not None and stage.name in ("speed", "canary"):
+            variant = stage.models[1].removeprefix("challenger (").removesuffix(")")
+            ways[0] = f"fewer methods (--methods without {variant}: the next largest variant pairs with the baseline)"
+        return ways
 
     def check(self) -> None:
         """Raise MemoryRefused naming the first stage that cannot fit (the flow calls it before any work)."""
         unfit = self.unfit()
         if not unfit:
             return
-        s, avail, ways = unfit[0], self.machine.available_bytes, self.ways_out()
+        s, avail, ways = unfit[0], self.machine.available_bytes, self.ways_out(unfit[0])
         raise MemoryRefused(
             f"stage {s.name!r} ({' + '.join(s.models)}) needs {s.total:,} bytes ({gb(s.total)} GB) at its peak; "
             f"this machine has {avail:,} bytes ({gb(avail)} GB) available ({self.machine.source}): refused before "
@@ -181,6 +194,18 @@ def activation_bytes(shape: ModelShape, tokens: int, logit_rows: int, dtype_byte
     return tokens * per_token + logit_rows * shape.vocab_size * (dtype_bytes + 8)
 
 
+def load_bytes(shape: ModelShape, method: str, inputs: Inputs) -> int:
+    """A model's transient while it loads (before its first step): an int4 layout repacks each tensor for the
+    kernel (its codes unpacked to bytes and int32: ~5 bytes per parameter of the largest), a baseline stored
+    wider than it is served reads the largest tensor at the stored width beside its cast."""
+    largest = max([o * i for o, i in shape.layer_linears()] + [shape.vocab_size * shape.hidden_size])
+    if method == "int4wo":
+        return 5 * largest
+    if method == "baseline" and DTYPE_BYTES[inputs.stored_dtype] > DTYPE_BYTES[inputs.serving_dtype]:
+        return 2 * largest * DTYPE_BYTES[inputs.stored_dtype]
+    return 0
+
+
 def build_bytes(shape: ModelShape, method: str, inputs: Inputs) -> tuple[int, int]:
     """The quantize stage's (working set, calibration activations)."""
     base = split_variant(method)[0]
@@ -216,19 +241,20 @@ def plan(inputs: Inputs, machine: Machine) -> MemoryPlan:
             work, acts = build_bytes(shape, m, inputs)
             stages.append(Stage(f"quantize {m}", (m,), work, 0, acts, RUNTIME_BYTES + CHILD_RUNTIME_BYTES))
     eval_acts = activation_bytes(shape, ENGINE_TOKENS, LOGIT_ROWS, db)
-    for name, w in served.items():
-        stages.append(Stage(f"measure {name}", (name,), w, inputs.measure_kv_bytes, eval_acts, RUNTIME_BYTES))
+    loads = {m: load_bytes(shape, "baseline" if m == "baseline" else weight_method(m), inputs) for m in served}
+    for name, w in served.items():  # a step's activations come after the load's transient is gone
+        stages.append(Stage(f"measure {name}", (name,), w, inputs.measure_kv_bytes, max(eval_acts, loads[name]),
+                            RUNTIME_BYTES + ENGINE_BYTES))
     largest = max(inputs.methods, key=served.get, default=None)
     kv_token = shape.kv_bytes_per_token(db)
     if largest is not None:
-        pair = ("baseline", largest)
-        speed_acts = activation_bytes(shape, ENGINE_TOKENS // 4, 16, db)
-        stages.append(Stage("speed", pair, served["baseline"] + served[largest], 2 * inputs.speed_kv_tokens * kv_token,
-                            speed_acts, RUNTIME_BYTES))
-        canary_acts = 2 * activation_bytes(shape, ENGINE_TOKENS // 4, 16, db)
-        stages.append(Stage("canary", ("champion (baseline)", f"challenger ({largest})"),
-                            served["baseline"] + served[largest], 2 * inputs.canary_kv_bytes, canary_acts,
-                            RUNTIME_BYTES))
+        pair, weights = ("baseline", largest), served["baseline"] + served[largest]
+        step = activation_bytes(shape, ENGINE_TOKENS // 4, 16, db)
+        acts = max(step, loads[largest], loads["baseline"])  # the second engine loads beside the first
+        stages.append(Stage("speed", pair, weights, 2 * inputs.speed_kv_tokens * kv_token, acts,
+                            RUNTIME_BYTES + 2 * ENGINE_BYTES))
+        stages.append(Stage("canary", ("champion (baseline)", f"challenger ({largest})"), weights,
+                            2 * inputs.canary_kv_bytes, max(2 * step, acts), RUNTIME_BYTES + 2 * ENGINE_BYTES))
     budget = max(2.0, float(math.ceil(served["baseline"] / GIB + CAPACITY_HEADROOM_GB)))
     return MemoryPlan(stages, machine, served, inputs.serving_dtype, budget)
 

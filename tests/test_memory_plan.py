@@ -30,7 +30,7 @@ def test_an_8b_shaped_release_on_24_gb_refuses_the_speed_pair():
     speed = _stage(plan, "speed")
     assert speed.models == ("baseline", "int8wo")  # the largest variant beside the baseline
     assert speed.weights == plan.served["baseline"] + plan.served["int8wo"] > 24 * GB
-    assert speed.total > 24 * GB and speed.runtime == P.RUNTIME_BYTES
+    assert speed.total > 24 * GB and speed.runtime == P.RUNTIME_BYTES + 2 * P.ENGINE_BYTES
     assert [s.name for s in plan.unfit()] == ["speed", "canary"]
     assert _stage(plan, "measure baseline").total < 24 * GB  # one model at a time fits
     assert _stage(plan, "quantize int8wo").total < 3 * GB  # streamed: a row block, not the model
@@ -40,7 +40,7 @@ def test_an_8b_shaped_release_on_24_gb_refuses_the_speed_pair():
     assert (refused.stage, refused.predicted, refused.available) == ("speed", speed.total, 24 * GB)
     text = str(refused)
     assert "'speed'" in text and f"{speed.total:,} bytes" in text and "24,000,000,000 bytes" in text
-    assert "fewer methods" in text and "KV budget" in text and "more memory" in text
+    assert "--methods without int8wo" in text and "KV budget" in text and "more memory" in text
     assert "QUANTGATE_DTYPE=bfloat16" not in text  # already bf16: not a way out
     assert "| speed | baseline + int8wo |" in text and "**no**" in text  # the table comes with it
     assert plan.capacity_budget_gb == 16.0  # the baseline as served (14.96 GiB) + 1 GiB of KV, whole GiB
@@ -52,6 +52,7 @@ def test_an_fp32_engine_doubles_the_baseline_and_names_bfloat16_as_a_way_out():
     with pytest.raises(P.MemoryRefused, match="measure baseline") as caught:
         plan.check()
     assert "QUANTGATE_DTYPE=bfloat16" in str(caught.value)
+    assert "fewer methods" not in str(caught.value).split("\n")[0]  # the baseline alone: methods do not help
 
 
 def test_the_calibrated_build_holds_a_layer_and_gptq_its_hessian():
@@ -85,7 +86,7 @@ def test_the_default_model_fits_with_its_default_budget(default_model_dir):
     assert plan.served["baseline"] == pytest.approx(269e6, rel=0.01)  # 256.6 MiB as served (docs/results)
     assert plan.served["int8wo"] == pytest.approx(129.5 * 2**20, rel=0.03)
     assert plan.served["int4-awq"] == pytest.approx(80.2 * 2**20, rel=0.03)
-    assert all(s.total < 3 * GB for s in plan.stages)
+    assert all(s.total < 3.5 * GB for s in plan.stages)
     assert plan.capacity_budget_gb == 2.0  # unchanged: the demo's measurement keys stay
 
 
