@@ -251,12 +251,14 @@ def _convert(target: Path) -> None:
 
 
 def _write_random(target: Path) -> None:
-    """Llama-3-8B's shapes, random bf16 weights, written shard by shard (benchmarks/scale_model.py)."""
+    """Llama-3-8B's shapes, random bf16 weights, written shard by shard (benchmarks/scale_model.py), with the
+    default model's tokenizer: int4-awq / int4-gptq tokenize their calibration text with it."""
     from benchmarks.scale_model import write_random_llama
+    from quantgate.models import resolve_model
 
     tmp = target.with_name(f".{target.name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    write_random_llama(tmp)
+    write_random_llama(tmp, tokenizer_from=resolve_model("smollm2-135m"))
     tmp.rename(target)
 
 

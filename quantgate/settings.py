@@ -47,6 +47,9 @@ FAST_FORWARD = _switch("QUANTGATE_FAST_FORWARD", "1", "0 runs the model's own fo
 TRITON_INTERPRET = _switch("TRITON_INTERPRET", "0", "Triton's own (read when kernels are defined): 1 runs "
                             "serving/kernels/cuda's kernels on CPU tensors in its interpreter (tests)")
 TCMALLOC = _switch("QUANTGATE_TCMALLOC", "1", "0: the CLI does not re-execute itself with tcmalloc preloaded")
+REAL_MODELS = _switch("QUANTGATE_REAL_MODELS", "",
+                      "folder holding the real GGUFs scripts/real_models.sh assembles (its models/): "
+                      "tests/test_real_model.py runs on them; unset, it is skipped")
 USER = _switch("QUANTGATE_USER", "", "who approves and registers (recorded with each decision); the login name")
 FLEET_ADMIN_KEY = _switch("QUANTGATE_FLEET_ADMIN_KEY", "", "bearer key `quantgate fleet` admin calls send")
 SIGNING_KEY = _switch("QUANTGATE_SIGNING_KEY", "",

@@ -8,7 +8,7 @@ searched on a grid to minimise the group's output error after round-to-nearest; 
 round-to-nearest) is always a candidate, so the search never does worse than it on the calibration data.
 
 Its cost per parameter is flat: each candidate's error is measured on a fixed sample of calibration rows
-(SEARCH_ROWS) and of output rows (all of a small stage, a quarter of a wide one), on every core.
+(SEARCH_ROWS) and of output rows (all of a small stage, a sixteenth of a wide one), on every core.
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ from torch import nn
 from quantize.group_grid import fake_quantize
 
 DEFAULT_GRID = 20
-SEARCH_ROWS = 512  # calibration rows (spread over every sequence) the search measures the output error on
-SEARCH_OUTPUTS = 2048  # at least this many output rows (a fixed, even spread) carry the candidates' error
-OUTPUT_SHARE = 4  # ... and at least one in OUTPUT_SHARE of them: the search's cost stays flat per parameter
+SEARCH_ROWS = 2048  # calibration rows (spread over every sequence) the search measures the output error on
+SEARCH_OUTPUTS = 256  # at least this many output rows (a fixed, even spread) carry the candidates' error
+OUTPUT_SHARE = 16  # ... and at least one in OUTPUT_SHARE of them: the search's cost stays flat per parameter
 ERROR_CHUNK = 1 << 22  # weight elements fake-quantized at a time: bounds the search's temporaries
 
 
@@ -47,15 +47,16 @@ def search_scales(x: torch.Tensor, weights: list[torch.Tensor], group_size: int,
     w_mean = (groups / groups.amax(-1, keepdim=True).clamp(min=1e-8)).view(n, k).mean(0)
     error = _error_on(x, _output_rows(weight), group_size, bits)
     ones = torch.ones(k)
-    best = ScaleChoice(ones, None, error(ones), 0.0)
+    rtn_error = error(ones)
+    best = ScaleChoice(ones, None, rtn_error, rtn_error)
     for step in range(grid):
         alpha = step / grid
         scales = (x_mean.pow(alpha) / w_mean.pow(1 - alpha).clamp(min=1e-4)).clamp(min=1e-4)
         scales = scales / (scales.max() * scales.min()).sqrt()
         candidate = error(scales)
         if candidate < best.error:
-            best = ScaleChoice(scales, alpha, candidate, 0.0)
-    return ScaleChoice(best.scales, best.alpha, best.error, error(ones))
+            best = ScaleChoice(scales, alpha, candidate, rtn_error)
+    return best
 
 
 def _output_rows(weight: torch.Tensor) -> torch.Tensor:

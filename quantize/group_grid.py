@@ -45,7 +45,7 @@ def check_bits(bits: int) -> int:
 
 def group_params(w: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Asymmetric min/max scale and zero of groups `w` [..., g], rounded to bf16 as stored."""
-    low, high = w.amin(-1), w.amax(-1)
+    low, high = torch.aminmax(w, dim=-1)
     scale = ((high - low) / (2**bits - 1)).clamp(min=1e-8)
     zero = low + 8 * scale
     return _bf16(scale), _bf16(zero)
@@ -74,7 +74,10 @@ def fake_quantize(weight: torch.Tensor, group_size: int, bits: int) -> torch.Ten
     n, k = weight.shape
     groups = weight.float().reshape(n, k // group_size, group_size)
     scale, zero = group_params(groups, bits)
-    return dequantize_with(quantize_with(groups, scale, zero, bits), scale, zero).reshape(n, k)
+    scale, zero = scale[..., None], zero[..., None]
+    # quantize_with then dequantize_with, the same operations in place: the searches call this per candidate
+    out = groups.sub(zero).div_(scale).add_(8).round_().clamp_(0, 2**bits - 1)
+    return out.sub_(8).mul_(scale).add_(zero).reshape(n, k)
 
 
 def _bf16(x: torch.Tensor) -> torch.Tensor:
