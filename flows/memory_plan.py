@@ -77,6 +77,12 @@ class Inputs:
 class Machine:
     available_bytes: int
     source: str  # where the figure comes from
+    device_bytes: int | None = None  # a GPU's free memory: the served stages' room on CUDA (None: the host's)
+
+    def room(self, stage: Stage) -> int:
+        """The memory a stage must fit in: a GPU's for the served stages of a CUDA release, else the host's."""
+        served = not stage.name.startswith("quantize ")
+        return self.device_bytes if served and self.device_bytes is not None else self.available_bytes
 
 
 @dataclass(frozen=True)
@@ -103,7 +109,7 @@ class MemoryPlan:
     not_planned: str = ""  # why there is no plan (a config the shapes cannot be read from): nothing is refused
 
     def unfit(self) -> list[Stage]:
-        return [s for s in self.stages if s.total > self.machine.available_bytes]
+        return [s for s in self.stages if s.total > self.machine.room(s)]
 
     def table(self) -> str:
         lines = ["## Memory per stage (planned from config.json, no model loaded)", "",
@@ -114,9 +120,11 @@ class MemoryPlan:
             return f"{lines[0]}\n\n- not planned: {self.not_planned}\n"
         for s in self.stages:
             lines.append(f"| {s.name} | {' + '.join(s.models)} | {gb(s.weights)} | {gb(s.kv)} | {gb(s.activations)} "
-                         f"| {gb(s.runtime)} | **{gb(s.total)}** | {'yes' if s.total <= avail else '**no**'} |")
+                         f"| {gb(s.runtime)} | **{gb(s.total)}** | {'yes' if s.total <= self.machine.room(s) else '**no**'} |")
         served = ", ".join(f"{m} {gb(b)} GB" for m, b in self.served.items())
-        lines += ["", f"- available: **{gb(avail)} GB** ({self.machine.source})",
+        gpu = self.machine.device_bytes
+        lines += ["", f"- available: **{gb(avail)} GB** ({self.machine.source})"
+                  + (f"; the GPU's free memory {gb(gpu)} GB for every stage but quantize" if gpu is not None else ""),
                   f"- weights as served ({self.serving_dtype} engine): {served}",
                   f"- runtime: {gb(RUNTIME_BYTES)} GB per stage (the flow's processes; flows/memory_plan.py), "
                   f"{gb(ENGINE_BYTES)} GB more per resident engine, the quantize child's interpreter "
@@ -143,7 +151,8 @@ class MemoryPlan:
         unfit = self.unfit()
         if not unfit:
             return
-        s, avail, ways = unfit[0], self.machine.available_bytes, self.ways_out(unfit[0])
+        s, ways = unfit[0], self.ways_out(unfit[0])
+        avail = self.machine.room(s)
         raise MemoryRefused(
             f"stage {s.name!r} ({' + '.join(s.models)}) needs {s.total:,} bytes ({gb(s.total)} GB) at its peak; "
             f"this machine has {avail:,} bytes ({gb(avail)} GB) available ({self.machine.source}): refused before "
@@ -334,8 +343,17 @@ def serving_dtype(device: str) -> str:
 
 def for_release(source: str | Path, methods: list[str], config, policy) -> MemoryPlan:
     """The plan the release flow runs first (and `quantgate release --plan` prints); a source whose shapes cannot
-    be read (not a Llama-style decoder config) gets no plan, said so, and is refused nothing."""
-    machine = available_memory()
+    be read (not a Llama-style decoder config) gets no plan, said so, and is refused nothing. A CUDA release's
+    served stages fit in the GPU's free memory (its runtime still counted: conservative)."""
+    from dataclasses import replace
+
+    from flows.machine import engine_placement
+
+    machine, placed = available_memory(), engine_placement(config.device)["device"]
+    if placed.startswith("cuda"):
+        from quantize.capacity import device_free_bytes
+
+        machine = replace(machine, device_bytes=device_free_bytes(placed))
     try:
         return plan(inputs_for(source, methods, config, policy, serving_dtype(config.device)), machine)
     except (ValueError, KeyError, OSError) as exc:

@@ -55,6 +55,16 @@ def test_an_fp32_engine_doubles_the_baseline_and_names_bfloat16_as_a_way_out():
     assert "fewer methods" not in str(caught.value).split("\n")[0]  # the baseline alone: methods do not help
 
 
+def test_a_cuda_release_serves_in_the_gpu_memory_and_quantizes_in_the_host():
+    inputs = P.Inputs(LLAMA_8B, ("int8wo", "int4wo"))
+    on_gpu = P.plan(inputs, P.Machine(24 * GB, "host", device_bytes=80 * GB))
+    assert on_gpu.unfit() == [] and "GPU's free memory 80.00 GB" in on_gpu.table()
+    small_gpu = P.plan(inputs, P.Machine(200 * GB, "host", device_bytes=12 * GB))
+    assert [s.name for s in small_gpu.unfit()] == ["measure baseline", "speed", "canary"]
+    with pytest.raises(P.MemoryRefused, match="12,000,000,000 bytes"):
+        small_gpu.check()
+
+
 def test_the_calibrated_build_holds_a_layer_and_gptq_its_hessian():
     inputs = P.Inputs(LLAMA_8B, ("int4-awq", "int4-gptq"))
     plan = P.plan(inputs, P.Machine(64 * GB, "pretend"))
