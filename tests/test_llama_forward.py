@@ -201,6 +201,9 @@ def test_a_fused_projection_is_its_modules_side_by_side_bit_for_bit(kind, rows, 
     before = sum(resident_bytes(m) for m in modules)
     fused = fuse(modules)
     assert fused is not None
+    if kind != "bf16":  # a quantized layer's kernel is chosen in one place: the fused call runs its own call's op
+        own = modules[0].kernel_call()
+        assert (fused.op, fused.bf16_rows, fused.ints[:1]) == (own.op, own.bf16_rows, own.ints[:1])
     assert torch.equal(fused(x), torch.cat(separate, dim=-1))
     assert sum(resident_bytes(m) for m in modules) == before  # weights and scales are views of the fused ones
     assert all(torch.equal(m(x), want) for m, want in zip(modules, separate, strict=True))  # views still serve
@@ -212,6 +215,9 @@ def test_mixed_or_biased_projections_are_not_fused():
     assert fuse([torch.nn.Linear(64, 32), torch.nn.Linear(64, 32)]) is None
     biased = PairPackedLinear.of(torch.nn.Linear(64, 32, bias=True).to(torch.bfloat16), isas.best())
     assert fuse([biased, *_linears("bf16", [32])]) is None
+    assert fuse(_linears("int8", [32, 32], "torch")) is None  # torch's ops serve them: each module runs its own
+    int4 = _linears("int4", [64], "torch")
+    assert fuse(int4) is None and int4[0].kernel_call() is None
 
 
 def test_the_forward_is_built_only_where_it_applies(monkeypatch):

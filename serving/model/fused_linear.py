@@ -6,7 +6,9 @@ the concatenated weight does both jobs once. The modules keep working on their o
 views into the fused tensor (slices along the output tiles are contiguous; int4's scales, laid out by
 group first, are strided views), so nothing is held twice and `resident_bytes` still counts every byte
 once. Only quantgate's own kernel layouts fuse (bf16 pairs, int8, int4 of one group size, no bias, one
-kernel path); any other mix returns None and the caller runs the modules.
+kernel path); any other mix returns None and the caller runs the modules. A quantized layer's kernel is
+chosen in one place, its format's `WeightOnlyLinear._kernel_call` (serving/model/quant/weight_only.py): the
+fused call is that call over the modules' kernel tensors joined along their output channels.
 """
 
 from __future__ import annotations
@@ -18,9 +20,8 @@ from torch import nn
 
 from serving.kernels.cpu import wo_fp32
 from serving.model.packed_linear import PairPackedLinear, WoLinear
-from serving.model.quant.int4 import Int4WeightOnlyLinear
-from serving.model.quant.int8 import Int8WeightOnlyLinear
 from serving.model.quant.kernel_path import KernelCall, bf16_op
+from serving.model.quant.weight_only import WeightOnlyLinear
 
 Projection = Callable[[torch.Tensor], torch.Tensor]
 
@@ -40,43 +41,28 @@ def fuse(modules: list) -> KernelCall | None:
             return None
         return KernelCall(bf16_op(modules[0].isa, "bf16"), (_share(modules, "packed_weight"),), (), True)
     if kind is WoLinear and len({(m.isa, m.packed_weight.dtype) for m in modules}) == 1:
-        return _fused_wo(modules)
-    if kind not in (Int8WeightOnlyLinear, Int4WeightOnlyLinear):
-        return None
-    paths = {m.kernel_path() for m in modules}
-    path = paths.pop() if len(paths) == 1 else None
-    if path is not None and path.kind == "wo_fp32":
-        return _fused_wo(modules)
-    if path is None or path.kind != "wo_bf16":
-        return None
-    if kind is Int8WeightOnlyLinear:
-        tensors = (_share(modules, "_woq_weight"), _share(modules, "scales"))
-        return KernelCall(bf16_op(path.isa, "int8"), tensors, (), True)
-    if kind is Int4WeightOnlyLinear and len({m.group_size for m in modules}) == 1:
-        codes = _share(modules, "_woq_codes")
-        # [K/g, N, 2], joined along N: the modules keep strided views, which their own forward would copy
-        scales = _share(modules, "scales_and_zeros", [m._scales_for_kernel() for m in modules], dim=1)
-        group, n = modules[0].group_size, sum(m.out_features for m in modules)
-        return KernelCall(bf16_op(path.isa, "int4"), (codes, scales), (group, n), True)
+        packed = _share(modules, "packed_weight")  # wo_fp32 over the tiled layout: fp32 math, the caller's dtype out
+        name = "linear_f32" if packed.dtype == torch.float32 else "linear_bf16"
+        return KernelCall(wo_fp32._op(modules[0].isa, name), (packed,), (), False)
+    if issubclass(kind, WeightOnlyLinear):
+        return _fused_weight_only(modules)
     return None
 
 
-def _fused_wo(modules: list) -> KernelCall | None:
-    """One wo_linear call over the modules' tiled layouts (fp32 math; the caller's dtype out)."""
-    first = modules[0]
-    if isinstance(first, WoLinear):
-        packed = _share(modules, "packed_weight")
-        name = "linear_f32" if packed.dtype == torch.float32 else "linear_bf16"
-        return KernelCall(wo_fp32._op(first.isa, name), (packed,), (), False)
-    isa = first.kernel_path().isa
-    if isinstance(first, Int8WeightOnlyLinear):
-        tensors = (_share(modules, "_wo_weight"), _share(modules, "scales"))
-        return KernelCall(wo_fp32._op(isa, "linear_int8"), tensors, (), False)
-    if len({m.group_size for m in modules}) != 1:
+def _fused_weight_only(modules: list[WeightOnlyLinear]) -> KernelCall | None:
+    """The modules' own `_kernel_call` over their kernel tensors joined along the output channels, where one
+    kernel path (and one int4 group size) serves them all."""
+    paths = {m.kernel_path() for m in modules}
+    if len(paths) != 1 or len({getattr(m, "group_size", None) for m in modules}) != 1:
         return None
-    codes = _share(modules, "_wo_codes")
-    scales = _share(modules, "scales_and_zeros", [m._scales_for_kernel() for m in modules], dim=1)
-    return KernelCall(wo_fp32._op(isa, "linear_int4"), (codes, scales), (first.group_size,), False)
+    path, first = paths.pop(), modules[0]
+    if len(modules) == 1 or not first._own_kernel():
+        return first.kernel_call()  # its own call (no copy), or None where torch's ops serve it
+    parts = [m._kernel_tensors(path) for m in modules]
+    # int4's scales [K/g, N, 2] join along N: the modules keep strided views, which their own forward copies
+    tensors = tuple(_share(modules, name, [p[i] for p in parts], dim)
+                    for i, (name, dim) in enumerate(first._kernel_fields(path)))
+    return first._kernel_call(path, tensors)
 
 
 def _share(modules: list, name: str, parts: list[torch.Tensor] | None = None, dim: int = 0) -> torch.Tensor:

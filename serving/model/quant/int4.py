@@ -163,12 +163,16 @@ class Int4WeightOnlyLinear(WeightOnlyLinear):
         elif path.kind == "wo_fp32":
             self._wo_codes = wo_fp32.tile(self.codes)
 
+    def _kernel_fields(self, path: KernelPath) -> tuple[tuple[str, int], ...]:
+        return ("_woq_codes" if path.kind == "wo_bf16" else "_wo_codes", 0), ("scales_and_zeros", 1)
+
     def _kernel_tensors(self, path: KernelPath) -> tuple[torch.Tensor, ...]:
-        return (self._woq_codes if path.kind == "wo_bf16" else self._wo_codes), self._scales_for_kernel()
+        codes, _ = super()._kernel_tensors(path)
+        return codes, self._scales_for_kernel()  # bf16 and contiguous, as the kernels read them
 
     def _kernel_call(self, path: KernelPath, tensors: tuple[torch.Tensor, ...]) -> KernelCall:
-        if path.kind == "wo_bf16":
-            return KernelCall(bf16_op(path.isa, "int4"), tensors, (self.group_size, self.out_features), True)
+        if path.kind == "wo_bf16":  # its output width: the scales' [K/g, N, 2]
+            return KernelCall(bf16_op(path.isa, "int4"), tensors, (self.group_size, tensors[1].shape[1]), True)
         return KernelCall(wo_fp32._op(path.isa, "linear_int4"), tensors, (self.group_size,), False)
 
     def _torch_linear(self, rows: torch.Tensor) -> torch.Tensor:

@@ -76,8 +76,8 @@ class Int8WeightOnlyLinear(WeightOnlyLinear):
     def kernel_layout(self) -> torch.Tensor | None:
         return self._woq_weight if self._woq_weight is not None else self._wo_weight
 
-    def _kernel_tensors(self, path: KernelPath) -> tuple[torch.Tensor, ...]:
-        return (self._woq_weight if path.kind == "wo_bf16" else self._wo_weight), self.scales
+    def _kernel_fields(self, path: KernelPath) -> tuple[tuple[str, int], ...]:
+        return ("_woq_weight" if path.kind == "wo_bf16" else "_wo_weight", 0), ("scales", 0)
 
     def _kernel_call(self, path: KernelPath, tensors: tuple[torch.Tensor, ...]) -> KernelCall:
         if path.kind == "wo_bf16":

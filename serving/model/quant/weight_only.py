@@ -6,7 +6,8 @@ forward is one call: the path's `KernelCall` over the layer's packed tensors (se
 for bf16 rows on amx/avx512bf16, wo_fp32 for fp32 rows on every x86 CPU), or, where none of ours runs (another
 device, QUANTGATE_ISA=torch, shapes no kernel takes), the format's torch ops. lm_head, biased projections
 (Qwen2's q/k/v), the model's own forward and calibration all go through this one forward; the decoder's fused
-projections (serving/model/fused_linear.py) bind the same ops over several layers at once.
+projections (serving/model/fused_linear.py) build their call with the same `_kernel_call`, over the layers'
+`_kernel_fields` joined along the output: the kernel a layer runs is chosen here alone.
 """
 
 from __future__ import annotations
@@ -38,12 +39,18 @@ class WeightOnlyLinear(nn.Module):
         """Lay the weight out for `path`'s kernel (once)."""
         raise NotImplementedError
 
-    def _kernel_tensors(self, path: KernelPath) -> tuple[torch.Tensor, ...]:
-        """The tensors `path`'s kernel reads, as the layer holds them now."""
+    def _kernel_fields(self, path: KernelPath) -> tuple[tuple[str, int], ...]:
+        """The attributes holding the tensors `path`'s kernel reads, in the call's order, each with the dim its
+        output channels run along (several layers' tensors joined there are one layer's: fused_linear.py)."""
         raise NotImplementedError
 
+    def _kernel_tensors(self, path: KernelPath) -> tuple[torch.Tensor, ...]:
+        """The tensors `path`'s kernel reads, as the layer holds them now (by default its `_kernel_fields`)."""
+        return tuple(getattr(self, name) for name, _ in self._kernel_fields(path))
+
     def _kernel_call(self, path: KernelPath, tensors: tuple[torch.Tensor, ...]) -> KernelCall:
-        """The call of `path`'s kernel over `tensors`."""
+        """The call of `path`'s kernel over `tensors`: this layer's, or several layers' joined along their
+        output channels (the output width comes from the tensors, not the layer)."""
         raise NotImplementedError
 
     def kernel_layout(self) -> torch.Tensor | None:
