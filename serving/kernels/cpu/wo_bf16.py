@@ -131,10 +131,15 @@ def pack_int4(q: torch.Tensor) -> torch.Tensor:
     8j + 2i + parity in nibble i of lane 2c + parity of word j. The kernel reads the layer's own
     [K/g, N, 2] bf16 scales and zeros."""
     n, k = q.shape
+    if n > PACK_ROWS:  # tiles of 16 rows are independent: a block at a time, not ~18 bytes per code at once
+        return torch.cat([pack_int4(q[i:i + PACK_ROWS]) for i in range(0, n, PACK_ROWS)])
     nibbles = q.to(torch.int32).view(n // TILE, TILE, k // 8, 4, 2).permute(0, 2, 1, 4, 3)
     words = (nibbles << torch.tensor([0, 4, 8, 12], dtype=torch.int32)).sum(-1)
     words = torch.where(words >= 1 << 15, words - (1 << 16), words).to(torch.int16)
     return words.reshape(n // TILE, k // 8, 2 * TILE).contiguous()
+
+
+PACK_ROWS = 4096  # a multiple of TILE
 
 
 def _nibbles(words: torch.Tensor) -> torch.Tensor:

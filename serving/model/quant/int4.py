@@ -87,9 +87,17 @@ def _dequantize(q: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int
     return w.view(r, k)
 
 
+PACK_ROWS = 4096  # rows packed at a time: torch's packing widens the codes to int32 and copies them twice
+
+
 def pack_for_cpu(q: torch.Tensor) -> torch.Tensor:
-    """[N, K] codes in 0..15 -> the CPU kernel's layout."""
-    return torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.int(), 1)
+    """[N, K] codes in 0..15 -> the CPU kernel's layout. Its blocks of 64 rows are independent, so a tall
+    matrix (a 150k-row lm_head) is packed a block of rows at a time: whole, it peaked at ~18 bytes/weight."""
+    n = q.shape[0]
+    if n <= PACK_ROWS or n % KERNEL_ROWS or not cpu_layout_known():
+        return torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.int(), 1)
+    return torch.cat([torch.ops.aten._convert_weight_to_int4pack_for_cpu(q[i:i + PACK_ROWS].int(), 1)
+                      for i in range(0, n, PACK_ROWS)])
 
 
 def unpack_cpu_layout(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
@@ -158,8 +166,9 @@ class Int4WeightOnlyLinear(WeightOnlyLinear):
         return wo_bf16.fits(k, n, g), wo_fp32.fits(k, n, g)
 
     def _pack(self, path: KernelPath) -> None:
-        if path.kind == "wo_bf16":
-            self._woq_codes = wo_bf16.pack_int4(unpack_nibbles(self.codes))
+        if path.kind == "wo_bf16":  # a block of rows at a time: a 150k-row lm_head unpacked whole is 2 bytes/code
+            self._woq_codes = torch.cat([wo_bf16.pack_int4(unpack_nibbles(self.codes[i:i + PACK_ROWS]))
+                                         for i in range(0, self.out_features, PACK_ROWS)])
         elif path.kind == "wo_fp32":
             self._wo_codes = wo_fp32.tile(self.codes)
 
