@@ -41,8 +41,8 @@ def cpu_signature() -> str:
 
 
 # the Python that decides which kernel serves a layer and how it is called changes a speed as much as the C++
-DISPATCH_FILES = ("serving/model/quant/kernel_path.py", "serving/model/quant/int8.py", "serving/model/quant/int4.py",
-                  "serving/model/packed_linear.py", "serving/model/fused_linear.py", "serving/model/llama_forward.py",
+DISPATCH_FILES = ("serving/model/quant/kernel_path.py", "serving/model/quant/weight_only.py",
+                  "serving/model/quant/int8.py", "serving/model/quant/int4.py", "serving/model/packed_linear.py", "serving/model/fused_linear.py", "serving/model/llama_forward.py",
                   "serving/model/decode_step.py")
 
 
