@@ -36,8 +36,7 @@ def _tensors(path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
         return handle.metadata(), {k: handle.get_tensor(k) for k in handle.keys()}
 
 
-@pytest.mark.parametrize("algorithm", ["awq", "gptq"])
-@pytest.mark.parametrize("model", ["tied", "untied"])
+@pytest.mark.parametrize(("algorithm", "model"), [("gptq", "tied"), ("awq", "untied")])
 def test_streamed_equals_in_memory(tiny_model_dir, untied_llama_dir, tmp_path, algorithm, model):
     source = tiny_model_dir if model == "tied" else untied_llama_dir
     spec = get_method(f"int4-{algorithm}")
