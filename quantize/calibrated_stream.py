@@ -18,9 +18,7 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import time
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -61,7 +59,7 @@ def stream_calibrated(source: Path, opts: dict[str, Any], recipe: Recipe, out: P
     ids, calibration = _calibration(source, opts, recipe)
     started = time.perf_counter()
     path = out / streaming.WEIGHTS_FILES["int4wo"]
-    with _variant_file(plan, path) as (fd, base):
+    with streaming.variant_file(plan, path) as (fd, base):
         run = _LayerRun(model, plan, fd, base, recipe)
         run.all_layers(ids, show_progress)
         logits_float, logits_quantized = run.outer_tensors()
@@ -107,18 +105,6 @@ def _calibration(source: Path, opts: dict[str, Any], recipe: Recipe) -> tuple[to
     found = calibration_set(AutoTokenizer.from_pretrained(source), int(opts["calibration_tokens"]),
                             int(opts["seq_len"]))
     return found.ids, found.record
-
-
-@contextmanager
-def _variant_file(plan: streaming.Plan, path: Path):
-    """The weights file with its header written and its size set; yields (fd, where the data starts)."""
-    header, total = streaming._header(plan)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "wb") as handle:
-        handle.write(header)
-        handle.truncate(len(header) + total)
-        yield handle.fileno(), len(header)
-        os.fsync(handle.fileno())
 
 
 def materialise(module: nn.Module, prefix: str, plan: streaming.Plan, aliases: dict[str, str]) -> None:

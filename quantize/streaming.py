@@ -19,6 +19,7 @@ import math
 import os
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -217,21 +218,28 @@ def write_stream(plan: Plan, out: Path) -> Path:
     """Write the variant's weights (header first, then each job's blocks at their offsets), config.json and
     generation_config.json into `out`; returns the weights file."""
     path = out / WEIGHTS_FILES[plan.method]
-    out.mkdir(parents=True, exist_ok=True)
-    header, total = _header(plan)
-    with open(path, "wb") as handle:
-        handle.write(header)
-        handle.truncate(len(header) + total)
-        base = len(header)
+    with variant_file(plan, path) as (fd, base):
         started, read = time.perf_counter(), 0
         for i, job in enumerate(plan.jobs, 1):
-            read += _run_job(plan, job, handle.fileno(), base)
+            read += _run_job(plan, job, fd, base)
             if i % 50 == 0 or i == len(plan.jobs):
                 log.info("%s: %d/%d tensors, %.2f GB read, %.0f s", plan.method, i, len(plan.jobs), read / 1e9,
                          time.perf_counter() - started)
-        os.fsync(handle.fileno())
     _write_configs(plan, out)
     return path
+
+
+@contextmanager
+def variant_file(plan: Plan, path: Path) -> Iterator[tuple[int, int]]:
+    """The weights file with its header written and its size set; yields (fd, where the data starts) for
+    the writer's `_pwrite`s at `plan.offsets`, and syncs it on the way out."""
+    header, total = _header(plan)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "wb") as handle:
+        handle.write(header)
+        handle.truncate(len(header) + total)
+        yield handle.fileno(), len(header)
+        os.fsync(handle.fileno())
 
 
 def _header(plan: Plan) -> tuple[bytes, int]:
