@@ -37,6 +37,7 @@ from quantize.calibrated import (
     run_layer,
 )
 from quantize.group_grid import round_to_nearest
+from quantize.variant_writer import VariantWriter
 
 log = logging.getLogger(__name__)
 
@@ -59,11 +60,11 @@ def stream_calibrated(source: Path, opts: dict[str, Any], recipe: Recipe, out: P
     ids, calibration = _calibration(source, opts, recipe)
     started = time.perf_counter()
     path = out / streaming.WEIGHTS_FILES["int4wo"]
-    with streaming.variant_file(plan, path) as (fd, base):
-        run = _LayerRun(model, plan, fd, base, recipe)
+    with streaming.variant_file(plan, path) as writer:
+        run = _LayerRun(model, plan, writer, recipe)
         run.all_layers(ids, show_progress)
         logits_float, logits_quantized = run.outer_tensors()
-    streaming._write_configs(plan, out)
+    streaming.write_configs(plan, out)
     probe = compare(logits_quantized, logits_float)
     if not probe.cosine >= MIN_COSINE:
         raise ValueError(f"int4-{recipe.algorithm}: the variant's logits are unrelated to the source's "
@@ -156,8 +157,8 @@ def pass_through(model: nn.Module, ids: torch.Tensor) -> tuple[torch.Tensor, lis
 class _LayerRun:
     """The walk through the decoder layers and the tensors outside them, writing as it goes."""
 
-    def __init__(self, model: nn.Module, plan: streaming.Plan, fd: int, base: int, recipe: Recipe):
-        self.model, self.plan, self.fd, self.base, self.recipe = model, plan, fd, base, recipe
+    def __init__(self, model: nn.Module, plan: streaming.Plan, writer: VariantWriter, recipe: Recipe):
+        self.model, self.plan, self.writer, self.recipe = model, plan, writer, recipe
         self.prefix, self.layers = decoder_layers(model)
         self.aliases = _tied_aliases(model)
         self.layer_errors: list[float] = []
@@ -201,16 +202,13 @@ class _LayerRun:
         values = {prefix + k: v for k, v in layer.state_dict().items()}
         for name, group_codes in codes.items():
             values[f"{prefix}{name}.codes"], values[f"{prefix}{name}.scales_and_zeros"] = group_codes.layout()
-        for key, (dtype, shape) in self.plan.specs.items():
+        for key in self.plan.specs:
             if not key.startswith(prefix):
                 continue
             if key not in values:
                 raise ValueError(f"{key}: the int4wo layout has it, the calibrated layer does not "
                                  "(a linear the calibration did not quantize)")
-            value = values[key].to(streaming._torch_dtype(dtype))
-            if tuple(value.shape) != shape:
-                raise ValueError(f"{key}: shape {tuple(value.shape)}, the layout's {shape}")
-            streaming._pwrite(self.fd, value, self.plan.offsets[key][0] + self.base)
+            self.writer.write(key, values[key])
 
     def outer_tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Write the tensors outside the decoder layers; returns the probe's logits (float, quantized)."""
@@ -222,7 +220,7 @@ class _LayerRun:
             if job.outputs[0].startswith(self.prefix + "."):
                 continue
             if job.kind == "copy":
-                streaming._run_job(self.plan, job, self.fd, self.base)
+                streaming.run_job(self.plan, job, self.writer)
             elif job.outputs[0] in head_outputs:
                 logits = self._quantized_head(job)
             else:
@@ -232,18 +230,18 @@ class _LayerRun:
     def _round_to_nearest(self, job: streaming.Job, normed: torch.Tensor | None = None):
         """Write `job`'s tensor round-to-nearest a block of rows at a time; with `normed`, also return the
         probe's logits through its float and quantized rows."""
-        codes_at = self.plan.offsets[job.outputs[0]][0] + self.base
+        codes_at = 0
         scales, floats, quants = [], [], []
         for block in streaming.source_blocks(self.plan.source, job.source_key):
             block = block.to(self.plan.dtype)
             group_codes = round_to_nearest(block, job.group_size, self.recipe.bits)
             packed, sz = group_codes.layout()
-            codes_at += streaming._pwrite(self.fd, packed, codes_at)
+            codes_at += self.writer.write_part(job.outputs[0], packed, codes_at)
             scales.append(sz)
             if normed is not None:
                 floats.append(normed[0] @ block.float().T)
                 quants.append(normed[1] @ group_codes.dequantized().T)
-        streaming._pwrite(self.fd, torch.cat(scales, dim=1), self.plan.offsets[job.outputs[1]][0] + self.base)
+        self.writer.write(job.outputs[1], torch.cat(scales, dim=1))
         return (torch.cat(floats, -1)[0], torch.cat(quants, -1)[0]) if normed is not None else None
 
     def _quantized_head(self, job: streaming.Job) -> tuple[torch.Tensor, torch.Tensor]:
@@ -252,8 +250,8 @@ class _LayerRun:
         weight = torch.cat([b.to(self.plan.dtype) for b in streaming.source_blocks(self.plan.source, job.source_key)])
         group_codes = head_codes(weight, self.normed, self.recipe)
         packed, sz = group_codes.layout()
-        streaming._pwrite(self.fd, packed, self.plan.offsets[job.outputs[0]][0] + self.base)
-        streaming._pwrite(self.fd, sz, self.plan.offsets[job.outputs[1]][0] + self.base)
+        self.writer.write(job.outputs[0], packed)
+        self.writer.write(job.outputs[1], sz)
         float_h, quant_h = self.probe_hidden
         return (float_h @ weight.float().T)[0], (quant_h @ group_codes.dequantized().T)[0]
 

@@ -16,13 +16,14 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from quantize.variant_writer import VariantWriter, open_variant_file, st_dtype, torch_dtype
 
 if TYPE_CHECKING:
     import torch
@@ -34,8 +35,6 @@ log = logging.getLogger(__name__)
 # few temporaries of the block's size, so the block bounds the working memory whatever the tensor's size.
 CHUNK_ELEMENTS = 8 << 20
 WEIGHTS_FILES = {"int8wo": "int8wo.safetensors", "int4wo": "int4wo.safetensors"}
-# safetensors' own order for the data: wider dtypes first, then by name (save_file does the same).
-_ORDER = ("F64", "F32", "BF16", "F16", "I32", "I16", "I8", "U8", "BOOL")
 
 
 class NotStreamable(ValueError):
@@ -111,7 +110,7 @@ def plan_stream(source_dir: Path, method: str, opts: dict[str, Any]) -> Plan:
     state = model.state_dict(keep_vars=True)
     stored, tied = _dedupe(state)
     jobs = _jobs(model, stored, group_size)
-    specs = {key: (_st_dtype(state[key].dtype), tuple(state[key].shape)) for key in stored}
+    specs = {key: (st_dtype(state[key].dtype), tuple(state[key].shape)) for key in stored}
     for job in jobs:
         job.source_key = _source_key(job.source_key, aliases, source)
     linears, embeddings = _quantized_names(model)
@@ -206,71 +205,37 @@ def _quantized_names(model: nn.Module) -> tuple[list[str], list[str]]:
     return linears, embeddings
 
 
-def _st_dtype(dtype: torch.dtype) -> str:
-    import torch
-
-    names = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64",
-             torch.int8: "I8", torch.uint8: "U8", torch.int32: "I32", torch.int16: "I16", torch.bool: "BOOL"}
-    return names[dtype]
-
-
 def write_stream(plan: Plan, out: Path) -> Path:
     """Write the variant's weights (header first, then each job's blocks at their offsets), config.json and
     generation_config.json into `out`; returns the weights file."""
     path = out / WEIGHTS_FILES[plan.method]
-    with variant_file(plan, path) as (fd, base):
+    with variant_file(plan, path) as writer:
         started, read = time.perf_counter(), 0
         for i, job in enumerate(plan.jobs, 1):
-            read += _run_job(plan, job, fd, base)
+            read += run_job(plan, job, writer)
             if i % 50 == 0 or i == len(plan.jobs):
                 log.info("%s: %d/%d tensors, %.2f GB read, %.0f s", plan.method, i, len(plan.jobs), read / 1e9,
                          time.perf_counter() - started)
-    _write_configs(plan, out)
+    write_configs(plan, out)
     return path
 
 
-@contextmanager
-def variant_file(plan: Plan, path: Path) -> Iterator[tuple[int, int]]:
-    """The weights file with its header written and its size set; yields (fd, where the data starts) for
-    the writer's `_pwrite`s at `plan.offsets`, and syncs it on the way out."""
-    header, total = _header(plan)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "wb") as handle:
-        handle.write(header)
-        handle.truncate(len(header) + total)
-        yield handle.fileno(), len(header)
-        os.fsync(handle.fileno())
+def variant_file(plan: Plan, path: Path) -> AbstractContextManager[VariantWriter]:
+    """The plan's weights file open for writing (quantize/variant_writer.py); fills `plan.offsets`."""
+    return open_variant_file(path, plan.specs, plan.metadata, plan.offsets)
 
 
-def _header(plan: Plan) -> tuple[bytes, int]:
-    order = sorted(plan.specs, key=lambda k: (_ORDER.index(plan.specs[k][0]), k))
-    header: dict[str, Any] = {"__metadata__": plan.metadata}
-    offset = 0
-    for key in order:
-        dtype, shape = plan.specs[key]
-        size = math.prod(shape) * _ITEM_BYTES[dtype]
-        plan.offsets[key] = (offset, offset + size)
-        header[key] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + size]}
-        offset += size
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned, as save_file pads it
-    return len(raw).to_bytes(8, "little") + raw, offset
-
-
-_ITEM_BYTES = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
-
-
-def _run_job(plan: Plan, job: Job, fd: int, base: int) -> int:
+def run_job(plan: Plan, job: Job, writer: VariantWriter) -> int:
     """Quantize or copy one source tensor block by block; returns the source bytes read."""
     import torch
 
-    first = plan.offsets[job.outputs[0]][0] + base
+    codes, at = job.outputs[0], 0
     scales, read = [], 0
     for block in source_blocks(plan.source, job.source_key):
         read += block.numel() * block.element_size()
         block = block.to(plan.dtype)
         if job.kind == "copy":
-            out, extra = block.to(_torch_dtype(plan.specs[job.outputs[0]][0])), None
+            out, extra = block.to(torch_dtype(plan.specs[codes][0])), None
         elif job.kind == "int8":
             from serving.model.quant.int8 import quantize_per_channel
 
@@ -279,12 +244,11 @@ def _run_job(plan: Plan, job: Job, fd: int, base: int) -> int:
             from serving.model.quant.int4 import quantize_groups
 
             out, extra = quantize_groups(block, job.group_size)
-        first += _pwrite(fd, out, first)
+        at += writer.write_part(codes, out, at)
         if extra is not None:
             scales.append(extra)
     if scales:  # int8: [N]; int4: [K/g, N, 2], rows along dim 1
-        whole = torch.cat(scales, dim=0 if job.kind == "int8" else 1)
-        _pwrite(fd, whole, plan.offsets[job.outputs[1]][0] + base)
+        writer.write(job.outputs[1], torch.cat(scales, dim=0 if job.kind == "int8" else 1))
     return read
 
 
@@ -305,24 +269,7 @@ def source_blocks(source: SourceWeights, key: str) -> Iterator[torch.Tensor]:
             yield part[start:start + rows]
 
 
-def _pwrite(fd: int, tensor: torch.Tensor, offset: int) -> int:
-    import torch
-
-    data = tensor.contiguous().reshape(-1).view(torch.uint8).numpy()
-    view, written = memoryview(data), 0
-    while written < len(view):
-        written += os.pwrite(fd, view[written:], offset + written)
-    return written
-
-
-def _torch_dtype(name: str) -> torch.dtype:
-    import torch
-
-    return {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64,
-            "I8": torch.int8, "U8": torch.uint8, "I32": torch.int32, "I16": torch.int16, "BOOL": torch.bool}[name]
-
-
-def _write_configs(plan: Plan, out: Path) -> None:
+def write_configs(plan: Plan, out: Path) -> None:
     """config.json as the in-memory build saves it (the loaded model's config: `dtype` the option's) and the
     generation config where the source has one."""
     from transformers import GenerationConfig
