@@ -49,6 +49,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--in-memory-up-to", type=float, default=1e9,
                    help="also time the in-memory build (the old path) for models up to this many parameters")
     p.add_argument("--keep", action="store_true", help="keep the converted models and variants")
+    p.add_argument("--llama-quantize", default=None, metavar="BIN",
+                   help="also time llama.cpp's llama-quantize (scripts/peers_setup_llama.sh builds it) on the GGUFs: "
+                        "Q4_K_M -> F16 -> Q8_0 / Q4_0")
     p.add_argument("--no-load", dest="load", action="store_false", help="skip loading each variant")
     p.add_argument("--out-dir", default=None)
     p.add_argument("--no-plots", dest="plots", action="store_false")
@@ -78,6 +81,8 @@ def _model_rows(name: str, args: argparse.Namespace, workdir: Path) -> list[dict
                              _watch("in-memory", source, workdir / f"{name}-{method}-old", method)))
             shutil.rmtree(workdir / f"{name}-{method}-old", ignore_errors=True)
         shutil.rmtree(variant, ignore_errors=True)
+    if args.llama_quantize and name in GGUFS:
+        rows += _llama_rows(name, params, Path(args.llama_quantize), workdir)
     if not args.keep:
         shutil.rmtree(source, ignore_errors=True)
     return rows
@@ -95,6 +100,11 @@ def _watch(stage: str, source: Path, target: Path | None = None, method: str | N
     cmd = [sys.executable, "-m", "benchmarks.scale", "--stage", stage, "--source", str(source)]
     cmd += ["--target", str(target)] if target else []
     cmd += ["--method", method] if method else []
+    return _watch_command(cmd, f"stage {stage} on {source}")
+
+
+def _watch_command(cmd: list[str], what: str) -> dict[str, float]:
+    """Run `cmd` watched from outside: peak anonymous memory of its process tree, ru_maxrss, wall time."""
     start = time.perf_counter()
     child = subprocess.Popen(cmd)
     peak, done = [0], threading.Event()
@@ -111,9 +121,28 @@ def _watch(stage: str, source: Path, target: Path | None = None, method: str | N
     done.set()
     sampler.join()
     if child.returncode:
-        raise RuntimeError(f"stage {stage} on {source} failed ({child.returncode})")
+        raise RuntimeError(f"{what} failed ({child.returncode})")
     return {"peak_anon_gb": peak[0] / 1e9, "maxrss_gb": usage.ru_maxrss * 1024 / 1e9,
             "wall_s": time.perf_counter() - start}
+
+
+def _llama_rows(name: str, params: int, binary: Path, workdir: Path) -> list[dict[str, Any]]:
+    """llama.cpp's `llama-quantize` on the same model: its GGUF (Q4_K_M) to F16 (llama.cpp's own full-width
+    source), then F16 to Q8_0 and to Q4_0, the formats nearest int8wo and int4wo. Each reads its input by
+    mmap, as ours reads safetensors."""
+    from quantgate.env import home
+
+    gguf, rows = home() / "models" / GGUFS[name], []
+    f16 = workdir / f"{name}-F16.gguf"
+    steps = ((gguf, f16, "F16"), (f16, workdir / f"{name}-Q8_0.gguf", "Q8_0"),
+             (f16, workdir / f"{name}-Q4_0.gguf", "Q4_0"))
+    for source, target, kind in steps:
+        cmd = [str(binary), "--allow-requantize", str(source), str(target), kind]
+        measured = _watch_command(cmd, f"llama-quantize {kind}")
+        rows.append(_row(name, params, f"quantize {kind}", "llama-quantize", measured))
+    for _, target, _ in steps:
+        target.unlink(missing_ok=True)
+    return rows
 
 
 def _tree_anon(pid: int) -> int:
