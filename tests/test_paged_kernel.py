@@ -37,9 +37,8 @@ def reference(q, k, v, tables, lengths, block_size, scale):
     return torch.stack(out)
 
 
-def problem(dtype, heads, kv_heads, dim, block_size, lengths, seed=0):
+def problem(dtype, heads, kv_heads, dim, block_size, lengths, seed=0, num_blocks=64):
     gen = torch.Generator().manual_seed(seed)
-    num_blocks = 64
     k = torch.randn(kv_heads, num_blocks * block_size, dim, generator=gen).to(dtype)
     v = torch.randn(kv_heads, num_blocks * block_size, dim, generator=gen).to(dtype)
     width = max(-(-n // block_size) for n in lengths)
@@ -60,6 +59,51 @@ def test_kernel_matches_the_gathered_reference(op, dtype, tol, shape):
     out = op(q, k, v, tables, lengths, bs, dim**-0.5, None, None, 0)
     assert out.dtype == dtype and out.shape == q.shape
     torch.testing.assert_close(out.float(), reference(q, k, v, tables, lengths, bs, dim**-0.5), atol=tol, rtol=tol)
+
+
+# the AVX-512-BF16 loop's instances (group 1-8; head_dim 32, 64, 96, 128, 256), and shapes it leaves to the
+# portable loop (group 9, head_dim 48)
+FUSED = [(g, 1, (32, 64, 96, 128, 256)[g % 5], 16) for g in range(1, 9)] + [(9, 1, 64, 16), (4, 2, 48, 16)]
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("shape", FUSED, ids=lambda s: "h{}-kv{}-d{}-b{}".format(*s))
+def test_every_group_and_head_dim_matches_the_reference(op, dtype, tol, shape):
+    heads, kv_heads, dim, bs = shape
+    q, k, v, tables, lengths = problem(dtype, heads, kv_heads, dim, bs, [1, 16, 31, 47, 130], seed=2)
+    out = op(q, k, v, tables, lengths, bs, dim**-0.5, None, None, 0)
+    torch.testing.assert_close(out.float(), reference(q, k, v, tables, lengths, bs, dim**-0.5), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("rising", [True, False], ids=["rising", "falling"])
+def test_long_contexts_whose_largest_score_moves(op, dtype, tol, rising):
+    """The one-pass softmax rescales its sums each time the running max rises: keys whose scores grow (or
+    shrink) along contexts of up to 1000 tokens, so the max moves block after block (or never)."""
+    lengths = [999, 1000, 520, 64]
+    q, k, v, tables, lengths_t = problem(torch.float32, 9, 3, 64, 16, lengths, seed=5, num_blocks=256)
+    for s, length in enumerate(lengths):
+        for t in range(length):
+            slot = int(tables[s, t // 16]) * 16 + t % 16
+            k[:, slot] *= 0.2 + 2.5 * (t if rising else length - t) / length
+    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    out = op(q, k, v, tables, lengths_t, 16, 0.125, None, None, 0)
+    torch.testing.assert_close(out.float(), reference(q, k, v, tables, lengths_t, 16, 0.125), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("length", [1, 17, 33, 46, 64])
+def test_slots_past_the_context_are_never_used(op, dtype, length):
+    """The last block's slots past a context's end hold whatever an earlier sequence left: NaN there must
+    not reach the output (the kernel may read a whole block's K, never use those lanes)."""
+    q, k, v, tables, lengths = problem(dtype, 9, 3, 64, 16, [length], seed=7)
+    want = reference(q, k, v, tables, lengths, 16, 0.125)
+    last = int(tables[0, (length - 1) // 16])
+    k[:, last * 16 + (length - 1) % 16 + 1 : (last + 1) * 16] = float("nan")
+    v[:, last * 16 + (length - 1) % 16 + 1 : (last + 1) * 16] = float("nan")
+    out = op(q, k, v, tables, lengths, 16, 0.125, None, None, 0)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.float(), want, atol=tol, rtol=tol)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])

@@ -1,26 +1,46 @@
-// The AVX-512-BF16 inner loops of paged_attention.cpp for a bf16 cache in blocks of 16 tokens: scores
-// of a query group against a transposed block, and the weighted V sum over pairs of token rows.
+// The AVX-512-BF16 decode loop of paged_attention.cpp for a bf16 cache in blocks of 16 tokens. One pass
+// over a (sequence, KV head)'s context, block by block: the group's scores against the block's K (the
+// block transposed as bf16 pairs, so lane t of a score vector is token t), an online softmax (a running
+// max and sum per query head, the accumulators rescaled when the max rises), then the weighted V sum of
+// the same block. K and V of a block are read back to back, the scores never leave registers, and the
+// blocks a few steps ahead are prefetched (they are scattered over the cache: the hardware prefetcher
+// follows a block's rows, not the jump to the next block). Group and head_dim are template parameters so
+// the score accumulators live in registers.
 #pragma once
 
 #include <immintrin.h>
 
 #include <algorithm>
+#include <cfloat>
+#include <cmath>
 #include <cstdint>
-#include <cstring>
-#include <vector>
+
+#ifndef QG_PA_PREFETCH
+#define QG_PA_PREFETCH 2  // blocks ahead (measured: 1, 2 and 4 alike on the AMX Xeon; T1/T2 hints no better)
+#endif
 
 namespace {
 
-// Blocks are scattered over the cache: ask for the next one while this one is read (the hardware
-// prefetcher follows a block's rows, not the jump to the next block).
-template <typename T>
-inline void prefetch_block(const T* rows, int64_t elements) {
-  const char* at = reinterpret_cast<const char*>(rows);
-  for (int64_t off = 0; off < elements * static_cast<int64_t>(sizeof(T)); off += 64) _mm_prefetch(at + off, _MM_HINT_T0);
+constexpr int kBf16Block = 16;
+
+struct Bf16Item {
+  const uint16_t* k;        // the layer's cache [kv_heads, slots, dim]
+  const uint16_t* v;
+  const int64_t* table;     // the span's first block entry
+  int64_t head_base;        // kv head * slots
+  int64_t first, length;    // attended tokens [first, length), from the span's first block
+  const uint32_t* qpairs;   // the group's query rows as bf16 pairs [group][dim / 2]
+  float scale;
+  uint16_t* out;            // [group][dim] bf16
+};
+
+inline void prefetch_lines(const void* at, int64_t bytes) {
+  const char* p = static_cast<const char*>(at);
+  for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(p + off, _MM_HINT_T0);
 }
 
 // 16x16 transpose of 32-bit lanes: r[i] lane j -> r[j] lane i.
-inline void transpose16(__m512i* r) {
+__attribute__((always_inline)) inline void transpose16(__m512i* r) {
   __m512i t[16];
   for (int i = 0; i < 16; i += 2) {
     t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
@@ -44,98 +64,191 @@ inline void transpose16(__m512i* r) {
   }
 }
 
-// Scores of the `group` queries against one block of 16 bf16 rows (`k`, row stride `dim`): the block is
-// transposed as bf16 pairs, so that lane t of a dot-product accumulator is token t (no horizontal sums).
-// `qpairs[g * dim / 2 + j]` holds query g's bf16 pair j; scores land in out[g * stride + t].
-inline void block_scores_bf16(const uint16_t* k, int64_t dim, const uint32_t* qpairs, int64_t group,
-                              float* out, int64_t stride) {
-  __m512 acc[8];
-  for (int64_t g = 0; g < group; ++g) acc[g] = _mm512_setzero_ps();
-  const int64_t pairs = dim / 2;
-  for (int64_t c = 0; c < pairs; c += 16) {
+// exp(x) on 16 lanes: Cephes' expf (range reduction by ln 2 in two parts, degree-6 polynomial, ~1 ulp);
+// inputs are clamped to [-87, 88], so a masked-out lane's -FLT_MAX gives ~1e-38, zeroed by the caller.
+inline __m512 exp512(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  return _mm512_scalef_ps(p, n);
+}
+
+// Scores of the G queries against one block of 16 bf16 K rows: s[g] lane t = q_g . k_t. For a small group,
+// two accumulator sets (even and odd pair columns) halve the dependency chain of the dot products.
+template <int G, int DIM>
+inline void block_scores(const uint16_t* k, const uint32_t* qpairs, __m512* s) {
+  constexpr int kPairs = DIM / 2;
+  __m512 even[G], odd[G];
+  for (int g = 0; g < G; ++g) even[g] = odd[g] = _mm512_setzero_ps();
+  for (int c = 0; c < kPairs; c += 16) {
     __m512i cols[16];
-    for (int t = 0; t < 16; ++t) cols[t] = _mm512_loadu_si512(k + t * dim + 2 * c);
+    for (int t = 0; t < 16; ++t) cols[t] = _mm512_loadu_si512(k + t * DIM + 2 * c);
     transpose16(cols);
-    for (int j = 0; j < 16; ++j) {
-      const __m512bh kj = (__m512bh)cols[j];
-      for (int64_t g = 0; g < group; ++g) {
-        const __m512bh qj = (__m512bh)_mm512_set1_epi32(static_cast<int>(qpairs[g * pairs + c + j]));
-        acc[g] = _mm512_dpbf16_ps(acc[g], kj, qj);
+    for (int j = 0; j < 16; j += 2) {
+      for (int g = 0; g < G; ++g) {
+        const __m512i q0 = _mm512_set1_epi32(static_cast<int>(qpairs[g * kPairs + c + j]));
+        const __m512i q1 = _mm512_set1_epi32(static_cast<int>(qpairs[g * kPairs + c + j + 1]));
+        even[g] = _mm512_dpbf16_ps(even[g], (__m512bh)cols[j], (__m512bh)q0);
+        if constexpr (G <= 4) {
+          odd[g] = _mm512_dpbf16_ps(odd[g], (__m512bh)cols[j + 1], (__m512bh)q1);
+        } else {  // enough chains already; a second set would not fit the 32 registers beside the block
+          even[g] = _mm512_dpbf16_ps(even[g], (__m512bh)cols[j + 1], (__m512bh)q1);
+        }
       }
     }
   }
-  for (int64_t g = 0; g < group; ++g) _mm512_storeu_ps(out + g * stride, acc[g]);
+  for (int g = 0; g < G; ++g) s[g] = _mm512_add_ps(even[g], odd[g]);
 }
 
-// acc[g] += sum_t w[g][t] * v[t] over one pair of bf16 rows (v0 = token t, v1 = token t + 1), as dot
-// products of bf16 pairs. `wpair[g]` holds (w[g][t], w[g][t + 1]) as bf16s. Accumulator lanes come out
-// in unpack order (see store_values_bf16).
-inline void pair_values_bf16(const uint16_t* v0, const uint16_t* v1, int64_t dim, const uint32_t* wpair,
-                             int64_t group, __m512* acc) {
-  const int64_t per_g = dim / 16;
-  for (int64_t c = 0; c < dim / 32; ++c) {
-    const __m512i a = _mm512_loadu_si512(v0 + 32 * c), b = _mm512_loadu_si512(v1 + 32 * c);
-    const __m512bh lo = (__m512bh)_mm512_unpacklo_epi16(a, b), hi = (__m512bh)_mm512_unpackhi_epi16(a, b);
-    for (int64_t g = 0; g < group; ++g) {
-      const __m512bh w = (__m512bh)_mm512_set1_epi32(static_cast<int>(wpair[g]));
-      acc[g * per_g + 2 * c] = _mm512_dpbf16_ps(acc[g * per_g + 2 * c], lo, w);
-      acc[g * per_g + 2 * c + 1] = _mm512_dpbf16_ps(acc[g * per_g + 2 * c + 1], hi, w);
+// The online softmax step for one block: lanes outside `valid` drop out; each head's max and sum move on,
+// its accumulators are rescaled when the max rises, and its 16 probabilities (relative to the running max,
+// rounded to bf16 as the matmul path rounds them) land in w[g * 8 + i] as pairs (token 2i, 2i + 1).
+template <int G, int DIM>
+inline void online_step(const __m512* s, __mmask16 valid, float scale, float* m, float* l, float* acc,
+                        uint32_t* w) {
+  for (int g = 0; g < G; ++g) {
+    const __m512 x = _mm512_mask_mul_ps(_mm512_set1_ps(-FLT_MAX), valid, s[g], _mm512_set1_ps(scale));
+    const float peak = _mm512_reduce_max_ps(x);
+    if (peak > m[g]) {
+      const float corr = m[g] == -FLT_MAX ? 0.0f : std::exp(m[g] - peak);  // the first block: nothing to keep
+      l[g] *= corr;
+      for (int d = 0; d < DIM; d += 16) {
+        _mm512_store_ps(acc + g * DIM + d, _mm512_mul_ps(_mm512_load_ps(acc + g * DIM + d), _mm512_set1_ps(corr)));
+      }
+      m[g] = peak;
     }
-  }
-}
-
-// Add the pair accumulators to out[g * dim + d] in dimension order: within each 32-wide chunk, the
-// unpacked "lo" lanes hold d = 0-3, 8-11, 16-19, 24-27 and the "hi" lanes d = 4-7, 12-15, 20-23, 28-31.
-inline void store_values_bf16(const __m512* acc, int64_t group, int64_t dim, float* out) {
-  const int64_t per_g = dim / 16;
-  float lanes[16];
-  for (int64_t g = 0; g < group; ++g) {
-    for (int64_t v = 0; v < per_g; ++v) {
-      _mm512_storeu_ps(lanes, acc[g * per_g + v]);
-      const int64_t base = (v / 2) * 32 + (v % 2) * 4;
-      for (int i = 0; i < 16; ++i) out[g * dim + base + (i / 4) * 8 + i % 4] += lanes[i];
-    }
+    const __m512 p = _mm512_maskz_mov_ps(valid, exp512(_mm512_sub_ps(x, _mm512_set1_ps(m[g]))));
+    l[g] += _mm512_reduce_add_ps(p);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(w + g * 8), (__m256i)_mm512_cvtneps_pbh(p));
   }
 }
 
-// The V pass for bf16 rows in blocks of 16: pairs of tokens through pair_values_bf16, an odd last token
-// in fp32. `probs` (unnormalized, fp32) are rounded to bf16 as the matmul path rounds them.
-inline void context_values_bf16(const uint16_t* v_cache, const int64_t* table, int64_t head_base, int64_t dim,
-                                const float* probs, int64_t stride, int64_t group, int64_t length, float* acc,
-                                std::vector<uint16_t>& wbits) {
-  wbits.resize(group * stride);
-  for (int64_t g = 0; g < group; ++g) {
-    for (int64_t t = 0; t < stride; t += 16) {
-      const __m512 x = _mm512_loadu_ps(probs + g * stride + t);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(wbits.data() + g * stride + t), (__m256i)_mm512_cvtneps_pbh(x));
+// acc[g] += sum_t w[g][t] v[t] over one block's first `rows` V rows: the rows are interleaved as bf16
+// pairs once (a missing partner row of an odd count is zero, never read: slots past the context may hold
+// anything), then each head runs its dot products over them. Accumulator lanes come out in unpack order:
+// within each 32-wide chunk, "lo" holds d = 0-3, 8-11, 16-19, 24-27 and "hi" d = 4-7, 12-15, 20-23, 28-31.
+template <int G, int DIM>
+inline void block_values(const uint16_t* v, int rows, const uint32_t* w, float* acc) {
+  constexpr int kVecs = DIM / 16;  // accumulators per head: lo and hi of each 32-wide chunk
+  __m512i pairs[8][kVecs];
+  const int npairs = (rows + 1) / 2;
+  for (int i = 0; i < npairs; ++i) {
+    const uint16_t* v0 = v + 2 * i * DIM;
+    const bool partner = 2 * i + 1 < rows;
+    for (int c = 0; c < DIM / 32; ++c) {
+      const __m512i a = _mm512_loadu_si512(v0 + 32 * c);
+      const __m512i b = partner ? _mm512_loadu_si512(v0 + DIM + 32 * c) : _mm512_setzero_si512();
+      pairs[i][2 * c] = _mm512_unpacklo_epi16(a, b);
+      pairs[i][2 * c + 1] = _mm512_unpackhi_epi16(a, b);
     }
   }
-  __m512 vacc[64];
-  for (int64_t i = 0; i < group * dim / 16; ++i) vacc[i] = _mm512_setzero_ps();
-  uint32_t wpair[8];
-  const int64_t pairs_end = length / 2 * 2;
-  for (int64_t t = 0; t < pairs_end; t += 2) {
-    const uint16_t* v0 = v_cache + (head_base + table[t / 16] * 16 + t % 16) * dim;
-    if (t % 16 == 0 && t + 16 < length) prefetch_block(v_cache + (head_base + table[t / 16 + 1] * 16) * dim, 16 * dim);
-    for (int64_t g = 0; g < group; ++g) wpair[g] = reinterpret_cast<const uint32_t*>(wbits.data() + g * stride)[t / 2];
-    pair_values_bf16(v0, v0 + dim, dim, wpair, group, vacc);
-  }
-  std::fill(acc, acc + group * dim, 0.0f);
-  store_values_bf16(vacc, group, dim, acc);
-  if (length % 2) {
-    const int64_t t = length - 1;
-    const uint16_t* v = v_cache + (head_base + table[t / 16] * 16 + t % 16) * dim;
-    for (int64_t g = 0; g < group; ++g) {
-      uint32_t wide = static_cast<uint32_t>(wbits[g * stride + t]) << 16;
-      float w;
-      std::memcpy(&w, &wide, sizeof(w));
-      for (int64_t d = 0; d < dim; ++d) {
-        uint32_t vb = static_cast<uint32_t>(v[d]) << 16;
-        float vf;
-        std::memcpy(&vf, &vb, sizeof(vf));
-        acc[g * dim + d] += w * vf;
+  for (int g = 0; g < G; ++g) {
+    __m512 r0[kVecs], r1[kVecs];  // even and odd pairs: two chains per accumulator
+    for (int j = 0; j < kVecs; ++j) {
+      r0[j] = _mm512_load_ps(acc + g * DIM + 16 * j);
+      r1[j] = _mm512_setzero_ps();
+    }
+    int i = 0;
+    for (; i + 1 < npairs; i += 2) {
+      const __m512bh w0 = (__m512bh)_mm512_set1_epi32(static_cast<int>(w[g * 8 + i]));
+      const __m512bh w1 = (__m512bh)_mm512_set1_epi32(static_cast<int>(w[g * 8 + i + 1]));
+      for (int j = 0; j < kVecs; ++j) {
+        r0[j] = _mm512_dpbf16_ps(r0[j], (__m512bh)pairs[i][j], w0);
+        r1[j] = _mm512_dpbf16_ps(r1[j], (__m512bh)pairs[i + 1][j], w1);
       }
     }
+    if (i < npairs) {
+      const __m512bh w0 = (__m512bh)_mm512_set1_epi32(static_cast<int>(w[g * 8 + i]));
+      for (int j = 0; j < kVecs; ++j) r0[j] = _mm512_dpbf16_ps(r0[j], (__m512bh)pairs[i][j], w0);
+    }
+    for (int j = 0; j < kVecs; ++j) _mm512_store_ps(acc + g * DIM + 16 * j, _mm512_add_ps(r0[j], r1[j]));
+  }
+}
+
+// out[g] = acc[g] / l[g] as bf16, the accumulators' unpack order put back into dimension order.
+template <int G, int DIM>
+inline void finish_bf16(const float* acc, const float* l, uint16_t* out) {
+  alignas(64) float row[DIM];
+  for (int g = 0; g < G; ++g) {
+    const float inv = 1.0f / l[g];
+    for (int j = 0; j < DIM / 16; ++j) {
+      const int base = (j / 2) * 32 + (j % 2) * 4;
+      for (int i = 0; i < 16; ++i) row[base + (i / 4) * 8 + i % 4] = acc[g * DIM + 16 * j + i] * inv;
+    }
+    for (int d = 0; d < DIM; d += 16) {
+      const __m256bh h = _mm512_cvtneps_pbh(_mm512_load_ps(row + d));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + g * DIM + d), (__m256i)h);
+    }
+  }
+}
+
+// The lanes of block b that hold attended tokens [first, length).
+inline __mmask16 block_mask(int64_t b, int64_t first, int64_t length) {
+  const int64_t lo = std::max<int64_t>(first - b * kBf16Block, 0);
+  const int64_t hi = std::min<int64_t>(length - b * kBf16Block, kBf16Block);
+  return static_cast<__mmask16>(((1u << hi) - 1u) & ~((1u << lo) - 1u));
+}
+
+template <int G, int DIM>
+void attend_bf16_blocks(const Bf16Item& it) {
+  constexpr int64_t kBlockBytes = kBf16Block * DIM * 2;
+  alignas(64) float acc[G * DIM] = {};
+  float m[G], l[G];
+  uint32_t w[G * 8];
+  for (int g = 0; g < G; ++g) m[g] = -FLT_MAX, l[g] = 0.0f;
+  const int64_t blocks = (it.length + kBf16Block - 1) / kBf16Block;
+  auto rows_of = [&](const uint16_t* cache, int64_t b) { return cache + (it.head_base + it.table[b] * kBf16Block) * DIM; };
+  for (int64_t b = 0; b < std::min<int64_t>(QG_PA_PREFETCH, blocks); ++b) {
+    prefetch_lines(rows_of(it.k, b), kBlockBytes);
+    prefetch_lines(rows_of(it.v, b), kBlockBytes);
+  }
+  for (int64_t b = 0; b < blocks; ++b) {
+    const bool ahead = b + QG_PA_PREFETCH < blocks;
+    if (ahead) prefetch_lines(rows_of(it.k, b + QG_PA_PREFETCH), kBlockBytes);
+    __m512 s[G];
+    block_scores<G, DIM>(rows_of(it.k, b), it.qpairs, s);
+    online_step<G, DIM>(s, block_mask(b, it.first, it.length), it.scale, m, l, acc, w);
+    if (ahead) prefetch_lines(rows_of(it.v, b + QG_PA_PREFETCH), kBlockBytes);
+    const int rows = static_cast<int>(std::min<int64_t>(it.length - b * kBf16Block, kBf16Block));
+    block_values<G, DIM>(rows_of(it.v, b), rows, w, acc);
+  }
+  finish_bf16<G, DIM>(acc, l, it.out);
+}
+
+template <int DIM>
+bool attend_bf16_dim(const Bf16Item& it, int64_t group) {
+  switch (group) {
+    case 1: attend_bf16_blocks<1, DIM>(it); return true;
+    case 2: attend_bf16_blocks<2, DIM>(it); return true;
+    case 3: attend_bf16_blocks<3, DIM>(it); return true;
+    case 4: attend_bf16_blocks<4, DIM>(it); return true;
+    case 5: attend_bf16_blocks<5, DIM>(it); return true;
+    case 6: attend_bf16_blocks<6, DIM>(it); return true;
+    case 7: attend_bf16_blocks<7, DIM>(it); return true;
+    case 8: attend_bf16_blocks<8, DIM>(it); return true;
+    default: return false;
+  }
+}
+
+// One (sequence, KV head) through the fused loop; false where the shape has no instance (the caller's
+// portable loop serves it): head_dim 32, 64, 96, 128 or 256, up to 8 query heads per KV head.
+inline bool attend_bf16(const Bf16Item& it, int64_t group, int64_t dim) {
+  switch (dim) {
+    case 32: return attend_bf16_dim<32>(it, group);
+    case 64: return attend_bf16_dim<64>(it, group);
+    case 96: return attend_bf16_dim<96>(it, group);
+    case 128: return attend_bf16_dim<128>(it, group);
+    case 256: return attend_bf16_dim<256>(it, group);
+    default: return false;
   }
 }
 
