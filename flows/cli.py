@@ -34,6 +34,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--policy", default=str(DEMO_POLICY), help="gate policy (default flows/demo_policy.yaml)")
     p.add_argument("--suites", default=DEMO_SUITES, help=f"eval suites and/or task names (default {DEMO_SUITES})")
     p.add_argument("--verbose", action="store_true", help="show Prefect's run logs in the terminal too")
+    _ray_arg(p)
     p.set_defaults(func=_demo)
 
     p = subparsers.add_parser("approve", help="approve (or --reject) a release paused for approval")
@@ -81,6 +82,16 @@ def _release_args(p: argparse.ArgumentParser) -> None:
                         "the tune's suites and items per task, and its policy unless --policy says otherwise")
     p.add_argument("--json", default=None, help="also write the summary as JSON to this file")
     p.add_argument("--verbose", action="store_true", help="show Prefect's run logs in the terminal too")
+    _ray_arg(p)
+
+
+def _ray_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--ray-address", default=None, metavar="ADDR",
+                   help="quantize, measure and evaluate every model on this Ray cluster (host:port of its head, or "
+                        "auto), one Prefect task per quantization, per model's serving measurement and per model and "
+                        "suite (prefect-ray's RayTaskRunner); the paired speed rounds and the canary stay in this "
+                        "process. Every node must see this QUANTGATE_HOME (shared storage): checked first "
+                        "(flows/ray_cluster.py, docs/team.md)")
 
 
 def _plan_args(p: argparse.ArgumentParser) -> None:
@@ -186,6 +197,7 @@ def run_release(args: argparse.Namespace, model: str, methods: list[str]) -> int
             canary_backend=getattr(args, "canary_backend", None) or "local",
             fresh=getattr(args, "fresh", False),
             device=getattr(args, "device", None),
+            ray_address=getattr(args, "ray_address", None),
         )
     print_summary(summary)
     if getattr(args, "json", None):

@@ -9,6 +9,7 @@ marked FAILED in MLflow and no alias moves (a challenger set by this run is clea
 from __future__ import annotations
 
 import re
+import shutil
 from dataclasses import asdict, replace
 from pathlib import Path
 
@@ -17,7 +18,7 @@ from prefect.cache_policies import NO_CACHE
 from prefect.runtime import flow_run
 
 from evals.tasks import resolve_tasks
-from flows import canary_stage, fidelity_stage, machine, measuring, memory_plan, records
+from flows import canary_stage, fidelity_stage, machine, measuring, memory_plan, ray_cluster, records
 from flows import speed_rounds as speed_stage
 from flows.approval import APPROVE_MODES
 from flows.data import (
@@ -35,6 +36,7 @@ from flows.decision import approve_variants, choose
 from flows.machine import resolve_device
 from flows.progress import note, stage
 from flows.runtime import prepare, work_dir
+from flows.speed_rounds import release_engine_memory
 from flows.stage_process import StageKilled, run_stage_in_child
 from gates import metric_names as M
 from gates.judging.policy import Policy, load_policy
@@ -57,6 +59,7 @@ from quantize.variant import cached_content_hash
 from serving.model.quant.integrity import read_manifest
 
 FLOW_NAME = "quantgate-release"
+RAY_FLOW_NAME = "quantgate-release-on-ray"  # the nested flow whose task runner is prefect-ray's RayTaskRunner
 TASK_RETRIES = 2
 RETRY_DELAY_S = 3.0
 # Bump when a cached stage's output format changes (3: weights as served, machine in keys; 4: persisted
@@ -159,13 +162,55 @@ def measure_speed(models: list[Variant], plan: SpeedPlan) -> SpeedResult:
                              machine.line(machine.describe(plan.device)), advance)
 
 
+def _measure_dir(variant: Variant, config: MeasureConfig) -> Path:
+    kv = "" if variant.kv_cache_dtype == "auto" else f"-kv-{variant.kv_cache_dtype}"
+    return work_dir("measure", f"{variant.content_hash[:16]}{kv}-{config.key()}")
+
+
 @task(name="measure", cache_key_fn=_measure_key, persist_result=True, **RETRIED)
 def measure(variant: Variant, config: MeasureConfig) -> Measured:
     """Serve the model through our engine: serving benchmark, eval suites, weight bytes, KV capacity."""
-    kv = "" if variant.kv_cache_dtype == "auto" else f"-kv-{variant.kv_cache_dtype}"
-    out = work_dir("measure", f"{variant.content_hash[:16]}{kv}-{config.key()}")
+    out = _measure_dir(variant, config)
     with stage(f"{variant.name}: load, benchmark, evaluate", total=2 + len(config.suites)) as advance:
         return measuring.measure(variant, config, out, advance)
+
+
+# ---- the same measurement in parts, for a Ray cluster (each part a task a node runs) ------------------
+
+
+def _part_key(context, parameters) -> str:
+    part = parameters.get("suite") or "serving"
+    return _measure_key(context, parameters).replace("measure-", f"measure-{part}-", 1)
+
+
+@task(name="measure-serving", cache_key_fn=_part_key, persist_result=True, **RETRIED)
+def measure_serving(variant: Variant, config: MeasureConfig) -> Measured:
+    """`measure` without the eval suites (each suite is an `evaluate-suite` task of its own): the load, the serving
+    benchmark, weights and KV capacity as served, fidelity and long-context probes, on one engine, in one order."""
+    ray_cluster.use_task_cpus()
+    with stage(f"{variant.name}: load, benchmark", total=2) as advance:
+        return measuring.measure(variant, replace(config, suites=()), _measure_dir(variant, config), advance)
+
+
+@task(name="evaluate-suite", cache_key_fn=_part_key, persist_result=True, **RETRIED)
+def evaluate_suite(variant: Variant, config: MeasureConfig, suite: str) -> str:
+    """One eval suite of one model on an engine of its own: the same `run_suite` call `measure` makes for that
+    suite (the same requests, submitted together, so the engine batches them as it does there). Returns the
+    suite's result directory, where `measure` writes it."""
+    ray_cluster.use_task_cpus()
+    out = _measure_dir(variant, config) / "evals" / suite
+    docs = config.eval_docs()
+    for stale in out.parent.glob(f".{suite}.partial-*"):  # an attempt whose worker was killed left its staging
+        shutil.rmtree(stale, ignore_errors=True)  # (the comparison reads every folder beside the suites)
+    with stage(f"{variant.name}: evaluate {suite}"):
+        engine = measuring.load_engine(variant, config)
+        try:
+            measuring.run_evals(engine, suite, None if docs else config.limit, out, config.system_prompt,
+                                config.chat_template, docs)
+        finally:
+            del engine
+            release_engine_memory()
+    return str(out)
 
 
 @task(name="start-release", cache_policy=NO_CACHE, **RETRIED)
@@ -252,10 +297,15 @@ def release_flow(
     canary_backend: str = "local",
     fresh: bool = False,
     device: str | None = None,
+    ray_address: str | None = None,
 ) -> dict:
     """Quantize `model`, measure every variant against the baseline, gate, approve, canary, promote.
     `device`: where every model is served (None: QUANTGATE_DEVICE, else CUDA when present, else CPU); it
-    picks the default `methods` (quantize/methods.py) and is part of every measurement's key."""
+    picks the default `methods` (quantize/methods.py) and is part of every measurement's key.
+    `ray_address`: a Ray cluster (`host:port`, or `auto`) that quantizes, measures and evaluates every model,
+    one task per quantization, per model's serving measurement and per model and suite, through prefect-ray's
+    RayTaskRunner; the paired speed rounds and the canary stay in this process (flows/ray_cluster.py). None: all
+    of it here, one stage after another."""
     # The deployment's entrypoint: a flow-run process a worker starts enters here, not through the CLI, so
     # quantgate's defaults are set here for what the run reads and starts later (MLflow, canary servers;
     # setdefault, idempotent). Prefect's own settings were read when this process imported Prefect: on a work
@@ -268,9 +318,16 @@ def release_flow(
     source = resolve_source(model)
     mem = memory_plan.for_release(source.path, methods, config, pol)  # config.json only: no model loaded
     config = replace(config, capacity_budget_gb=mem.capacity_budget_gb)  # never a budget the weights fill
+    cluster = _connect_ray(ray_address, device, mem) if ray_address else None  # refused before any run
     run_config = {"methods": methods, "approve": approve, "policy": pol.source,
-                  "device": device, "measure": asdict(config), "prefect_flow_run_id": str(flow_run.id)}
-    release_id = start_release(source, run_config)
+                  "device": device, "measure": asdict(config), "prefect_flow_run_id": str(flow_run.id),
+                  **({"ray_address": ray_address} if ray_address else {})}
+    try:
+        release_id = start_release(source, run_config)
+    except BaseException:
+        if cluster is not None:
+            ray_cluster.disconnect()
+        raise
     summary = ReleaseSummary(
         model=source.name, source_hash=source.content_hash, release_run_id=release_id,
         flow_run_id=str(flow_run.id), tracking_uri=tracking_uri(),
@@ -279,14 +336,11 @@ def release_flow(
     note(f"MLflow release run {release_id}; Prefect flow run {flow_run.id}")
     moved_challenger = None
     try:
-        mem.check()  # a stage that cannot fit is refused (MemoryRefused) before anything is built
-        variants = _quantize_all(source, methods, fresh)
         baseline_variant = Variant(BASELINE, None, source.path, source.content_hash, None)
-        base = _measure(baseline_variant, config, fresh)
-        measured = [_measure(v, config, fresh) for v in variants]
+        variants, base, measured = _build_and_measure(source, methods, config, fresh, mem, cluster, release_id)
         plan = SpeedPlan.from_policy(pol, device)
         speed = measure_speed.with_options(refresh_cache=fresh)([baseline_variant, *variants], plan)
-        summary.machine = speed.machine
+        summary.machine = speed.machine if cluster is None else f"{speed.machine}; on {cluster.driver}"
 
         base_run, _ = record(release_id, base, None, speed)
         summary.rows.append(VariantResult(BASELINE, None, base_run, weight_bytes=base.metrics.get(M.WEIGHTS_BYTES),
@@ -329,7 +383,24 @@ def release_flow(
                              version=moved_challenger)
         end_release(release_id, status="FAILED")
         raise
+    finally:
+        if cluster is not None:
+            ray_cluster.disconnect()
     return summary.as_dict()
+
+
+def _build_and_measure(source: Source, methods: list[str], config: MeasureConfig, fresh: bool,
+                       mem: memory_plan.MemoryPlan, cluster: ray_cluster.Cluster | None,
+                       release_id: str) -> tuple[list[Variant], Measured, list[Measured]]:
+    """Every variant built and every model measured: here, one after another, or on the Ray cluster."""
+    if cluster is None:
+        mem.check()  # a stage that cannot fit is refused (MemoryRefused) before anything is built
+        variants = _quantize_all(source, methods, fresh)
+        base = _measure(Variant(BASELINE, None, source.path, source.content_hash, None), config, fresh)
+        return variants, base, [_measure(v, config, fresh) for v in variants]
+    records.tag_release(release_id, cluster.tags())  # the nodes' room was checked when connecting; the speed
+    _driver_stages(mem).check()  # rounds and the canary still run here
+    return _on_ray(cluster, source, methods, config, fresh, mem)
 
 
 def _quantize_all(source: Source, methods: list[str], fresh: bool) -> list[Variant]:
@@ -349,6 +420,11 @@ def _quantize_all(source: Source, methods: list[str], fresh: bool) -> list[Varia
             note(f"cached variant {v.name} at {v.path} is gone or damaged: quantizing again")
             v = quantize_method.with_options(refresh_cache=True)(source, method)
         weights[method] = v
+    return _variants(weights, methods)
+
+
+def _variants(weights: dict[str, Variant], methods: list[str]) -> list[Variant]:
+    """Each requested variant from its weights (a KV suffix shares its method's)."""
     variants = []
     for name in methods:
         method, kv = split_variant(name)
@@ -389,3 +465,99 @@ def _canary_stage(summary: ReleaseSummary, source: Source, chosen: VariantResult
         summary.outcome = f"{chosen.name} (v{chosen.version}) rolled back after the canary; champion stays v{champion_version}"
         chosen.decision += "; canary failed -> rolled back"
 
+
+
+# ---- on a Ray cluster (`ray_address`) ----------------------------------------------------------------
+
+RAY_STAGES = ("quantize ", "measure ")  # the memory plan's stages that run on the cluster's nodes
+
+
+def _connect_ray(address: str, device: str, mem: memory_plan.MemoryPlan) -> ray_cluster.Cluster:
+    """Connect to the cluster and check it (every node sees this home, serves at these numerics, and some node
+    has the room each Ray stage plans for): `ClusterRefused` names the node otherwise, before any run exists."""
+    stage_bytes = {s.name: s.total for s in mem.stages if s.name.startswith(RAY_STAGES)}
+    with stage(f"Ray cluster {address}: connect, check every node's home and numerics"):
+        cluster = ray_cluster.connect(address, device, stage_bytes)
+    note(f"Ray cluster {address}: {len(cluster.nodes)} node(s), {cluster.task_cpus} CPU(s) per task; the paired "
+         f"speed rounds and the canary run on {cluster.driver}")
+    return cluster
+
+
+def _driver_stages(mem: memory_plan.MemoryPlan) -> memory_plan.MemoryPlan:
+    """The plan of what still runs in this process on a Ray release: the paired speed rounds and the canary."""
+    return replace(mem, stages=[s for s in mem.stages if not s.name.startswith(RAY_STAGES)])
+
+
+def _on_ray(cluster: ray_cluster.Cluster, source: Source, methods: list[str], config: MeasureConfig, fresh: bool,
+            mem: memory_plan.MemoryPlan) -> tuple[list[Variant], Measured, list[Measured]]:
+    stage_bytes = {s.name: s.total for s in mem.stages if s.name.startswith(RAY_STAGES)}
+    on_ray = measure_on_ray.with_options(task_runner=ray_cluster.task_runner(cluster))
+    return on_ray(source, methods, config, fresh, cluster, stage_bytes)
+
+
+@flow(name=RAY_FLOW_NAME, validate_parameters=False, log_prints=True)
+def measure_on_ray(source: Source, methods: list[str], config: MeasureConfig, fresh: bool,
+                   cluster: ray_cluster.Cluster, stage_bytes: dict[str, int]) -> tuple[list[Variant], Measured,
+                                                                                      list[Measured]]:
+    """The release's per-model work, submitted to this flow's task runner (prefect-ray's RayTaskRunner on
+    `cluster`): a quantize task per weight method, and per model a `measure-serving` task and an `evaluate-suite`
+    task per suite. The baseline's tasks go in at once, beside the quantizations; a variant's as soon as its
+    weights exist. Each task reserves the cluster's CPUs per task and its stage's planned memory; Ray runs it again
+    elsewhere when its worker dies (`ray_cluster.task_options`). Returns what `_quantize_all` and `_measure` return."""
+    quantize_ = quantize_method.with_options(refresh_cache=True) if fresh else quantize_method
+    built = {}
+    for method in dict.fromkeys(split_variant(m)[0] for m in methods):
+        if method != BASELINE:
+            with ray_cluster.task_options(cluster, stage_bytes.get(f"quantize {method}")):
+                built[method] = quantize_.submit(source, method)
+    baseline = Variant(BASELINE, None, source.path, source.content_hash, None)
+    memory = {BASELINE: stage_bytes.get(f"measure {BASELINE}")}
+    memory.update({variant_label(m): stage_bytes.get(f"measure {m}") for m in methods})
+    parts = {BASELINE: _submit_measure(cluster, baseline, config, fresh, memory[BASELINE])}
+    weights: dict[str, Variant] = {BASELINE: baseline}
+    for method, future in built.items():
+        v = future.result()
+        if not measuring.variant_intact(Path(v.path)):
+            note(f"cached variant {v.name} at {v.path} is gone or damaged: quantizing again")
+            with ray_cluster.task_options(cluster, stage_bytes.get(f"quantize {method}")):
+                v = quantize_method.with_options(refresh_cache=True).submit(source, method).result()
+        weights[method] = v
+        for variant in _variants(weights, [m for m in methods if split_variant(m)[0] == method]):
+            parts[variant.name] = _submit_measure(cluster, variant, config, fresh, memory[variant.name])
+    variants = _variants(weights, methods)
+    for variant in variants:  # a KV variant of the baseline's weights had no quantize to wait for
+        if variant.name not in parts:
+            parts[variant.name] = _submit_measure(cluster, variant, config, fresh, memory[variant.name])
+    base = _gather_measure(cluster, baseline, config, parts[BASELINE], memory[BASELINE])
+    return variants, base, [_gather_measure(cluster, v, config, parts[v.name], memory[v.name]) for v in variants]
+
+
+def _submit_measure(cluster: ray_cluster.Cluster, variant: Variant, config: MeasureConfig, fresh: bool,
+                    memory_bytes: int | None) -> tuple:
+    with ray_cluster.task_options(cluster, memory_bytes):
+        serving = measure_serving.with_options(refresh_cache=fresh).submit(variant, config)
+        suites = {s: evaluate_suite.with_options(refresh_cache=fresh).submit(variant, config, s) for s in config.suites}
+    return serving, suites
+
+
+def _gather_measure(cluster: ray_cluster.Cluster, variant: Variant, config: MeasureConfig, parts: tuple,
+                    memory_bytes: int | None) -> Measured:
+    """The parts as one `Measured`, as `measure` returns it (metrics, eval directory, artifacts in its order); a
+    cached part whose files were removed is done again."""
+    serving, suites = parts
+    served = serving.result()
+    if not Path(served.bench_json).is_file():
+        note(f"the cached serving measurement of {variant.name} lost its files: measuring again")
+        with ray_cluster.task_options(cluster, memory_bytes):
+            served = measure_serving.with_options(refresh_cache=True).submit(variant, config).result()
+    eval_dir = Path(served.eval_dir)
+    for suite, future in suites.items():
+        done = Path(future.result())
+        if not (done / "summary.json").is_file():
+            note(f"the cached {suite} results of {variant.name} lost their files ({done}): evaluating again")
+            with ray_cluster.task_options(cluster, memory_bytes):
+                evaluate_suite.with_options(refresh_cache=True).submit(variant, config, suite).result()
+    metrics = {**served.metrics, **measuring.eval_metrics(eval_dir, config.suites)}
+    artifacts = [served.bench_json] + [str(eval_dir / s) for s in config.suites] + served.artifacts[1:]
+    return Measured(variant=variant, metrics=metrics, eval_dir=str(eval_dir), bench_json=served.bench_json,
+                    artifacts=artifacts)

@@ -50,6 +50,10 @@ TCMALLOC = _switch("QUANTGATE_TCMALLOC", "1", "0: the CLI does not re-execute it
 REAL_MODELS = _switch("QUANTGATE_REAL_MODELS", "",
                       "folder holding the real GGUFs scripts/real_models.sh assembles (its models/): "
                       "tests/test_real_model.py runs on them; unset, it is skipped")
+RAY_RELEASE = _switch("QUANTGATE_RAY_RELEASE", "",
+                      "1: tests/test_ray_release.py also runs its heavy checks (the default model released on a "
+                      "local 2-node Ray cluster against one process, item by item; a Ray worker killed mid-release); "
+                      "unset, they are skipped")
 USER = _switch("QUANTGATE_USER", "", "who approves and registers (recorded with each decision); the login name")
 FLEET_ADMIN_KEY = _switch("QUANTGATE_FLEET_ADMIN_KEY", "", "bearer key `quantgate fleet` admin calls send")
 SIGNING_KEY = _switch("QUANTGATE_SIGNING_KEY", "",
