@@ -156,6 +156,31 @@ def test_amx_tiles_give_the_dpbf16_paths_results_to_rounding(rows, path):
         assert torch.equal(call(x[-1:].contiguous())[0], call(x)[-1]), name
 
 
+@pytest.mark.parametrize(("n", "k", "rows"), [(160, 128, 300), (48, 4096, 40), (96, 576, 530)])
+def test_prefill_sized_calls_give_each_row_its_decode_result(n, k, rows):
+    """Calls of prefill size: x rounded and split by several threads, the int8 tile sums converted between the
+    next block's tile steps, int4's next panel dequantized between them; rows past the 512-row chunk. int8 on
+    AMX-INT8 gives every row what a one-row call gives it; int4's panel the rounded weight's products."""
+    torch.manual_seed(rows)
+    weight = torch.randn(n, k)
+    q, scales = quantize_per_channel(weight)
+    int8 = wo_bf16.pack_int8(q)
+    codes, sz = quantize_groups(weight, 32)
+    int4 = wo_bf16.pack_int4(unpack_nibbles(codes))
+    x = torch.randn(rows, k).bfloat16()
+    y8 = wo_bf16.int8_linear(x, int8, scales, torch.float32)
+    assert_close(y8, (x.float() @ q.float().t()) * scales, 1e-4, "int8")
+    if int8.shape[3] == 4:  # quads: the same sums at every row count
+        for row in (0, 17, rows - 1):
+            assert torch.equal(wo_bf16.int8_linear(x[row:row + 1].contiguous(), int8, scales, torch.float32)[0], y8[row])
+    exact = dequantize_rows(codes, sz, 32, torch.float32)
+    y4 = wo_bf16.int4_linear(x, int4, sz, 32, n, torch.float32)
+    if rows >= panel_rows(True, k):  # the panel (AMX): the weight rounded once to bf16
+        assert_close(y4, x.float() @ exact.bfloat16().float().t(), 1e-5, "int4")
+    else:  # int16 rows (Intel without AMX): exact group sums of x rounded to int16
+        assert_close(y4, x.float() @ exact.t(), 1e-4, "int4")
+
+
 def test_bad_inputs_are_refused_with_the_reason():
     q, scales = quantize_per_channel(torch.randn(32, 64))
     packed = wo_bf16.pack_int8(q)

@@ -37,6 +37,7 @@
 #include "wo_bf16_amx_int8.h"
 #include "wo_bf16_common.h"
 #include "wo_bf16_few_rows.h"
+#include "wo_bf16_int4_panel.h"
 
 namespace {
 
@@ -97,14 +98,18 @@ void all_rows(const Problem& p, int64_t row0, int64_t end, int64_t tile0, Panel 
 
 
 // Rows [begin, end) through AMX tiles where it runs (`tail`: the last rows zero-padded to 16), else with
-// dpbf16; begin a multiple of 16.
+// dpbf16; begin a multiple of 16. On AMX `between()` runs after every tile step (amx_block); elsewhere not at all.
+template <class Between = NoWork>
 void panel_rows(const Problem& p, int64_t tile0, int count, Panel panel, bool amx, const uint16_t* tail,
-                int64_t begin, int64_t end) {
+                int64_t begin, int64_t end, Between&& between = {}) {
 #ifdef QUANTGATE_AMX
   const __m512i* w = panel.base;
-  if (amx && count == 3) return amx_rows_over<3>(p, tail, tile0, w, panel.kp_stride, panel.tile_stride, begin, end);
-  if (amx && count == 2) return amx_rows_over<2>(p, tail, tile0, w, panel.kp_stride, panel.tile_stride, begin, end);
-  if (amx) return amx_rows_over<1>(p, tail, tile0, w, panel.kp_stride, panel.tile_stride, begin, end);
+  const int64_t kps = panel.kp_stride, ts = panel.tile_stride;
+  if (amx && count == 3) return amx_rows_over<3>(p, tail, tile0, w, kps, ts, begin, end, between);
+  if (amx && count == 2) return amx_rows_over<2>(p, tail, tile0, w, kps, ts, begin, end, between);
+  if (amx) return amx_rows_over<1>(p, tail, tile0, w, kps, ts, begin, end, between);
+#else
+  (void)between;
 #endif
   if (count == 3) all_rows<3>(p, begin, end, tile0, panel);
   else if (count == 2) all_rows<2>(p, begin, end, tile0, panel);
@@ -155,57 +160,32 @@ int64_t panel_rows_from(bool int4, int64_t k) {
   return int16_rows_below(int4);
 }
 
-// int4 for many rows where the panel wins: the panel path of int8, the panel holding bf16((q - 8) * scale + zero)
-// (the weight rounded once to bf16, as a dequantize-then-GEMM would): its 8 x 48 register block reuses
-// each weight load for 8 rows, where the per-group sums above need twice the accumulators.
-void dequant_int4(const Problem& p, int64_t tile0, int tiles, __m512i table, __m512i* panel) {
-  const int64_t quads = p.k / 8, quads_per_group = p.group_size / 8, groups = p.k / p.group_size;
-  const uint16_t* codes = static_cast<const uint16_t*>(p.weight);
-  const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
-  alignas(64) int16_t order[32];  // cvtne2ps_pbh(hi, lo) gives [lo0..lo15, hi0..hi15]; dpbf16 wants pairs
-  for (int i = 0; i < 16; ++i) order[2 * i] = static_cast<int16_t>(i), order[2 * i + 1] = static_cast<int16_t>(16 + i);
-  const __m512i interleave = _mm512_load_si512(order);
-  prefetch_scales(p, tile0 + tiles, tiles);
-  for (int t = 0; t < tiles; ++t) {
-    for (int64_t g = 0; g < groups; ++g) {
-      const __m512i pair = _mm512_loadu_si512(p.scale_zero + g * p.n + (tile0 + t) * kTile);
-      const __m512 scale = _mm512_castsi512_ps(_mm512_slli_epi32(pair, 16));
-      const __m512 zero = _mm512_castsi512_ps(_mm512_and_si512(pair, high));
-      for (int64_t qd = g * quads_per_group; qd < (g + 1) * quads_per_group; ++qd) {
-        prefetch_ahead(codes + ((tile0 + t) * quads + qd) * 32);
-        const __m512i word = _mm512_loadu_si512(codes + ((tile0 + t) * quads + qd) * 32);
-        for (int i = 0; i < 4; ++i) {
-          const __m512i q = _mm512_permutexvar_epi16(_mm512_srli_epi16(word, 4 * i), table);
-          const __m512 lo = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_slli_epi32(q, 16)), scale, zero);
-          const __m512 hi = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_and_si512(q, high)), scale, zero);
-          panel[(qd * 4 + i) * tiles + t] =
-              _mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
-        }
-      }
-    }
-  }
-}
+// Tile steps a block makes over every row on AMX (16 rows x 16 k-pairs each, K a multiple of 32 there).
+int64_t tile_steps(const Problem& p) { return (p.m + 15) / 16 * std::max<int64_t>(1, p.k / 32); }
 
+// int4 for many rows where the panel wins: the panel path of int8, the panel holding bf16((q - 8) * scale + zero)
+// (Int4Panel): its 8 x 48 register block reuses each weight load for 8 rows, where the per-group sums above need
+// twice the accumulators. Two panels per thread: while block b's runs through the tiles, block b + 1's is
+// dequantized between its tile steps (on AMX; elsewhere after them), a share of the words at each step.
 void run_int4(const Problem& p) {
   if (p.m < panel_rows_from(true, p.k)) return run_small<true>(p);
   const int64_t tiles = p.n / kTile, blocks = (tiles + kTilesPerBlock - 1) / kTilesPerBlock;
-  alignas(64) uint16_t values[32];
-  for (int i = 0; i < 32; ++i) {
-    const float v = static_cast<float>(i % 16 - 8);
-    uint32_t bits;
-    std::memcpy(&bits, &v, sizeof bits);
-    values[i] = static_cast<uint16_t>(bits >> 16);  // exact: small integers
-  }
-  const __m512i table = _mm512_load_si512(values);  // vpermw reads an index's low 5 bits: the 16 values twice
+  const int64_t panel_size = p.k / 2 * kTilesPerBlock;
+  const auto count = [&](int64_t b) { return static_cast<int>(std::min<int64_t>(kTilesPerBlock, tiles - b * kTilesPerBlock)); };
   const AmxCall amx(p);
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<__m512i> panel(p.k / 2 * kTilesPerBlock);
+    std::vector<__m512i> panels(2 * panel_size);
     const Tiles tile_state(amx);
+    Int4Panel next(p);
+    next.start(begin * kTilesPerBlock, count(begin), panels.data());
+    next.finish();
     for (int64_t b = begin; b < end; ++b) {
-      const int64_t tile0 = b * kTilesPerBlock;
-      const int count = static_cast<int>(std::min<int64_t>(kTilesPerBlock, tiles - tile0));
-      dequant_int4(p, tile0, count, table, panel.data());
-      panel_rows(p, tile0, count, Panel{panel.data(), count, 1}, amx.used, amx.tail.data(), 0, p.m);
+      __m512i* panel = panels.data() + (b - begin) % 2 * panel_size;
+      if (b + 1 < end) next.start((b + 1) * kTilesPerBlock, count(b + 1), panels.data() + (b + 1 - begin) % 2 * panel_size);
+      const int64_t share = (next.left() + tile_steps(p) - 1) / tile_steps(p);
+      panel_rows(p, b * kTilesPerBlock, count(b), Panel{panel, count(b), 1}, amx.used, amx.tail.data(), 0, p.m,
+                 [&] { next.run(share); });
+      next.finish();
     }
   });
 }

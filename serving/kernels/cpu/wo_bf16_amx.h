@@ -54,10 +54,11 @@ void configure_tiles() {
 
 // 16 rows of x at `x` (bf16, K a row) x channel tiles [tile0, tile0 + TILES), the first `valid` of them
 // written to out from row row0: weight pairs for (k-pair kp, tile t) at w + kp * kp_stride + t * tile_stride
-// (in 64-byte vectors), as the dpbf16 paths read them.
-template <int TILES>
+// (in 64-byte vectors), as the dpbf16 paths read them. `between()` runs after each step's tile products: vector
+// work placed there (the next block's dequantization) runs while the tile unit multiplies.
+template <int TILES, class Between = NoWork>
 void amx_block(const Problem& p, const uint16_t* x, int64_t row0, int valid, int64_t tile0, const __m512i* w,
-               int64_t kp_stride, int64_t tile_stride) {
+               int64_t kp_stride, int64_t tile_stride, Between&& between = {}) {
   _tile_zero(0);
   if (TILES > 1) _tile_zero(1);
   if (TILES > 2) _tile_zero(2);
@@ -74,6 +75,7 @@ void amx_block(const Problem& p, const uint16_t* x, int64_t row0, int valid, int
       _tile_loadd(6, w + kp * kp_stride + 2 * tile_stride, w_stride);
       _tile_dpbf16ps(2, 3, 6);
     }
+    between();
   }
   alignas(64) float sums[TILES][kAmxRows][kTile];
   _tile_stored(0, sums[0], 64);
@@ -100,13 +102,15 @@ std::vector<uint16_t> amx_tail(const Problem& p) {
   return tail;
 }
 
-template <int TILES>
+template <int TILES, class Between = NoWork>
 void amx_rows_over(const Problem& p, const uint16_t* tail, int64_t tile0, const __m512i* w, int64_t kp_stride,
-                   int64_t tile_stride, int64_t begin, int64_t end) {  // rows [begin, end), begin a multiple of 16
+                   int64_t tile_stride, int64_t begin, int64_t end, Between&& between = {}) {
+  // rows [begin, end), begin a multiple of 16
   const int64_t full = std::min(end, p.m / kAmxRows * kAmxRows);
   for (int64_t row0 = begin; row0 < full; row0 += kAmxRows)
-    amx_block<TILES>(p, p.x + row0 * p.k, row0, kAmxRows, tile0, w, kp_stride, tile_stride);
-  if (full < end) amx_block<TILES>(p, tail, full, static_cast<int>(end - full), tile0, w, kp_stride, tile_stride);
+    amx_block<TILES>(p, p.x + row0 * p.k, row0, kAmxRows, tile0, w, kp_stride, tile_stride, between);
+  if (full < end)
+    amx_block<TILES>(p, tail, full, static_cast<int>(end - full), tile0, w, kp_stride, tile_stride, between);
 }
 
 }  // namespace

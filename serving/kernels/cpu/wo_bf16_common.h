@@ -27,6 +27,17 @@ struct Problem {
   bool out_bf16;
 };
 
+// 16 bf16 values of x widened to fp32 (exact).
+inline __m512 bf16_to_ps(const uint16_t* x) {
+  const __m512i bits = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(bits, 16));
+}
+
+// The default of the kernels' `between` hooks (work run between tile steps): none.
+struct NoWork {
+  void operator()() const {}
+};
+
 // How far ahead of a weight stream the kernels ask for lines: the hardware prefetchers do not run far
 // enough ahead of a kernel that spends cycles on every line (wo_fp32.cpp's kPrefetchBytes, the same).
 constexpr int64_t kPrefetchAhead = 4096;
@@ -35,13 +46,30 @@ inline void prefetch_ahead(const void* p) {
   _mm_prefetch(static_cast<const char*>(p) + kPrefetchAhead, _MM_HINT_T0);
 }
 
-// int4: the scales of channel tiles [tile0, tile0 + tiles), one line per group a row of [K/g, N] apart;
-// asked for together a block ahead, they arrive together instead of one miss per group.
+// int4: the scales of channel tiles [tile0, tile0 + tiles) for group g, one line per tile, each group a row of
+// [K/g, N] apart (another page for every group of a wide layer, where the hardware prefetchers do not follow).
+inline void prefetch_group_scales(const Problem& p, int64_t tile0, int tiles, int64_t g) {
+  const int64_t end = std::min<int64_t>(tile0 + tiles, p.n / kTile);
+  for (int64_t t = tile0; t < end; ++t) _mm_prefetch(reinterpret_cast<const char*>(p.scale_zero + g * p.n + t * kTile), _MM_HINT_T1);
+}
+
+// Group by group, kScaleGroupsAhead groups ahead of the group being read (the next block's first groups near
+// the end of a block), into L2 (prefetcht1, as wo_fp32.cpp's weight streams): a few lines in flight at a time.
+// Asked for a block ahead all at once (384 lines at K = 4096), an 8B-shaped int4 call at 16 rows still spent
+// ~40 % of its samples waiting on its scale loads (perf); figures: docs/results/2026-12-05-wo-rows.md.
+constexpr int64_t kScaleGroupsAhead = 8;
+
+inline void prefetch_scales_ahead(const Problem& p, int64_t tile0, int tiles, int64_t g) {
+  const int64_t groups = p.k / p.group_size, ahead = g + kScaleGroupsAhead;
+  if (ahead < groups) prefetch_group_scales(p, tile0, tiles, ahead);
+  else prefetch_group_scales(p, tile0 + tiles, tiles, ahead - groups);
+}
+
+// The first kScaleGroupsAhead groups of tiles [tile0, tile0 + tiles): before a block's first group is read.
 inline void prefetch_scales(const Problem& p, int64_t tile0, int tiles) {
   if (tile0 * kTile >= p.n) return;
-  const int64_t groups = p.k / p.group_size, end = std::min<int64_t>(tile0 + tiles, p.n / kTile);
-  for (int64_t g = 0; g < groups; ++g)
-    for (int64_t t = tile0; t < end; ++t) _mm_prefetch(reinterpret_cast<const char*>(p.scale_zero + g * p.n + t * kTile), _MM_HINT_T0);
+  const int64_t groups = std::min(p.k / p.group_size, kScaleGroupsAhead);
+  for (int64_t g = 0; g < groups; ++g) prefetch_group_scales(p, tile0, tiles, g);
 }
 
 // Write ROWS x TILES accumulators to out, times the per-channel scales (int8) and the per-row scales

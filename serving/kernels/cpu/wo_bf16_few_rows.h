@@ -119,8 +119,9 @@ void int4_rows(const Problem& p, const Int16Rows& xq, int64_t row0, int64_t tile
   __m512 acc[ROWS][TILES];
   for (int r = 0; r < ROWS; ++r)
     for (int t = 0; t < TILES; ++t) acc[r][t] = _mm512_setzero_ps();
-  if (row0 == 0) prefetch_scales(p, tile0 + TILES, TILES);
+  if (row0 == 0) prefetch_scales(p, tile0, TILES);  // the later rows find them cached
   for (int64_t g = 0; g < groups; ++g) {
+    if (row0 == 0) prefetch_scales_ahead(p, tile0, TILES, g);
     __m512i part[ROWS][TILES];
     for (int r = 0; r < ROWS; ++r)
       for (int t = 0; t < TILES; ++t) part[r][t] = _mm512_setzero_si512();
