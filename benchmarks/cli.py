@@ -160,6 +160,7 @@ def _add_script_benchmarks(verbs: argparse._SubParsersAction) -> None:
         ("step", "benchmarks.step", "one decode step split into its parts, each beside its bound, per path/variant"),
         ("release-memory", "benchmarks.release_memory", "the release's memory plan per stage against a watched "
                                                         "release's peak anonymous and resident memory"),
+        ("ray-release", "benchmarks.ray_release", "the release on a local Ray cluster against one process: overhead"),
     ):
         p = verbs.add_parser(name, help=what, add_help=False)  # its options (and --help) are the script's
         p.set_defaults(func=_script, module=module, passes_extra_args=True, script_args=[])
