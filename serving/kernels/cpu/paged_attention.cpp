@@ -5,8 +5,8 @@
 // `table[t / bs] * bs + t % bs` of head h is one contiguous row. Work items are (sequence, KV head): the
 // query heads sharing a KV head read each K/V row once. Each item is one pass over its context with an
 // online softmax (a running max and sum per query head, the V sums rescaled when the max rises): K and V
-// of a block are read back to back, no score row of the whole context is written and re-read, and the
-// next blocks are prefetched (a context's blocks are scattered over the cache). Scores and sums are fp32;
+// of a block are read back to back, no score row of the whole context is written and re-read, and (bf16
+// loop) the blocks ahead are prefetched (a context's blocks are scattered over the cache). Scores and sums are fp32;
 // int8 codes are scaled per token (the scale folds into the score for K and into the probability for V);
 // fp8 e4m3 codes are decoded through a 256-entry table. A sliding-window layer (`window` > 0) attends to
 // the last `window` tokens of each context: blocks before the window's first one are never read.
@@ -92,11 +92,6 @@ inline float dot(const float* a, const float* b, int64_t dim) {
   return acc;
 }
 
-inline void axpy(float w, const float* x, float* y, int64_t dim) {
-#pragma omp simd
-  for (int64_t d = 0; d < dim; ++d) y[d] += w * x[d];
-}
-
 inline void store_row(const float* src, float* dst, int64_t dim) { std::memcpy(dst, src, dim * sizeof(float)); }
 
 template <typename T>
@@ -138,12 +133,6 @@ inline const float* row_of(const C* src, float* buf, int64_t dim) {
   }
 }
 
-template <typename C>
-inline void prefetch_row(const C* row, int64_t dim) {
-  const char* at = reinterpret_cast<const char*>(row);
-  for (int64_t off = 0; off < dim * static_cast<int64_t>(sizeof(C)); off += 64) __builtin_prefetch(at + off);
-}
-
 // The running softmax of the `group` query heads over the context (the portable path).
 struct Online {
   float* q;    // [group, dim] scaled queries
@@ -151,8 +140,7 @@ struct Online {
   float* m;    // [group] running max
   float* l;    // [group] running sum
   float* s;    // [group, kChunk] one chunk's scores, then its probabilities
-  float* k;    // [kChunk, dim] widened K rows (unused for fp32)
-  float* v;    // [dim] one widened V row
+  float* k;    // [kChunk, dim] widened K rows, then V rows (unused for fp32)
 };
 
 constexpr int64_t kChunk = 16;  // tokens per step: a block of 16, or part of a larger block
@@ -182,46 +170,63 @@ inline void online_chunk(Online& o, int64_t group, int64_t dim, int64_t n) {
   }
 }
 
-// Where a chunk's rows are: K and V from `slot` on, and the same rows of the next block (or null: the last),
-// prefetched while this chunk is computed.
-template <typename C>
-struct ChunkRows {
-  const C *k, *v, *k_ahead, *v_ahead;
-  const at::Half *k_scale, *v_scale;
-};
-
-// Tokens [t, t + n) of one block: scores, the online softmax step, the V sum.
-template <typename C>
-void attend_chunk(const Problem& p, Online& o, const ChunkRows<C>& r, int64_t n) {
-  const int64_t group = p.heads / p.kv_heads, dim = p.head_dim;
-  if (r.k_ahead) {
-    for (int64_t i = 0; i < n; ++i) prefetch_row(r.k_ahead + i * dim, dim);
-    for (int64_t i = 0; i < n; ++i) prefetch_row(r.v_ahead + i * dim, dim);
+// acc[0, dim) += sum_i w[i] * rows[i][0, dim): 16 columns at a time, held in registers across the rows
+// (an axpy per row loaded and stored the whole accumulator row for every token).
+inline void weighted_rows(const float* w, const float* rows, int64_t n, int64_t dim, float* acc) {
+  int64_t d0 = 0;
+  for (; d0 + 16 <= dim; d0 += 16) {
+    float a[16];
+    for (int j = 0; j < 16; ++j) a[j] = acc[d0 + j];
+    for (int64_t i = 0; i < n; ++i) {
+      const float wi = w[i];
+      const float* r = rows + i * dim + d0;
+#pragma omp simd
+      for (int j = 0; j < 16; ++j) a[j] += wi * r[j];
+    }
+    for (int j = 0; j < 16; ++j) acc[d0 + j] = a[j];
   }
-  for (int64_t i = 0; i < n; ++i) {
-    const float* k = row_of(r.k + i * dim, o.k + i * dim, dim);
-    const float ks = r.k_scale ? static_cast<float>(r.k_scale[i]) : 1.0f;
-    for (int64_t g = 0; g < group; ++g) o.s[g * kChunk + i] = dot(o.q + g * dim, k, dim) * ks;
-  }
-  online_chunk(o, group, dim, n);
-  for (int64_t i = 0; i < n; ++i) {
-    const float* v = row_of(r.v + i * dim, o.v, dim);
-    const float vs = r.v_scale ? static_cast<float>(r.v_scale[i]) : 1.0f;
-    for (int64_t g = 0; g < group; ++g) axpy(o.s[g * kChunk + i] * vs, v, o.acc + g * dim, dim);
+  for (; d0 < dim; ++d0) {
+    for (int64_t i = 0; i < n; ++i) acc[d0] += w[i] * rows[i * dim + d0];
   }
 }
 
+// Tokens [t, t + n) of one block, their K and V rows from `krows` / `vrows` (scales from `kscale` /
+// `vscale`, or null): scores, the online softmax step, the V sums.
+template <typename C>
+void attend_chunk(const Problem& p, Online& o, const C* krows, const C* vrows, const at::Half* kscale,
+                  const at::Half* vscale, int64_t n) {
+  const int64_t group = p.heads / p.kv_heads, dim = p.head_dim;
+  for (int64_t i = 0; i < n; ++i) {
+    const float* k = row_of(krows + i * dim, o.k + i * dim, dim);
+    const float ks = kscale ? static_cast<float>(kscale[i]) : 1.0f;
+    for (int64_t g = 0; g < group; ++g) o.s[g * kChunk + i] = dot(o.q + g * dim, k, dim) * ks;
+  }
+  online_chunk(o, group, dim, n);
+  if (vscale) {
+    for (int64_t g = 0; g < group; ++g) {
+      for (int64_t i = 0; i < n; ++i) o.s[g * kChunk + i] *= static_cast<float>(vscale[i]);
+    }
+  }
+  const float* v = reinterpret_cast<const float*>(vrows);
+  if constexpr (!std::is_same_v<C, float>) {  // the K rows are done with: widen the V rows into their room
+    for (int64_t i = 0; i < n; ++i) load_row(vrows + i * dim, o.k + i * dim, dim);
+    v = o.k;
+  }
+  for (int64_t g = 0; g < group; ++g) weighted_rows(o.s + g * kChunk, v, n, dim, o.acc + g * dim);
+}
+
 // One (sequence, KV head), any formats: one pass over the context in chunks of at most kChunk tokens of
-// one block, an online softmax, K and V of a chunk read back to back, the next block's twin rows prefetched
-// (measured: a prefetch a row at a time as each row is read was no faster, with fp32 rows of 16 tokens).
+// one block, an online softmax, K and V of a chunk read back to back. No software prefetch: a block's rows
+// here are a page's worth that the hardware prefetcher follows (measured: prefetching the next block cost
+// ~15 % at batch 1, where the context sits in L2, and gained nothing measurable from DRAM).
 template <typename Q, typename C>
 void attend_portable(const Problem& p, const Q* q, const C* k_cache, const C* v_cache, Q* out, int64_t seq,
                      int64_t kvh, const Span& span, std::vector<float>& buf) {
   const int64_t group = p.heads / p.kv_heads, dim = p.head_dim, bs = p.block_size;
-  buf.resize(2 * group * dim + 2 * group + group * kChunk + kChunk * dim + dim);
-  Online o{buf.data(), nullptr, nullptr, nullptr, nullptr, nullptr, nullptr};
+  buf.resize(2 * group * dim + 2 * group + group * kChunk + kChunk * dim);
+  Online o{buf.data(), nullptr, nullptr, nullptr, nullptr, nullptr};
   o.acc = o.q + group * dim, o.m = o.acc + group * dim, o.l = o.m + group, o.s = o.l + group;
-  o.k = o.s + group * kChunk, o.v = o.k + kChunk * dim;
+  o.k = o.s + group * kChunk;
   const Q* qrow = q + (seq * p.heads + kvh * group) * dim;
   for (int64_t g = 0; g < group; ++g) {
     load_row(qrow + g * dim, o.q + g * dim, dim);
@@ -234,12 +239,8 @@ void attend_portable(const Problem& p, const Q* q, const C* k_cache, const C* v_
     const int64_t block = t / bs, in_block = t % bs;
     const int64_t n = std::min({span.length - t, bs - in_block, kChunk});
     const int64_t slot = head_base + span.table[block] * bs + in_block;
-    const bool ahead = (block + 1) * bs < span.length;
-    const int64_t next = ahead ? head_base + span.table[block + 1] * bs + in_block : 0;
-    const ChunkRows<C> rows{k_cache + slot * dim, v_cache + slot * dim, ahead ? k_cache + next * dim : nullptr,
-                            ahead ? v_cache + next * dim : nullptr, p.k_scale ? p.k_scale + slot : nullptr,
-                            p.v_scale ? p.v_scale + slot : nullptr};
-    attend_chunk<C>(p, o, rows, n);
+    attend_chunk<C>(p, o, k_cache + slot * dim, v_cache + slot * dim, p.k_scale ? p.k_scale + slot : nullptr,
+                    p.v_scale ? p.v_scale + slot : nullptr, n);
     t += n;
   }
   for (int64_t g = 0; g < group; ++g) {
