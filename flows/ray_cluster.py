@@ -115,7 +115,11 @@ def connect(address: str, device: str, stage_bytes: dict[str, int] | None = None
             task_cpus: int | None = None) -> Cluster:
     """Connect this process (the driver) to the cluster at `address` and check it (`check`); on a refusal the
     connection is closed again. `stage_bytes`: each Ray stage's planned peak (its task's `memory`)."""
-    import ray
+    try:
+        import prefect_ray  # noqa: F401 - the task runner the release submits to
+        import ray
+    except ImportError as exc:
+        raise ClusterRefused(f"--ray-address needs Ray and prefect-ray: pip install -e '.[fleet]' ({exc})") from None
 
     from flows.runtime import deployment_env
 
