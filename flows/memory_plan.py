@@ -23,8 +23,10 @@ Weights as served: the baseline at the engine's dtype on this machine (serving/m
 the kernel path takes bf16 rows, else fp32; QUANTGATE_DTYPE overrides), int8wo ~1 byte per parameter plus a
 fp32 scale per row, int4wo / int4-awq / int4-gptq ~0.5 byte plus a bf16 scale and zero per group of 32,
 embeddings and head included, the norms at the serving dtype (quantize.capacity.estimate_weight_bytes;
-as served = as stored for these, docs/results/2026-12-01-amd-epyc.md). Every stage adds RUNTIME_BYTES, and
-ENGINE_BYTES per resident engine; activations are one step's or a load's transient (`load_bytes`), the more.
+as served = as stored for these, docs/results/2026-12-01-amd-epyc.md). Every stage adds RUNTIME_BYTES, the measure
+and speed stages EVAL_BYTES, and ENGINE_BYTES per resident engine; activations are one step's or a load's
+transient (`load_bytes`), the more. Left out: a first run's kernel builds (flows compile the engine's C++ kernels
+on first use; measured +2.1 GB for ~40 s in the first measure stage: serving/kernels/cpu/build.py).
 """
 
 from __future__ import annotations
@@ -37,12 +39,14 @@ from typing import Any
 from quantize.capacity import DTYPE_BYTES, ModelShape, estimate_weight_bytes, split_variant
 
 GIB = 1 << 30
-# What the flow's own processes hold beside the models: Python with torch, transformers, Prefect and MLflow
-# imported (0.29 GB measured on the 2-core AMX Xeon, 2026-12-05), Prefect's local API server and MLflow's
-# store (~0.4 GB), lm-eval with its datasets and the tokenizer while evals run (~0.3 GB), and the allocator's
-# slack as engines come and go (~0.5 GB): 1.5 GB, the issue's target's own allowance.
-RUNTIME_BYTES = 3 * GIB // 2
-CHILD_RUNTIME_BYTES = GIB // 2  # the quantize stage's child interpreter: torch and transformers imported
+# What the flow's own processes hold beside the models, measured by `quantgate bench release-memory` (the AMX
+# Xeon, 2026-12-05, SmolLM2-135M and Qwen2.5-Coder-0.5B): the flow's process with torch, transformers, Prefect
+# and MLflow imported (0.43-0.44 GB anonymous) and Prefect's local API server (0.22 GB).
+RUNTIME_BYTES = 6 * GIB // 10
+# From the first engine on: lm-eval's tasks and their datasets, the tokenizer, and the heap the engines and
+# evals leave behind (measured: a measure stage 0.9-1.0 GB above the flow, its engine and its KV).
+EVAL_BYTES = GIB // 2
+CHILD_RUNTIME_BYTES = 3 * GIB // 10  # the quantize stage's child interpreter: torch and transformers imported (0.3 GB)
 # Each resident engine beside its weights and KV: anonymous memory after load minus both, 0.22 GB (int8wo,
 # int4wo) to 0.40 GB (bf16 baseline of an fp32 source), SmolLM2-135M on the AMX Xeon, 2026-12-05
 ENGINE_BYTES = 3 * GIB // 10
@@ -127,6 +131,7 @@ class MemoryPlan:
                   + (f"; the GPU's free memory {gb(gpu)} GB for every stage but quantize" if gpu is not None else ""),
                   f"- weights as served ({self.serving_dtype} engine): {served}",
                   f"- runtime: {gb(RUNTIME_BYTES)} GB per stage (the flow's processes; flows/memory_plan.py), "
+                  f"{gb(EVAL_BYTES)} GB more from the first engine on (evals' datasets, the heap engines leave), "
                   f"{gb(ENGINE_BYTES)} GB more per resident engine, the quantize child's interpreter "
                   f"{gb(CHILD_RUNTIME_BYTES)} GB more; activations: one engine step's or a load's transient",
                   f"- capacity budget (capacity/max_seqs): {self.capacity_budget_gb:g} GiB of weights + KV"]
@@ -253,7 +258,7 @@ def plan(inputs: Inputs, machine: Machine) -> MemoryPlan:
     loads = {m: load_bytes(shape, "baseline" if m == "baseline" else weight_method(m), inputs) for m in served}
     for name, w in served.items():  # a step's activations come after the load's transient is gone
         stages.append(Stage(f"measure {name}", (name,), w, inputs.measure_kv_bytes, max(eval_acts, loads[name]),
-                            RUNTIME_BYTES + ENGINE_BYTES))
+                            RUNTIME_BYTES + EVAL_BYTES + ENGINE_BYTES))
     largest = max(inputs.methods, key=served.get, default=None)
     kv_token = shape.kv_bytes_per_token(db)
     if largest is not None:
@@ -261,7 +266,7 @@ def plan(inputs: Inputs, machine: Machine) -> MemoryPlan:
         step = activation_bytes(shape, ENGINE_TOKENS // 4, 16, db)
         acts = max(step, loads[largest], loads["baseline"])  # the second engine loads beside the first
         stages.append(Stage("speed", pair, weights, 2 * inputs.speed_kv_tokens * kv_token, acts,
-                            RUNTIME_BYTES + 2 * ENGINE_BYTES))
+                            RUNTIME_BYTES + EVAL_BYTES + 2 * ENGINE_BYTES))
         stages.append(Stage("canary", ("champion (baseline)", f"challenger ({largest})"), weights,
                             2 * inputs.canary_kv_bytes, max(2 * step, acts), RUNTIME_BYTES + 2 * ENGINE_BYTES))
     budget = max(2.0, float(math.ceil(served["baseline"] / GIB + CAPACITY_HEADROOM_GB)))
