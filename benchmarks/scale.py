@@ -25,6 +25,7 @@ from benchmarks.common import fmt, pyplot, save_figure, write_rows_report
 SAMPLE_SECONDS = 0.05
 GGUFS = {"qwen-0.5b": "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf", "qwen-1.5b": "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"}
 RANDOM_8B = "llama3-8b-random"
+LLAMA_PAIRS = (("int8wo", "Q8_0"), ("int4wo", "Q4_0"))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -35,7 +36,12 @@ def main(argv: list[str] | None = None) -> None:
     for name in args.models:
         rows += _model_rows(name, args, workdir)
     _print(rows)
-    path = write_rows_report(args.out_dir, "scale", rows, _plot, args.plots, cpu=_cpu_name(),
+    beside_llama = llama_ratios(rows)
+    for r in beside_llama:
+        print(f"{r['model']}: {r['ours']} / llama-quantize {r['llama']} wall {r['wall_ratio']:.2f}x "
+              f"[{r['low']:.2f}, {r['high']:.2f}] over {r['rounds']} rounds; peak anon {r['ours_anon_gb']:.2f} GB "
+              f"vs {r['llama_anon_gb']:.2f} GB")
+    path = write_rows_report(args.out_dir, "scale", rows, _plot, args.plots, cpu=_cpu_name(), beside_llama=beside_llama,
                              methods=args.methods, sample_seconds=SAMPLE_SECONDS)
     print(f"wrote {path}")
 
@@ -51,7 +57,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--keep", action="store_true", help="keep the converted models and variants")
     p.add_argument("--llama-quantize", default=None, metavar="BIN",
                    help="also time llama.cpp's llama-quantize (scripts/peers_setup_llama.sh builds it) on the GGUFs: "
-                        "Q4_K_M -> F16 -> Q8_0 / Q4_0")
+                        "Q4_K_M -> F16 once, then int8wo beside Q8_0 and int4wo beside Q4_0 in alternated rounds")
+    p.add_argument("--rounds", type=int, default=3, help="rounds of the llama-quantize comparison")
     p.add_argument("--no-load", dest="load", action="store_false", help="skip loading each variant")
     p.add_argument("--out-dir", default=None)
     p.add_argument("--no-plots", dest="plots", action="store_false")
@@ -71,7 +78,9 @@ def _model_rows(name: str, args: argparse.Namespace, workdir: Path) -> list[dict
     params = _parameters(source)
     for row in rows:
         row["parameters"] = params
-    for method in args.methods:
+    if args.llama_quantize and name in GGUFS:  # the paired rounds beside llama-quantize instead
+        rows += _llama_rows(name, params, source, args, workdir)
+    for method in [] if args.llama_quantize and name in GGUFS else args.methods:
         variant = workdir / f"{name}-{method}"
         rows.append(_row(name, params, f"quantize {method}", "streamed", _watch("quantize", source, variant, method)))
         if args.load:
@@ -81,8 +90,6 @@ def _model_rows(name: str, args: argparse.Namespace, workdir: Path) -> list[dict
                              _watch("in-memory", source, workdir / f"{name}-{method}-old", method)))
             shutil.rmtree(workdir / f"{name}-{method}-old", ignore_errors=True)
         shutil.rmtree(variant, ignore_errors=True)
-    if args.llama_quantize and name in GGUFS:
-        rows += _llama_rows(name, params, Path(args.llama_quantize), workdir)
     if not args.keep:
         shutil.rmtree(source, ignore_errors=True)
     return rows
@@ -126,23 +133,50 @@ def _watch_command(cmd: list[str], what: str) -> dict[str, float]:
             "wall_s": time.perf_counter() - start}
 
 
-def _llama_rows(name: str, params: int, binary: Path, workdir: Path) -> list[dict[str, Any]]:
-    """llama.cpp's `llama-quantize` on the same model: its GGUF (Q4_K_M) to F16 (llama.cpp's own full-width
-    source), then F16 to Q8_0 and to Q4_0, the formats nearest int8wo and int4wo. Each reads its input by
-    mmap, as ours reads safetensors."""
+def _llama_rows(name: str, params: int, source: Path, args: argparse.Namespace, workdir: Path) -> list[dict]:
+    """Ours beside llama.cpp's `llama-quantize` on the same model, in alternated rounds: its GGUF (Q4_K_M) to F16
+    once (llama.cpp's full-width source, as our converted safetensors are ours), then per round int8wo and
+    Q8_0, int4wo and Q4_0 (the formats nearest each other), each reading its source by mmap."""
     from quantgate.env import home
 
-    gguf, rows = home() / "models" / GGUFS[name], []
+    binary, gguf, rows = Path(args.llama_quantize), home() / "models" / GGUFS[name], []
     f16 = workdir / f"{name}-F16.gguf"
-    steps = ((gguf, f16, "F16"), (f16, workdir / f"{name}-Q8_0.gguf", "Q8_0"),
-             (f16, workdir / f"{name}-Q4_0.gguf", "Q4_0"))
-    for source, target, kind in steps:
-        cmd = [str(binary), "--allow-requantize", str(source), str(target), kind]
-        measured = _watch_command(cmd, f"llama-quantize {kind}")
-        rows.append(_row(name, params, f"quantize {kind}", "llama-quantize", measured))
-    for _, target, _ in steps:
-        target.unlink(missing_ok=True)
+    convert = _watch_command([str(binary), "--allow-requantize", str(gguf), str(f16), "F16"], "llama-quantize F16")
+    rows.append(_row(name, params, "convert F16", "llama-quantize", convert))
+    for round_ in range(args.rounds):
+        for method, kind in LLAMA_PAIRS:
+            variant, target = workdir / f"{name}-{method}", workdir / f"{name}-{kind}.gguf"
+            ours = _watch("quantize", source, variant, method)
+            theirs = _watch_command([str(binary), str(f16), str(target), kind], f"llama-quantize {kind}")
+            rows.append({**_row(name, params, f"quantize {method}", "streamed", ours), "round": round_})
+            rows.append({**_row(name, params, f"quantize {kind}", "llama-quantize", theirs), "round": round_})
+            shutil.rmtree(variant, ignore_errors=True)
+            target.unlink(missing_ok=True)
+    f16.unlink(missing_ok=True)
     return rows
+
+
+def llama_ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per model and format pair: our wall time over llama-quantize's, round by round (geometric mean, 95 % t
+    interval over the rounds), and the peak anonymous memory of each (the largest round)."""
+    from gates.judging.speed_verdicts import ratio_ci
+
+    out = []
+    for model in dict.fromkeys(r["model"] for r in rows if "round" in r):
+        for method, kind in LLAMA_PAIRS:
+            ours = {r["round"]: r for r in rows if r["model"] == model and r["stage"] == f"quantize {method}"
+                    and "round" in r}
+            theirs = {r["round"]: r for r in rows if r["model"] == model and r["stage"] == f"quantize {kind}"
+                      and "round" in r}
+            ratios = [ours[k]["wall_s"] / theirs[k]["wall_s"] for k in sorted(ours) if k in theirs]
+            if len(ratios) < 2:
+                continue
+            ci = ratio_ci(ratios)
+            out.append({"model": model, "ours": method, "llama": kind, "rounds": len(ratios),
+                        "wall_ratio": round(ci.estimate, 3), "low": round(ci.low, 3), "high": round(ci.high, 3),
+                        "ours_anon_gb": max(r["peak_anon_gb"] for r in ours.values()),
+                        "llama_anon_gb": max(r["peak_anon_gb"] for r in theirs.values())})
+    return out
 
 
 def _tree_anon(pid: int) -> int:
