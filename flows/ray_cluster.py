@@ -13,7 +13,7 @@ built, and refuses the cluster (`ClusterRefused`, naming the node) when a node
 - or when no node has the CPUs or the memory (Ray's `memory` resource) one stage's task asks for: Ray would
   queue that task forever.
 
-The per-model work then runs as Prefect tasks submitted to prefect-ray's `RayTaskRunner` (flows/release.py),
+The per-model work then runs as Prefect tasks submitted to prefect-ray's `RayTaskRunner` (flows/release_on_ray.py),
 each with `task_options`: the CPUs it reserves (torch gets that many threads), the memory its stage peaks at
 (flows/memory_plan.py, so a node never takes more models than fit) and Ray's own retries when a worker dies.
 The paired speed rounds and the canary never leave the driver's process: `Cluster.driver` names that node.

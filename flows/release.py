@@ -9,7 +9,6 @@ marked FAILED in MLflow and no alias moves (a challenger set by this run is clea
 from __future__ import annotations
 
 import re
-import shutil
 from dataclasses import asdict, replace
 from pathlib import Path
 
@@ -18,8 +17,15 @@ from prefect.cache_policies import NO_CACHE
 from prefect.runtime import flow_run
 
 from evals.tasks import resolve_tasks
-from flows import canary_stage, fidelity_stage, machine, measuring, memory_plan, ray_cluster, records
-from flows import speed_rounds as speed_stage
+from flows import (
+    canary_stage,
+    fidelity_stage,
+    measuring,
+    memory_plan,
+    ray_cluster,
+    records,
+    release_on_ray,
+)
 from flows.approval import APPROVE_MODES
 from flows.data import (
     BASELINE,
@@ -35,9 +41,9 @@ from flows.data import (
 from flows.decision import approve_variants, choose
 from flows.machine import resolve_device
 from flows.progress import note, stage
+from flows.release_tasks import RETRIED, measure, measure_speed, quantize_method, variants_of
 from flows.runtime import prepare, work_dir
-from flows.speed_rounds import release_engine_memory
-from flows.stage_process import StageKilled, run_stage_in_child
+from flows.stage_process import StageKilled
 from gates import metric_names as M
 from gates.judging.policy import Policy, load_policy
 from gates.records.comparison import log_release_comparison
@@ -56,28 +62,8 @@ from quantgate.models import DEFAULT_MODEL, is_default_model, resolve_model
 from quantize.capacity import split_variant, variant_label
 from quantize.methods import default_methods
 from quantize.variant import cached_content_hash
-from serving.model.quant.integrity import read_manifest
 
 FLOW_NAME = "quantgate-release"
-RAY_FLOW_NAME = "quantgate-release-on-ray"  # the nested flow whose task runner is prefect-ray's RayTaskRunner
-TASK_RETRIES = 2
-RETRY_DELAY_S = 3.0
-# Bump when a cached stage's output format changes (3: weights as served, machine in keys; 4: persisted
-# results' MeasureConfig gained `device`, and the kernel sources moved to serving/kernels/, which changes every
-# machine key: cached measurements rebuild once).
-CACHE_VERSION = "4"
-
-
-def transient(task, task_run, state) -> bool:
-    """Retry what may pass on a second try; bad input (ValueError), refusals and a stage the OS killed (an
-    OOM kill would recur: the run is recorded FAILED at once, and a rerun resumes from what finished) fail at once."""
-    exc = getattr(state, "data", None)
-    return not isinstance(exc, ValueError | TypeError | KeyError | StageKilled)
-
-
-RETRIED = {"retries": TASK_RETRIES, "retry_delay_seconds": RETRY_DELAY_S, "retry_condition_fn": transient}
-
-
 def model_name(ref: str, path: Path) -> str:
     """The name a model's experiment and registered model carry: the alias, or the dir/file stem."""
     if is_default_model(ref):
@@ -123,94 +109,6 @@ def resolve_source(ref: str) -> Source:
         digest = cached_content_hash(Path(path))
     note(f"source {ref} -> {path} (sha256 {digest[:12]})")
     return Source(ref=ref, name=model_name(ref, path), path=str(path), content_hash=digest)
-
-
-def _quantize_key(context, parameters) -> str:
-    return f"quantize-{parameters['source'].content_hash}-{parameters['method']}-v{CACHE_VERSION}"
-
-
-@task(name="quantize", cache_key_fn=_quantize_key, persist_result=True, **RETRIED)
-def quantize_method(source: Source, method: str) -> Variant:
-    with stage(f"quantize {source.name} -> {method}"):
-        # the heaviest stage (a build and its GGUF conversion peaked at 20.7 GB of 24): in a child process, so
-        # that an OOM kill of it is a failure this run records (flows/stage_process.py), not a dead flow
-        out = run_stage_in_child(f"quantize {method}", measuring.quantize, Path(source.path), method)
-        manifest = read_manifest(out)
-        return Variant(name=method, method=method, path=str(out), content_hash=measuring.variant_hash(manifest),
-                       manifest=manifest)
-
-
-def _measure_key(context, parameters) -> str:
-    """Weights, KV dtype, config and the machine (kernel sources, ISA, CPU and flags, threads, dtype)."""
-    v, cfg = parameters["variant"], parameters["config"]
-    kv = "" if v.kv_cache_dtype == "auto" else f"-kv-{v.kv_cache_dtype}"
-    return f"measure-{v.content_hash}{kv}-{cfg.key()}-{machine.key(machine.describe(cfg.device))}-v{CACHE_VERSION}"
-
-
-def _speed_key(context, parameters) -> str:
-    return f"{speed_stage.cache_key(parameters['models'], parameters['plan'])}-v{CACHE_VERSION}"
-
-
-@task(name="measure-speed", cache_key_fn=_speed_key, persist_result=True, **RETRIED)
-def measure_speed(models: list[Variant], plan: SpeedPlan) -> SpeedResult:
-    """The baseline against each variant in turn, in paired interleaved rounds, two models resident at most
-    (flows.speed_rounds)."""
-    pairs = max(1, len(models) - 1)
-    with stage(f"paired speed: baseline vs {pairs} variant(s) x {len(plan.points())} points x {plan.rounds} rounds",
-               total=plan.rounds * pairs) as advance:
-        return speed_stage.measure(models, plan, work_dir("speed", speed_stage.cache_key(models, plan)),
-                             machine.line(machine.describe(plan.device)), advance)
-
-
-def _measure_dir(variant: Variant, config: MeasureConfig) -> Path:
-    kv = "" if variant.kv_cache_dtype == "auto" else f"-kv-{variant.kv_cache_dtype}"
-    return work_dir("measure", f"{variant.content_hash[:16]}{kv}-{config.key()}")
-
-
-@task(name="measure", cache_key_fn=_measure_key, persist_result=True, **RETRIED)
-def measure(variant: Variant, config: MeasureConfig) -> Measured:
-    """Serve the model through our engine: serving benchmark, eval suites, weight bytes, KV capacity."""
-    out = _measure_dir(variant, config)
-    with stage(f"{variant.name}: load, benchmark, evaluate", total=2 + len(config.suites)) as advance:
-        return measuring.measure(variant, config, out, advance)
-
-
-# ---- the same measurement in parts, for a Ray cluster (each part a task a node runs) ------------------
-
-
-def _part_key(context, parameters) -> str:
-    part = parameters.get("suite") or "serving"
-    return _measure_key(context, parameters).replace("measure-", f"measure-{part}-", 1)
-
-
-@task(name="measure-serving", cache_key_fn=_part_key, persist_result=True, **RETRIED)
-def measure_serving(variant: Variant, config: MeasureConfig) -> Measured:
-    """`measure` without the eval suites (each suite is an `evaluate-suite` task of its own): the load, the serving
-    benchmark, weights and KV capacity as served, fidelity and long-context probes, on one engine, in one order."""
-    ray_cluster.use_task_cpus()
-    with stage(f"{variant.name}: load, benchmark", total=2) as advance:
-        return measuring.measure(variant, replace(config, suites=()), _measure_dir(variant, config), advance)
-
-
-@task(name="evaluate-suite", cache_key_fn=_part_key, persist_result=True, **RETRIED)
-def evaluate_suite(variant: Variant, config: MeasureConfig, suite: str) -> str:
-    """One eval suite of one model on an engine of its own: the same `run_suite` call `measure` makes for that
-    suite (the same requests, submitted together, so the engine batches them as it does there). Returns the
-    suite's result directory, where `measure` writes it."""
-    ray_cluster.use_task_cpus()
-    out = _measure_dir(variant, config) / "evals" / suite
-    docs = config.eval_docs()
-    for stale in out.parent.glob(f".{suite}.partial-*"):  # an attempt whose worker was killed left its staging
-        shutil.rmtree(stale, ignore_errors=True)  # (the comparison reads every folder beside the suites)
-    with stage(f"{variant.name}: evaluate {suite}"):
-        engine = measuring.load_engine(variant, config)
-        try:
-            measuring.run_evals(engine, suite, None if docs else config.limit, out, config.system_prompt,
-                                config.chat_template, docs)
-        finally:
-            del engine
-            release_engine_memory()
-    return str(out)
 
 
 @task(name="start-release", cache_policy=NO_CACHE, **RETRIED)
@@ -318,7 +216,7 @@ def release_flow(
     source = resolve_source(model)
     mem = memory_plan.for_release(source.path, methods, config, pol)  # config.json only: no model loaded
     config = replace(config, capacity_budget_gb=mem.capacity_budget_gb)  # never a budget the weights fill
-    cluster = _connect_ray(ray_address, device, mem) if ray_address else None  # refused before any run
+    cluster = release_on_ray.connect(ray_address, device, mem) if ray_address else None  # refused before any run
     run_config = {"methods": methods, "approve": approve, "policy": pol.source,
                   "device": device, "measure": asdict(config), "prefect_flow_run_id": str(flow_run.id),
                   **({"ray_address": ray_address} if ray_address else {})}
@@ -399,8 +297,8 @@ def _build_and_measure(source: Source, methods: list[str], config: MeasureConfig
         base = _measure(Variant(BASELINE, None, source.path, source.content_hash, None), config, fresh)
         return variants, base, [_measure(v, config, fresh) for v in variants]
     records.tag_release(release_id, cluster.tags())  # the nodes' room was checked when connecting; the speed
-    _driver_stages(mem).check()  # rounds and the canary still run here
-    return _on_ray(cluster, source, methods, config, fresh, mem)
+    release_on_ray.driver_stages(mem).check()  # rounds and the canary still run here
+    return release_on_ray.build_and_measure(cluster, source, methods, config, fresh, mem)
 
 
 def _quantize_all(source: Source, methods: list[str], fresh: bool) -> list[Variant]:
@@ -420,18 +318,7 @@ def _quantize_all(source: Source, methods: list[str], fresh: bool) -> list[Varia
             note(f"cached variant {v.name} at {v.path} is gone or damaged: quantizing again")
             v = quantize_method.with_options(refresh_cache=True)(source, method)
         weights[method] = v
-    return _variants(weights, methods)
-
-
-def _variants(weights: dict[str, Variant], methods: list[str]) -> list[Variant]:
-    """Each requested variant from its weights (a KV suffix shares its method's)."""
-    variants = []
-    for name in methods:
-        method, kv = split_variant(name)
-        w = weights[method]
-        label = variant_label(name)
-        variants.append(Variant(label, label, w.path, w.content_hash, w.manifest, kv_cache_dtype=kv))
-    return variants
+    return variants_of(weights, methods)
 
 
 def _measure(variant: Variant, config: MeasureConfig, fresh: bool) -> Measured:
@@ -464,100 +351,3 @@ def _canary_stage(summary: ReleaseSummary, source: Source, chosen: VariantResult
         clear_challenger(source.name, reason=f"canary failed: {', '.join(failed)}", version=chosen.version)
         summary.outcome = f"{chosen.name} (v{chosen.version}) rolled back after the canary; champion stays v{champion_version}"
         chosen.decision += "; canary failed -> rolled back"
-
-
-
-# ---- on a Ray cluster (`ray_address`) ----------------------------------------------------------------
-
-RAY_STAGES = ("quantize ", "measure ")  # the memory plan's stages that run on the cluster's nodes
-
-
-def _connect_ray(address: str, device: str, mem: memory_plan.MemoryPlan) -> ray_cluster.Cluster:
-    """Connect to the cluster and check it (every node sees this home, serves at these numerics, and some node
-    has the room each Ray stage plans for): `ClusterRefused` names the node otherwise, before any run exists."""
-    stage_bytes = {s.name: s.total for s in mem.stages if s.name.startswith(RAY_STAGES)}
-    with stage(f"Ray cluster {address}: connect, check every node's home and numerics"):
-        cluster = ray_cluster.connect(address, device, stage_bytes)
-    note(f"Ray cluster {address}: {len(cluster.nodes)} node(s), {cluster.task_cpus} CPU(s) per task; the paired "
-         f"speed rounds and the canary run on {cluster.driver}")
-    return cluster
-
-
-def _driver_stages(mem: memory_plan.MemoryPlan) -> memory_plan.MemoryPlan:
-    """The plan of what still runs in this process on a Ray release: the paired speed rounds and the canary."""
-    return replace(mem, stages=[s for s in mem.stages if not s.name.startswith(RAY_STAGES)])
-
-
-def _on_ray(cluster: ray_cluster.Cluster, source: Source, methods: list[str], config: MeasureConfig, fresh: bool,
-            mem: memory_plan.MemoryPlan) -> tuple[list[Variant], Measured, list[Measured]]:
-    stage_bytes = {s.name: s.total for s in mem.stages if s.name.startswith(RAY_STAGES)}
-    on_ray = measure_on_ray.with_options(task_runner=ray_cluster.task_runner(cluster))
-    return on_ray(source, methods, config, fresh, cluster, stage_bytes)
-
-
-@flow(name=RAY_FLOW_NAME, validate_parameters=False, log_prints=True)
-def measure_on_ray(source: Source, methods: list[str], config: MeasureConfig, fresh: bool,
-                   cluster: ray_cluster.Cluster, stage_bytes: dict[str, int]) -> tuple[list[Variant], Measured,
-                                                                                      list[Measured]]:
-    """The release's per-model work, submitted to this flow's task runner (prefect-ray's RayTaskRunner on
-    `cluster`): a quantize task per weight method, and per model a `measure-serving` task and an `evaluate-suite`
-    task per suite. The baseline's tasks go in at once, beside the quantizations; a variant's as soon as its
-    weights exist. Each task reserves the cluster's CPUs per task and its stage's planned memory; Ray runs it again
-    elsewhere when its worker dies (`ray_cluster.task_options`). Returns what `_quantize_all` and `_measure` return."""
-    quantize_ = quantize_method.with_options(refresh_cache=True) if fresh else quantize_method
-    built = {}
-    for method in dict.fromkeys(split_variant(m)[0] for m in methods):
-        if method != BASELINE:
-            with ray_cluster.task_options(cluster, stage_bytes.get(f"quantize {method}")):
-                built[method] = quantize_.submit(source, method)
-    baseline = Variant(BASELINE, None, source.path, source.content_hash, None)
-    memory = {BASELINE: stage_bytes.get(f"measure {BASELINE}")}
-    memory.update({variant_label(m): stage_bytes.get(f"measure {m}") for m in methods})
-    parts = {BASELINE: _submit_measure(cluster, baseline, config, fresh, memory[BASELINE])}
-    weights: dict[str, Variant] = {BASELINE: baseline}
-    for method, future in built.items():
-        v = future.result()
-        if not measuring.variant_intact(Path(v.path)):
-            note(f"cached variant {v.name} at {v.path} is gone or damaged: quantizing again")
-            with ray_cluster.task_options(cluster, stage_bytes.get(f"quantize {method}")):
-                v = quantize_method.with_options(refresh_cache=True).submit(source, method).result()
-        weights[method] = v
-        for variant in _variants(weights, [m for m in methods if split_variant(m)[0] == method]):
-            parts[variant.name] = _submit_measure(cluster, variant, config, fresh, memory[variant.name])
-    variants = _variants(weights, methods)
-    for variant in variants:  # a KV variant of the baseline's weights had no quantize to wait for
-        if variant.name not in parts:
-            parts[variant.name] = _submit_measure(cluster, variant, config, fresh, memory[variant.name])
-    base = _gather_measure(cluster, baseline, config, parts[BASELINE], memory[BASELINE])
-    return variants, base, [_gather_measure(cluster, v, config, parts[v.name], memory[v.name]) for v in variants]
-
-
-def _submit_measure(cluster: ray_cluster.Cluster, variant: Variant, config: MeasureConfig, fresh: bool,
-                    memory_bytes: int | None) -> tuple:
-    with ray_cluster.task_options(cluster, memory_bytes):
-        serving = measure_serving.with_options(refresh_cache=fresh).submit(variant, config)
-        suites = {s: evaluate_suite.with_options(refresh_cache=fresh).submit(variant, config, s) for s in config.suites}
-    return serving, suites
-
-
-def _gather_measure(cluster: ray_cluster.Cluster, variant: Variant, config: MeasureConfig, parts: tuple,
-                    memory_bytes: int | None) -> Measured:
-    """The parts as one `Measured`, as `measure` returns it (metrics, eval directory, artifacts in its order); a
-    cached part whose files were removed is done again."""
-    serving, suites = parts
-    served = serving.result()
-    if not Path(served.bench_json).is_file():
-        note(f"the cached serving measurement of {variant.name} lost its files: measuring again")
-        with ray_cluster.task_options(cluster, memory_bytes):
-            served = measure_serving.with_options(refresh_cache=True).submit(variant, config).result()
-    eval_dir = Path(served.eval_dir)
-    for suite, future in suites.items():
-        done = Path(future.result())
-        if not (done / "summary.json").is_file():
-            note(f"the cached {suite} results of {variant.name} lost their files ({done}): evaluating again")
-            with ray_cluster.task_options(cluster, memory_bytes):
-                evaluate_suite.with_options(refresh_cache=True).submit(variant, config, suite).result()
-    metrics = {**served.metrics, **measuring.eval_metrics(eval_dir, config.suites)}
-    artifacts = [served.bench_json] + [str(eval_dir / s) for s in config.suites] + served.artifacts[1:]
-    return Measured(variant=variant, metrics=metrics, eval_dir=str(eval_dir), bench_json=served.bench_json,
-                    artifacts=artifacts)

@@ -284,7 +284,8 @@ def test_a_task_that_fails_once_is_retried(prefect_api, tiny_model_dir, tmp_path
     first attempt fails, the file is complete by the time Prefect decides to retry, the retry succeeds."""
     from prefect import get_client
 
-    from flows.release import TASK_RETRIES, Source, quantize_method, transient
+    from flows.release import Source
+    from flows.release_tasks import TASK_RETRIES, quantize_method, transient
     from quantgate.models import content_hash
 
     source_dir = tmp_path / "copy-in-progress"

@@ -217,7 +217,7 @@ def machine_of(monkeypatch):
 def _keys() -> tuple[str, str]:
     from flows import speed_rounds as speed
     from flows.data import MeasureConfig
-    from flows.release import _measure_key
+    from flows.release_tasks import _measure_key
 
     variant = Variant("int4wo", "int4wo", "/v", "c0ffee")
     baseline = Variant("baseline", None, "/b", "beef")
