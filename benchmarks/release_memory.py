@@ -2,7 +2,7 @@
 holds, stage by stage.
 
 Runs `quantgate release` in a child process under a throw-away `QUANTGATE_HOME` (the model linked in, not
-copied) and watches it from outside: every SAMPLE_SECONDS the anonymous memory (`RssAnon`) and the whole
+copied) and watches it from outside: every SAMPLE_SECONDS the anonymous memory (`Pss_Anon`) and the whole
 resident set (`VmRSS`: file pages too, e.g. mmap'd weights) summed over the release and every process it
 started (the quantize child, Prefect's and MLflow's servers where they run apart), each sample tagged with the
 stage the release's own progress lines say is running. Prints, per planned stage, the planned peak beside
@@ -132,27 +132,37 @@ def _stage_of(line: str, current: str) -> str:
 
 
 def _tree_memory(pid: int) -> tuple[int, int, list[tuple[int, str, int]]]:
-    """RssAnon and VmRSS of `pid` and its descendants, bytes (a process gone meanwhile counts 0), and each
-    process's (pid, command, anon bytes)."""
+    """Anonymous memory (proportional: `Pss_Anon`, so pages a fork shares copy-on-write count once) and the
+    resident set of `pid` and its descendants, bytes (a process gone meanwhile counts 0), and each process's
+    (pid, command, anon bytes)."""
     anon = rss = 0
     stack, processes = [pid], []
     while stack:
         current = stack.pop()
         try:
-            own = 0
+            own = _pss_anon(current)
             for line in Path(f"/proc/{current}/status").read_text().splitlines():
-                if line.startswith("RssAnon:"):
-                    own = int(line.split()[1]) * 1024
-                elif line.startswith("VmRSS:"):
+                if line.startswith("VmRSS:"):
                     rss += int(line.split()[1]) * 1024
-            anon += own
+                elif line.startswith("RssAnon:") and own is None:
+                    own = int(line.split()[1]) * 1024
+            anon += own or 0
             command = Path(f"/proc/{current}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            processes.append((current, command[:120], own))
+            processes.append((current, command[:120], own or 0))
             for task in Path(f"/proc/{current}/task").iterdir():
                 stack += [int(c) for c in (task / "children").read_text().split()]
         except (OSError, ValueError):
             continue
     return anon, rss, processes
+
+
+def _pss_anon(pid: int) -> int | None:
+    """Pss_Anon from smaps_rollup (Linux 5.6+); None where the kernel has no such line (RssAnon then, which
+    counts a just-forked child's shared pages twice)."""
+    for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+        if line.startswith("Pss_Anon:"):
+            return int(line.split()[1]) * 1024
+    return None
 
 
 def _rows(planned: dict[str, int], samples: list[tuple]) -> list[dict[str, Any]]:
