@@ -49,12 +49,8 @@ CACHE_BLOCKS = 16384  # 2 x 96 MiB of bf16 K/V: contexts come from DRAM, as in a
 
 
 def measure(num_seqs: int, length: int, dtype: torch.dtype, reps: int = 20) -> dict:
-    gen = torch.Generator().manual_seed(num_seqs * 7919 + length)
-    k = torch.randn(KV_HEADS, CACHE_BLOCKS * BLOCK, HEAD_DIM, generator=gen).to(dtype)
-    v = torch.randn(KV_HEADS, CACHE_BLOCKS * BLOCK, HEAD_DIM, generator=gen).to(dtype)
-    width = -(-length // BLOCK)
-    tables = torch.randperm(CACHE_BLOCKS, generator=gen)[: num_seqs * width].view(num_seqs, width)
-    q = torch.randn(num_seqs, HEADS, HEAD_DIM, generator=gen).to(dtype)
+    q, k, v, tables, _ = _case(num_seqs, length, dtype)
+    width = tables.shape[1]
     ctx = attention.AttentionContext([k], [v], BLOCK, torch.zeros(0, dtype=torch.long))
     pad = torch.zeros(1, num_seqs, 1, width * BLOCK, dtype=torch.bool)
     group = attention.DecodeGroup(0, tables.reshape(-1), pad)
