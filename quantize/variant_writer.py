@@ -25,19 +25,16 @@ ITEM_BYTES = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "I32": 4, "I16": 2, "I8":
 
 
 def st_dtype(dtype: torch.dtype) -> str:
-    """safetensors' name for a torch dtype."""
-    import torch
+    """safetensors' name for a torch dtype (the loader's table, read the other way)."""
+    from serving.model.quant.checkpoint import SAFETENSORS_DTYPES
 
-    names = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64",
-             torch.int8: "I8", torch.uint8: "U8", torch.int32: "I32", torch.int16: "I16", torch.bool: "BOOL"}
-    return names[dtype]
+    return next(name for name, torch_type in SAFETENSORS_DTYPES.items() if torch_type == dtype)
 
 
 def torch_dtype(name: str) -> torch.dtype:
-    import torch
+    from serving.model.quant.checkpoint import SAFETENSORS_DTYPES
 
-    return {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64,
-            "I8": torch.int8, "U8": torch.uint8, "I32": torch.int32, "I16": torch.int16, "BOOL": torch.bool}[name]
+    return SAFETENSORS_DTYPES[name]
 
 
 class VariantWriter:

@@ -120,7 +120,7 @@ def _meta_quantized_layers(model: PreTrainedModel, directory: Path, linears: lis
             module._unit_scales = torch.ones(module.out_features, dtype=torch.bfloat16)
 
 
-_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
            "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
            "BOOL": torch.bool}
 
@@ -137,7 +137,7 @@ def _read_tensors(path: Path):
             if name == "__metadata__":
                 continue
             begin, end = info["data_offsets"]
-            tensor = torch.empty(info["shape"], dtype=_DTYPES[info["dtype"]])
+            tensor = torch.empty(info["shape"], dtype=SAFETENSORS_DTYPES[info["dtype"]])
             if end > begin:
                 handle.seek(start + begin)
                 if handle.readinto(tensor.view(-1).view(torch.uint8).numpy()) != end - begin:
