@@ -94,15 +94,15 @@ class EngineLM(TemplateLM):
             raise RuntimeError(f"engine finished without output for {len(missing)} request(s): {missing[:3]}")
         return finals
 
-    def _score_params(self) -> Any:
+    def _score_params(self, ctxlen: int) -> Any:
+        """Only the continuation is scored: the head and log-softmax skip the context's rows."""
         from serving import SamplingParams
 
-        return SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1)
+        return SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1, prompt_logprobs_from=max(ctxlen, 1))
 
     def _score(self, seqs: list[tuple[list[int], int]], desc: str) -> list[tuple[float, bool]]:
         """Each (tokens, ctxlen): sum of logprobs of tokens[ctxlen:] and whether each was the argmax."""
-        params = self._score_params()
-        outs = self._run([tokens for tokens, _ in seqs], [params] * len(seqs), desc)
+        outs = self._run([tokens for tokens, _ in seqs], [self._score_params(c) for _, c in seqs], desc)
         results = []
         for (tokens, ctxlen), out in zip(seqs, outs, strict=True):
             plps = out.prompt_logprobs

@@ -166,6 +166,27 @@ def test_prompt_logprobs_survive_chunked_prefill(tiny_model_dir):
     assert got == pytest.approx(want, abs=1e-4)
 
 
+@pytest.mark.parametrize("start", [1, 5, 8, 9, 17, 29])
+def test_prompt_logprobs_from_a_position_score_only_the_rest(tiny_model_dir, start):
+    # Chunks of 8 tokens: the first scored token falls before, on and after chunk boundaries.
+    engine = engine_for(tiny_model_dir, max_num_batched_tokens=8)
+    prompt = random_prompts(1, engine.vocab_size, seed=4, lo=30, hi=30)[0]
+    params = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=1, prompt_logprobs_from=start)
+    out = engine.generate(prompt, params)[0]
+    ref = hf_logprobs(tiny_model_dir, prompt)
+    assert len(out.prompt_logprobs) == len(prompt)
+    assert out.prompt_logprobs[:start] == [None] * start
+    got = [lp.logprob for lp in out.prompt_logprobs[start:]]
+    assert [lp.token_id for lp in out.prompt_logprobs[start:]] == prompt[start:]
+    assert got == pytest.approx([ref[i - 1, prompt[i]].item() for i in range(start, len(prompt))], abs=1e-4)
+
+
+def test_prompt_logprobs_from_must_be_a_position():
+    for bad in (0, -1, True, 2.0):
+        with pytest.raises(ValueError, match="prompt_logprobs_from"):
+            SamplingParams(prompt_logprobs=0, prompt_logprobs_from=bad)
+
+
 def test_sampling_is_seeded_and_top_k_one_is_greedy(tiny_model_dir):
     engine = engine_for(tiny_model_dir)
     prompt = random_prompts(1, engine.vocab_size, seed=7)[0]

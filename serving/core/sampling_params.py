@@ -18,6 +18,9 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # top-k alternatives per output token (0: only the chosen token)
     prompt_logprobs: int | None = None  # same for each prompt token (used for scoring)
+    # The first prompt position scored; earlier ones come back as None. A scorer that needs only a
+    # continuation's logprobs asks from there, and the head and log-softmax run over those rows only.
+    prompt_logprobs_from: int = 1
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -41,6 +44,9 @@ class SamplingParams:
             raise ValueError("stop must be a list of non-empty strings")
         if not all(isinstance(t, int) and not isinstance(t, bool) for t in self.stop_token_ids):
             raise ValueError("stop_token_ids must be a list of integers")
+        start = self.prompt_logprobs_from
+        if isinstance(start, bool) or not isinstance(start, int) or start < 1:
+            raise ValueError(f"prompt_logprobs_from must be an integer >= 1, got {start!r}")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 20):

@@ -112,3 +112,8 @@ class Sequence:
     def wants_prompt_logprobs(self) -> bool:
         """Prompt logprobs are still owed: they need logits at every prompt position."""
         return self.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens
+
+    @property
+    def prompt_score_from(self) -> int:
+        """The first prompt token whose logprob is owed (earlier ones stay None)."""
+        return self.params.prompt_logprobs_from

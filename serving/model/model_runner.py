@@ -20,6 +20,7 @@ from serving.model.packed_linear import pack_linears, packing_wanted
 from serving.model.sampler import sample, token_logprobs
 
 DECODE_GROUP_SIZE = 16  # decode sequences per padded attention batch
+LOGSOFTMAX_ROWS = 256  # prompt rows log-softmaxed in fp32 at a time
 
 
 def _decode_first(scheduled: list[ScheduledSeq]) -> list[int]:
@@ -70,7 +71,7 @@ class KVCacheShape:
 class StepResult:
     sampled: dict[int, int]  # index in the scheduled list -> next token
     logprobs: dict[int, TokenLogprob]
-    prompt_logprobs: dict[int, list[TokenLogprob]]  # index -> logprobs of the prompt tokens scored this step
+    prompt_logprobs: dict[int, list[TokenLogprob | None]]  # index -> logprobs of the prompt tokens scored this step
 
 
 def load_model(model_dir: Path, device: torch.device, dtype: torch.dtype, isa: str | None = None,
@@ -151,7 +152,7 @@ class ModelRunner:
         decode_seqs: list[Sequence] = []
         sample_rows: list[int] = []  # (row of the last token) for sequences that get a new token
         sample_idx: list[int] = []
-        prompt_rows: dict[int, list[int]] = {}  # index -> rows whose logits score the next prompt token
+        prompt_rows: dict[int, tuple[int, list[int]]] = {}  # index -> (positions skipped, rows scoring the next token)
         bs = self.block_size
         for idx in _decode_first(scheduled):
             seq, n = scheduled[idx].seq, scheduled[idx].num_new_tokens
@@ -171,9 +172,9 @@ class ModelRunner:
                     )
                 prefills.append(PrefillChunk(row, n, end, context))
             if seq.wants_prompt_logprobs:
-                last_scored = min(end, seq.num_prompt_tokens - 1)  # position p scores token p + 1
-                if last_scored > start:
-                    prompt_rows[idx] = list(range(row, row + last_scored - start))
+                scored = _scored_rows(seq, start, end, row)
+                if scored is not None:
+                    prompt_rows[idx] = scored
             if end == seq.num_tokens:
                 sample_rows.append(row + n - 1)
                 sample_idx.append(idx)
@@ -182,7 +183,7 @@ class ModelRunner:
                 len(decode_seqs), max(len(s.block_table) for s in decode_seqs)):
             logits = self.graphs.run(input_ids, positions, slots, [s.block_table for s in decode_seqs],
                                      [s.num_computed_tokens + 1 for s in decode_seqs])
-            return self._postprocess(scheduled, logits.float(), sample_idx, prompt_rows)
+            return self._postprocess(scheduled, logits, sample_idx, prompt_rows)
         ctx = AttentionContext(
             self.k_cache,
             self.v_cache,
@@ -201,11 +202,11 @@ class ModelRunner:
             ctx.paged = PagedStep.build([s.block_table for s in decode_seqs],
                                         [s.num_computed_tokens + 1 for s in decode_seqs], prefill_tables,
                                         [(c.start, c.length, c.context_len) for c in prefills], self.device)
-        keep_rows = sample_rows + [r for rows in prompt_rows.values() for r in rows]
+        keep_rows = sample_rows + [r for _, rows in prompt_rows.values() for r in rows]
         logits = self._forward(ctx, torch.tensor(input_ids, device=self.device),
                                torch.tensor(positions, device=self.device),
                                torch.tensor(keep_rows, dtype=torch.long, device=self.device))
-        return self._postprocess(scheduled, logits.float(), sample_idx, prompt_rows)
+        return self._postprocess(scheduled, logits, sample_idx, prompt_rows)
 
     def _forward(self, ctx: AttentionContext, input_ids, positions, keep_rows) -> torch.Tensor:
         if self.fast_forward is not None:
@@ -248,7 +249,7 @@ class ModelRunner:
 
     def _postprocess(self, scheduled, logits, sample_idx, prompt_rows) -> StepResult:
         result = StepResult({}, {}, {})
-        sample_logits = logits[: len(sample_idx)]
+        sample_logits = logits[: len(sample_idx)].float()
         seqs = [scheduled[i].seq for i in sample_idx]
         if seqs:
             tokens = sample(sample_logits, seqs, self.generators)
@@ -261,11 +262,25 @@ class ModelRunner:
                     lp.top = lp.top[: seqs[k].params.logprobs]
                     result.logprobs[sample_idx[k]] = lp
         offset = len(sample_idx)
-        for idx, rows in prompt_rows.items():
+        for idx, (skip, rows) in prompt_rows.items():
             seq = scheduled[idx].seq
-            first = seq.num_computed_tokens  # position of the first scored row
-            targets = seq.token_ids[first + 1 : first + 1 + len(rows)]
-            lps = torch.log_softmax(logits[offset : offset + len(rows)], dim=-1)
-            result.prompt_logprobs[idx] = token_logprobs(lps, targets, seq.params.prompt_logprobs)
+            first = seq.num_computed_tokens + skip + 1  # the first token scored
+            scored: list[TokenLogprob | None] = [None] * skip
+            # fp32 log-softmax a few rows at a time: a 2,048-row step over a 150k vocabulary is 1.2 GB a copy
+            for a in range(0, len(rows), LOGSOFTMAX_ROWS):
+                b = min(a + LOGSOFTMAX_ROWS, len(rows))
+                lps = torch.log_softmax(logits[offset + a : offset + b].float(), dim=-1)
+                scored += token_logprobs(lps, seq.token_ids[first + a : first + b], seq.params.prompt_logprobs)
+            result.prompt_logprobs[idx] = scored
             offset += len(rows)
         return result
+
+
+def _scored_rows(seq, start: int, end: int, row: int) -> tuple[int, list[int]] | None:
+    """For a step computing positions start..end of a scoring sequence: how many of the owed prompt
+    logprobs stay None (before `prompt_score_from`) and the rows whose logits score the rest."""
+    last_scored = min(end, seq.num_prompt_tokens - 1)  # position p scores token p + 1
+    if last_scored <= start:
+        return None
+    first = min(max(start, seq.prompt_score_from - 1), last_scored)
+    return first - start, list(range(row + first - start, row + last_scored - start))

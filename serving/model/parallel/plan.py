@@ -28,6 +28,7 @@ class SeqPlan:
     num_tokens: int
     num_prompt_tokens: int
     wants_prompt_logprobs: bool
+    prompt_score_from: int = 1
 
 
 @dataclass
@@ -40,6 +41,7 @@ class _RemoteSeq:
     block_table: list[int]
     num_prompt_tokens: int
     wants_prompt_logprobs: bool
+    prompt_score_from: int = 1
 
     @property
     def num_tokens(self) -> int:
@@ -52,7 +54,8 @@ def plan_of(scheduled: list[ScheduledSeq]) -> list[SeqPlan]:
         seq: Sequence = item.seq
         start = seq.num_computed_tokens
         out.append(SeqPlan(seq.request_id, start, seq.token_ids[start : start + item.num_new_tokens],
-                           list(seq.block_table), seq.num_tokens, seq.num_prompt_tokens, seq.wants_prompt_logprobs))
+                           list(seq.block_table), seq.num_tokens, seq.num_prompt_tokens, seq.wants_prompt_logprobs,
+                           seq.prompt_score_from))
     return out
 
 
@@ -62,7 +65,8 @@ def scheduled_from(plan: list[SeqPlan]) -> list[ScheduledSeq]:
     for p in plan:
         ids = [0] * p.num_tokens
         ids[p.start : p.start + len(p.tokens)] = p.tokens
-        seq = _RemoteSeq(p.request_id, ids, p.start, p.block_table, p.num_prompt_tokens, p.wants_prompt_logprobs)
+        seq = _RemoteSeq(p.request_id, ids, p.start, p.block_table, p.num_prompt_tokens, p.wants_prompt_logprobs,
+                         p.prompt_score_from)
         out.append(ScheduledSeq(seq, len(p.tokens)))  # type: ignore[arg-type]
     return out
 
