@@ -1,8 +1,8 @@
 """AWQ's scale search, full vs sampled: the scales each picks and the output error they leave on held text.
 
 The search used to measure each candidate on every calibration row (2,048) and every output row, one
-thread; `quantize/awq.py` now measures on SEARCH_ROWS calibration rows and an even spread of output rows,
-on every core, so its cost stays flat per parameter. This benchmark runs both on the same stage inputs of
+thread, in fp32 ("full" here); `quantize/awq.py` now measures on SEARCH_ROWS calibration rows and an even
+spread of output rows, on every core, in bf16 where the CPU has it natively, so its cost stays flat per parameter. This benchmark runs both on the same stage inputs of
 a real model's first layers (captured on the calibration text, and on LAMBADA text the search never saw),
 interleaved per stage, and reports per stage: the alpha each picked, the held-out relative output error of
 round-to-nearest at the scales each picked (lower is better), and the seconds each search took.
@@ -24,8 +24,8 @@ from quantize import awq
 from quantize.calibrated import _previous_op, _rows, decoder_layers, discover_stages, layer_kwargs, run_layer
 from quantize.group_grid import fake_quantize
 
-FULL = {"SEARCH_ROWS": 1 << 30, "SEARCH_OUTPUTS": 1 << 30}
-SAMPLED: dict[str, int] = {}
+FULL = {"SEARCH_ROWS": 1 << 30, "SEARCH_OUTPUTS": 1 << 30, "SEARCH_DTYPE": torch.float32}
+SAMPLED: dict[str, object] = {}
 
 
 def main(argv: list[str] | None = None) -> None:

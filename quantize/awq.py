@@ -8,7 +8,9 @@ searched on a grid to minimise the group's output error after round-to-nearest; 
 round-to-nearest) is always a candidate, so the search never does worse than it on the calibration data.
 
 Its cost per parameter is flat: each candidate's error is measured on a fixed sample of calibration rows
-(SEARCH_ROWS) and of output rows (all of a small stage, a sixteenth of a wide one), on every core.
+(SEARCH_ROWS) and of output rows (all of a small stage, a sixteenth of a wide one), on every core, in bf16
+where the CPU multiplies it natively (benchmarks/awq_search.py: held-out error 0.9987x the full fp32
+search's on Qwen2.5-Coder-0.5B's first four layers, 11.9x faster).
 """
 
 from __future__ import annotations
@@ -19,11 +21,14 @@ import torch
 from torch import nn
 
 from quantize.group_grid import fake_quantize
+from serving.kernels.cpu.isa import native_bf16
 
 DEFAULT_GRID = 20
 SEARCH_ROWS = 2048  # calibration rows (spread over every sequence) the search measures the output error on
 SEARCH_OUTPUTS = 256  # at least this many output rows (a fixed, even spread) carry the candidates' error
 OUTPUT_SHARE = 16  # ... and at least one in OUTPUT_SHARE of them: the search's cost stays flat per parameter
+SEARCH_DTYPE: torch.dtype | None = None  # x D^T's dtype; None: bf16 where the CPU has it natively, else fp32
+BF16_SPEEDUP = 6  # a native bf16 matmul's speed over fp32 (AMX): x D^T in bf16 beats the fp32 Gram form sooner
 ERROR_CHUNK = 1 << 22  # weight elements fake-quantized at a time: bounds the search's temporaries
 
 
@@ -72,7 +77,12 @@ def _error_on(x: torch.Tensor, weight: torch.Tensor, group_size: int, bits: int)
     x D^T, T*K per row of D, or as sum((D G) * D) with G = x^T x, K*K per row: whichever is cheaper."""
     n, k = weight.shape
     t = x.shape[0]
-    gram = (x.T.double() @ x.double()).float() if k < t else None
+    # x D^T in bf16 (fp32 accumulation) where the CPU multiplies bf16 natively: 6x faster than fp32 on AMX,
+    # and the error sums agree to ~1e-5 relative, far below the gaps between the grid's candidates
+    low = SEARCH_DTYPE or (torch.bfloat16 if native_bf16() else torch.float32)
+    speedup = BF16_SPEEDUP if low is torch.bfloat16 else 1
+    gram = (x.T.double() @ x.double()).float() if k * speedup < t else None
+    x_low = x.to(low)
     rows = max(1, ERROR_CHUNK // k)
 
     def error(scales: torch.Tensor) -> float:
@@ -80,7 +90,10 @@ def _error_on(x: torch.Tensor, weight: torch.Tensor, group_size: int, bits: int)
         for start in range(0, n, rows):
             w = weight[start:start + rows]
             delta = fake_quantize(w * scales, group_size, bits) / scales - w
-            total += ((delta @ gram) * delta).sum().item() if gram is not None else (x @ delta.T).square().sum().item()
+            if gram is not None:
+                total += ((delta @ gram) * delta).sum().item()
+            else:
+                total += (x_low @ delta.to(low).T).float().square().sum().item()
         return total / (t * n)
 
     return error
@@ -101,7 +114,7 @@ def fold_into_norm(norm: nn.Module, linears: list[nn.Linear], scales: torch.Tens
     offset = norm_offset(norm)
     _set(norm.weight, (norm.weight.float() + offset) / scales - offset)
     for linear in linears:
-        _set(linear.weight, linear.weight.float() * scales)
+        _scale_columns(linear.weight, scales)
 
 
 def fold_into_linear(previous: nn.Linear, linears: list[nn.Linear], scales: torch.Tensor) -> None:
@@ -110,7 +123,14 @@ def fold_into_linear(previous: nn.Linear, linears: list[nn.Linear], scales: torc
     if previous.bias is not None:
         _set(previous.bias, previous.bias.float() / scales)
     for linear in linears:
-        _set(linear.weight, linear.weight.float() * scales)
+        _scale_columns(linear.weight, scales)
+
+
+def _scale_columns(weight: torch.Tensor, scales: torch.Tensor) -> None:
+    if weight.dtype == torch.float32:
+        weight.data.mul_(scales)  # the same values as below without a second copy of the weight
+    else:
+        _set(weight, weight.float() * scales)
 
 
 def _set(parameter: torch.Tensor, value: torch.Tensor) -> None:

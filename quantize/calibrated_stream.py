@@ -29,6 +29,7 @@ from quantize import streaming
 from quantize.calibrated import (
     GroupCodes,
     Recipe,
+    calibration_forward,
     check_architecture,
     decoder_layers,
     head_codes,
@@ -188,7 +189,7 @@ class _LayerRun:
                 codes = quantize_layer(layer, x, kwargs[index], self.recipe)
                 self._write_layer(prefix, layer, codes)
                 if x is not None:
-                    x = run_layer(layer, x, kwargs[index])
+                    x = calibration_forward(layer, x, kwargs[index])
                 h_quant = run_layer(layer, h_quant, probe_kwargs[index])
                 self.layer_errors.append(_relative(h_quant, h_float))
                 layer.to("meta")
