@@ -51,7 +51,10 @@ CHILD_RUNTIME_BYTES = 3 * GIB // 10  # the quantize stage's child interpreter: t
 # int4wo) to 0.40 GB (bf16 baseline of an fp32 source), SmolLM2-135M on the AMX Xeon, 2026-12-05
 ENGINE_BYTES = 3 * GIB // 10
 ENGINE_TOKENS = 2048  # serving.core.scheduler.MAX_NUM_BATCHED_TOKENS: the most tokens one engine step runs
-LOGIT_ROWS = 512  # prompt rows one eval step scores (lm-eval's continuations): logits, fp32 copy, log-softmax
+# Rows of logits one eval step holds: fidelity scores every prompt row of a full step (lm-eval only its
+# continuations); the engine log-softmaxes them in fp32 LOGSOFTMAX_ROWS at a time (serving/model/model_runner.py)
+LOGIT_ROWS = ENGINE_TOKENS
+LOGSOFTMAX_ROWS = 256
 STREAM_BLOCK_BYTES = 4 * (8 << 20) * 4  # quantize.streaming.CHUNK_ELEMENTS as fp32, with ~3 temporaries
 IN_MEMORY_BYTES_PER_PARAM = 12  # a build that cannot stream: the whole model in fp32, quantized in place
 CALIBRATED = ("int4-awq", "int4-gptq")
@@ -202,10 +205,11 @@ def served_bytes(shape: ModelShape, method: str, serving_dtype: str) -> int:
 
 def activation_bytes(shape: ModelShape, tokens: int, logit_rows: int, dtype_bytes: int) -> int:
     """One engine step: the hidden states, q/k/v and the MLP's gate and up of `tokens` tokens in the serving
-    dtype, and `logit_rows` rows of logits (in dtype, as fp32 and log-softmaxed)."""
+    dtype, and `logit_rows` rows of logits in dtype, LOGSOFTMAX_ROWS of them at a time as fp32 and log-softmaxed."""
     q, kv = shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
     per_token = (3 * shape.hidden_size + q + 2 * kv + 3 * shape.intermediate_size) * dtype_bytes
-    return tokens * per_token + logit_rows * shape.vocab_size * (dtype_bytes + 8)
+    logits = logit_rows * dtype_bytes + min(logit_rows, LOGSOFTMAX_ROWS) * 8
+    return tokens * per_token + logits * shape.vocab_size
 
 
 def load_bytes(shape: ModelShape, method: str, inputs: Inputs) -> int:

@@ -171,3 +171,15 @@ def test_the_release_refuses_a_stage_that_cannot_fit_before_building(prefect_api
     assert run.info.status == "FAILED"
     assert run.data.tags[TAG_FAILED_STAGE] == "quantize int8wo" and "refused" in run.data.tags[TAG_FAILURE]
     assert [m.name for m in client.search_registered_models() if m.aliases] == []  # no alias moved
+
+
+def test_eval_logits_are_counted_as_the_engine_holds_them():
+    from serving.model.model_runner import LOGSOFTMAX_ROWS
+
+    assert P.LOGSOFTMAX_ROWS == LOGSOFTMAX_ROWS
+    shape = ModelShape(hidden_size=896, intermediate_size=4864, num_layers=24, num_heads=14, num_kv_heads=2,
+                       head_dim=64, vocab_size=151936, tie_word_embeddings=True)
+    base = P.activation_bytes(shape, 2048, 0, 2)
+    # every row of a full step in bf16, 256 of them at a time as fp32 logits and log-probs
+    assert P.activation_bytes(shape, 2048, 2048, 2) - base == (2048 * 2 + 256 * 8) * 151936
+    assert P.activation_bytes(shape, 2048, 16, 2) - base == 16 * 10 * 151936
