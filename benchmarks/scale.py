@@ -11,6 +11,7 @@ writes scale.json and scale.png (peak anon and wall per stage against parameters
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import subprocess
@@ -32,8 +33,8 @@ def main(argv: list[str] | None = None) -> None:
     args = _parser().parse_args(argv)
     workdir = Path(args.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
-    rows: list[dict[str, Any]] = []
-    for name in args.models:
+    rows: list[dict[str, Any]] = _earlier_rows(args.merge)
+    for name in args.models if not args.merge else []:
         rows += _model_rows(name, args, workdir)
     _print(rows)
     beside_llama = llama_ratios(rows)
@@ -60,6 +61,9 @@ def _parser() -> argparse.ArgumentParser:
                         "Q4_K_M -> F16 once, then int8wo beside Q8_0 and int4wo beside Q4_0 in alternated rounds")
     p.add_argument("--rounds", type=int, default=3, help="rounds of the llama-quantize comparison")
     p.add_argument("--no-load", dest="load", action="store_false", help="skip loading each variant")
+    p.add_argument("--merge", nargs="+", default=[], metavar="JSON",
+                   help="measure nothing: print and plot the rows of earlier runs' scale.json (a later file's row "
+                        "replaces an earlier one's for the same model, stage and path)")
     p.add_argument("--out-dir", default=None)
     p.add_argument("--no-plots", dest="plots", action="store_false")
     p.add_argument("--stage", default=None, help=argparse.SUPPRESS)  # internal: run one stage in this process
@@ -93,6 +97,14 @@ def _model_rows(name: str, args: argparse.Namespace, workdir: Path) -> list[dict
     if not args.keep:
         shutil.rmtree(source, ignore_errors=True)
     return rows
+
+
+def _earlier_rows(paths: list[str]) -> list[dict[str, Any]]:
+    merged: dict[tuple[str, str, str], dict[str, Any]] = {}
+    for path in paths:
+        for row in json.loads(Path(path).read_text())["rows"]:
+            merged[(row["model"], row["stage"], row["path"])] = row
+    return list(merged.values())
 
 
 def _row(model: str, params: int | None, stage: str, path: str, measured: dict[str, float]) -> dict[str, Any]:
@@ -245,14 +257,14 @@ def _plot(rows: list[dict[str, Any]], path: Path) -> Path:
                         if (r["stage"], r["path"]) == (stage, kind) and r["parameters"])
         label = f"{stage} ({kind})"
         mem.plot([p[0] for p in points], [p[1] for p in points], "o-", label=label)
-        wall.plot([p[0] for p in points], [p[2] for p in points], "o-", label=label)
-    mem.axhline(4, color="grey", ls="--", lw=0.8, label="target: 4 GB")
-    wall.axhline(600, color="grey", ls="--", lw=0.8, label="target: 10 min")
-    for ax, what in ((mem, "peak anonymous memory (GB)"), (wall, "wall time (s)")):
+        wall.plot([p[0] for p in points], [p[2] / p[0] for p in points], "o-", label=label)
+    mem.axhline(4, color="grey", ls="--", lw=0.8, label="target (int8wo, int4wo): 4 GB")
+    for ax, what in ((mem, "peak anonymous memory (GB)"), (wall, "wall seconds per billion parameters")):
         ax.set_xscale("log")
         ax.set_xlabel("parameters (billions)")
         ax.set_ylabel(what)
         ax.grid(alpha=0.3)
+    wall.set_yscale("log")  # flat cost per parameter is a flat line
     mem.legend(fontsize=7)
     return save_figure(fig, path)
 

@@ -52,6 +52,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--work-pool", default=None, metavar="POOL",
                    help="register on this process work pool of the Prefect server (PREFECT_API_URL) and exit; "
                         "`prefect worker start --pool POOL` runs the releases")
+    p.add_argument("--ray-address", default=None, metavar="ADDR",
+                   help="each triggered release runs its per-model work on this Ray cluster (host:port or auto), "
+                        "as `quantgate release --ray-address` does")
     p.set_defaults(func=_deploy)
 
     p = subparsers.add_parser("watch", help="watch model dirs / .gguf files and emit quantgate.model.changed")
@@ -274,18 +277,19 @@ def _deploy(args: argparse.Namespace) -> int:
     if args.work_pool:
         from flows.deploy import register_on_work_pool
 
-        deployment_id = register_on_work_pool(args.work_pool, name)
+        deployment_id = register_on_work_pool(args.work_pool, name, ray_address=args.ray_address)
         print(f"registered {FLOW_NAME}/{name} ({deployment_id}) on the work pool {args.work_pool!r} of "
               f"{os.environ['PREFECT_API_URL']}: each {EVENT_NAME!r} event starts a run there; start workers with\n"
               f"  prefect worker start --pool {args.work_pool}")
         return 0
 
     def serving(api_url: str) -> None:
-        print(f"serving {FLOW_NAME}/{name} on the Prefect API {api_url}: a run starts on each {EVENT_NAME!r} "
+        where = f" on the Ray cluster {args.ray_address}" if args.ray_address else ""
+        print(f"serving {FLOW_NAME}/{name} on the Prefect API {api_url}: a run{where} starts on each {EVENT_NAME!r} "
               "event (`quantgate watch PATH` or `quantgate notify REF`); Ctrl-C or SIGTERM stops, cancelling "
               "the runs in flight", file=sys.stderr, flush=True)
 
-    serve_deployment(name, on_serving=serving)
+    serve_deployment(name, on_serving=serving, ray_address=args.ray_address)
     exit_at_once(0)
     return 0
 

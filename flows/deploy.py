@@ -57,13 +57,15 @@ def release_trigger() -> DeploymentEventTrigger:
     )
 
 
-def build_deployment(name: str = DEPLOYMENT_NAME, work_pool: str | None = None):
+def build_deployment(name: str = DEPLOYMENT_NAME, work_pool: str | None = None, ray_address: str | None = None):
     """The release deployment; on a work pool its entrypoint is the module path `flows.release:release_flow`,
     so a worker anywhere quantgate is installed can load it (no source folder of ours needed).
 
     The flow-run process's environment: `release_flow` calls `prepare()` at its start; on a work pool the
     run also gets `deployment_env()` from its job variables, set before the process imports anything
-    (served here, each run inherits this process's environment, which the CLI prepared)."""
+    (served here, each run inherits this process's environment, which the CLI prepared). `ray_address`: every
+    run spreads its per-model work over that Ray cluster (the flow's `ray_address` parameter; an event cannot
+    change it), and refuses at its start, before any work, where the cluster cannot be reached."""
     from flows.release import release_flow  # late: torch, transformers, MLflow, only when deploying
 
     return release_flow.to_deployment(
@@ -74,6 +76,7 @@ def build_deployment(name: str = DEPLOYMENT_NAME, work_pool: str | None = None):
         work_pool_name=work_pool,
         entrypoint_type=EntrypointType.MODULE_PATH if work_pool else EntrypointType.FILE_PATH,
         job_variables={"env": deployment_env()} if work_pool else None,
+        parameters={"ray_address": ray_address} if ray_address else None,
     )
 
 
@@ -100,15 +103,16 @@ def ensure_work_pool(pool: str) -> str:
     return existing.type
 
 
-def register_on_work_pool(pool: str, name: str = DEPLOYMENT_NAME) -> str:
+def register_on_work_pool(pool: str, name: str = DEPLOYMENT_NAME, ray_address: str | None = None) -> str:
     """Register the deployment (and its event trigger) on `pool` of the Prefect server; returns its id.
     Workers (`prefect worker start --pool POOL`) run its flow runs; nothing runs in this process."""
     server_api_url()
     ensure_work_pool(pool)
-    return str(build_deployment(name, work_pool=pool).apply(work_pool_name=pool))
+    return str(build_deployment(name, work_pool=pool, ray_address=ray_address).apply(work_pool_name=pool))
 
 
-def serve_deployment(name: str = DEPLOYMENT_NAME, on_serving: Callable[[str], None] | None = None) -> None:
+def serve_deployment(name: str = DEPLOYMENT_NAME, on_serving: Callable[[str], None] | None = None,
+                     ray_address: str | None = None) -> None:
     """Register the deployment and start its flow runs (each in a process of its own) until SIGINT or
     SIGTERM; `on_serving(api_url)` once it is registered. What a stop does: `flows.stopping`."""
     from gates.records.orphans import prepare_sweep  # late: MLflow; notify and watch import this module too
@@ -122,7 +126,7 @@ def serve_deployment(name: str = DEPLOYMENT_NAME, on_serving: Callable[[str], No
             stopper.interruptible = False  # from here on a stop waits for a point where it is clean
             stopper.api_server_pid = api.server_pid
             runner = _runner(stopper)
-            runner.add_deployment(build_deployment(name))
+            runner.add_deployment(build_deployment(name, ray_address=ray_address))
             if on_serving is not None:
                 on_serving(api.url)
             if stopper.signum is None:

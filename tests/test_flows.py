@@ -65,7 +65,7 @@ def test_model_change_event_triggers_the_deployment_with_its_parameters(prefect_
     from flows.deploy import build_deployment, event_payload, notify
     from flows.watch import ModelWatcher
 
-    build_deployment("test-on-change").apply()
+    build_deployment("test-on-change", ray_address="10.0.0.5:6379").apply()  # `quantgate deploy --ray-address`
     model = model_dir(tmp_path)
     watcher = ModelWatcher([model], debounce_s=0.0)
     (model / "model.safetensors").write_bytes(b"\x07" * 64)
@@ -78,7 +78,7 @@ def test_model_change_event_triggers_the_deployment_with_its_parameters(prefect_
     with get_client(sync_client=True) as client:
         run = client.read_flow_run(uuid.UUID(result.flow_run_id))
     assert run.parameters == {"model": str(model.resolve()), "methods": ["nf4"], "policy": None,
-                              "approve": "manual", "limit": 3, "suites": ["facts_mc"]}
+                              "approve": "manual", "limit": 3, "suites": ["facts_mc"], "ray_address": "10.0.0.5:6379"}
 
 
 # ---- the release flow on the tiny model -------------------------------------------------------------
