@@ -65,12 +65,14 @@ def _generate(args: argparse.Namespace) -> int:
     from serving import LLMEngine, SamplingParams
 
     console = Console()
+    prompts = args.prompts or DEMO_PROMPTS
+    # No more sequences than prompts: the engine's default KV budget is capped at that many full contexts, so
+    # one prompt to an 8B model reserves one context's cache (1 GB), not the 2 GB default
     with console.status(f"loading {args.model}"):
         engine = LLMEngine.from_pretrained(
             args.model, device=args.device, dtype=args.dtype, scheduler=args.scheduler,
-            kv_cache_dtype=args.kv_cache_dtype, **_batch_options(args, 64),
+            kv_cache_dtype=args.kv_cache_dtype, **_batch_options(args, min(64, len(prompts))),
         )
-    prompts = args.prompts or DEMO_PROMPTS
     if args.chat:
         prompts = [
             engine.tokenizer.apply_chat_template(

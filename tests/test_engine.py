@@ -324,3 +324,13 @@ def test_attention_window_is_read_from_the_config():
     assert attention_window(MistralConfig(sliding_window=None)) is None
     assert attention_window(Qwen2Config(sliding_window=4096, use_sliding_window=False)) is None
     assert attention_window(LlamaConfig()) is None
+
+
+def test_generate_reserves_kv_for_its_prompts_only(tiny_model_dir, capsys):
+    """`quantgate generate` runs no more sequences than it has prompts, so the default KV budget is capped at
+    that many full contexts (the tiny model's 1,024 positions: 64 blocks of 16 for one prompt)."""
+    from quantgate.cli import main
+
+    assert main(["generate", "--model", str(tiny_model_dir), "--device", "cpu", "--max-tokens", "2", "a b c"]) == 0
+    out = capsys.readouterr().out.replace("\n", " ")
+    assert "1 requests, 2 output tokens" in out and "64 KV blocks of 16 tokens" in out
