@@ -82,7 +82,7 @@ def _error_on(x: torch.Tensor, weight: torch.Tensor, group_size: int, bits: int)
     low = SEARCH_DTYPE or (torch.bfloat16 if native_bf16() else torch.float32)
     speedup = BF16_SPEEDUP if low is torch.bfloat16 else 1
     gram = (x.T.double() @ x.double()).float() if k * speedup < t else None
-    x_low = x.to(low)
+    x_low = x.to(low) if gram is None else None  # the Gram form never reads x again
     rows = max(1, ERROR_CHUNK // k)
 
     def error(scales: torch.Tensor) -> float:
