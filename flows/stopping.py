@@ -64,7 +64,7 @@ class Stopper:
         _say(f"{signal.Signals(self.signum).name} received: stopping"
              + (", ending the flow runs in flight" if self.in_flight else ""))
         for process in self.in_flight:
-            if process.ppid() == os.getpid():
+            if _parent_pid(process) == os.getpid():
                 _signal(process, signal.SIGTERM)
         threading.Thread(target=self._stop, name="quantgate-stop", daemon=True).start()
 
@@ -109,6 +109,16 @@ def _descendants(exclude: int | None = None) -> list:
     except psutil.NoSuchProcess:
         spared = {exclude}
     return [p for p in everything if p.pid not in spared]
+
+
+def _parent_pid(process) -> int | None:
+    """None once it has exited: a process listed a moment ago may be gone by now."""
+    import psutil
+
+    try:
+        return process.ppid()
+    except psutil.NoSuchProcess:
+        return None
 
 
 def _signal(process, sig: int) -> None:
