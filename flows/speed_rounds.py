@@ -217,7 +217,7 @@ def release_engine_memory() -> None:
     """Collect a dropped engine now and hand its freed heap pages back to the OS before the next one loads."""
     import gc
 
-    from serving.model.quant.checkpoint import release_freed_memory
+    from quantgate.allocator import release_freed_memory
 
     gc.collect()
     release_freed_memory()

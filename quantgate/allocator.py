@@ -46,3 +46,22 @@ def reexec_with_tcmalloc(command: list[str]) -> bool:
     sys.stderr.flush()
     os.execve(command[0], command, env)
     return True  # not reached
+
+
+def release_freed_memory() -> None:
+    """Hand the heap pages freed so far back to the OS, whichever allocator holds them: tcmalloc keeps freed
+    spans for reuse (a release's flow process stayed at the baseline's 3.1 GB measure peak through every later
+    stage, Qwen2.5-Coder-0.5B; 0.63 GB after this), glibc keeps freed chunks in its heap (a loaded variant
+    carried ~40 % of its weights' bytes in freed pages after repacking)."""
+    import ctypes
+
+    try:
+        this_process = ctypes.CDLL(None)
+    except OSError:
+        return
+    release = getattr(this_process, "MallocExtension_ReleaseFreeMemory", None)  # tcmalloc, where preloaded
+    if release is not None:
+        release()
+    trim = getattr(this_process, "malloc_trim", None)  # glibc: what did not come from tcmalloc
+    if trim is not None:
+        trim(0)

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
+from quantgate.allocator import release_freed_memory
 from quantgate.loading import check_materialised, model_construction
 from serving.model.quant.int4 import Int4Embedding, Int4WeightOnlyLinear
 from serving.model.quant.int8 import (
@@ -84,18 +85,6 @@ def load_weight_only(directory: Path, device: str = "cpu", dtype: torch.dtype | 
             release_freed_memory()
     release_freed_memory()
     return model
-
-
-def release_freed_memory() -> None:
-    """Hand the heap pages freed so far back to the OS (glibc's malloc_trim; elsewhere nothing). Repacking
-    frees each plain weight after its layout is allocated, and glibc keeps such freed chunks in the heap:
-    without this a loaded variant's resident memory carried ~40 % of its weights' bytes in freed pages."""
-    import ctypes
-
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
 
 
 def _meta_quantized_layers(model: PreTrainedModel, directory: Path, linears: list[str], embeddings: list[str],
