@@ -44,10 +44,11 @@ def main(argv: list[str] | None = None) -> dict:
     args = _parser().parse_args(argv)
     methods = [m for m in args.methods.split(",") if m]
     planned = _plan(args.model, methods, args.policy)
+    planned_s = _time_plan(args, methods) if args.time_plan else {}
     with tempfile.TemporaryDirectory(prefix="qg-release-memory-") as home:
         _link_models(Path(home))
         samples, wall = _watched_release(args, Path(home))
-    rows = _rows(planned, samples)
+    rows = _rows(planned, samples, planned_s)
     _print(rows, args.model, wall)
     path = write_rows_report(args.out_dir, "release_memory", rows, _plot, args.plots, model=args.model,
                              methods=methods, limit=args.limit, suites=args.suites, cpu=cpu_info(),
@@ -68,6 +69,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--policy", default=None, help="gate policy (default: the release's)")
     p.add_argument("--out-dir", default=None)
     p.add_argument("--no-plots", dest="plots", action="store_false")
+    p.add_argument("--no-time-plan", dest="time_plan", action="store_false",
+                   help="skip the pilot that plans each stage's time (gates/time_plan.py)")
     return p
 
 
@@ -79,6 +82,28 @@ def _plan(model: str, methods: list[str], policy: str | None) -> dict[str, int]:
     if plan.not_planned:
         raise SystemExit(f"no memory plan for {model}: {plan.not_planned}")
     return {s.name: s.total for s in plan.stages}
+
+
+def _time_plan(args, methods: list[str]) -> dict[str, float | None]:
+    """Each stage's planned seconds, from a pilot of the engine on the model here (as `release --plan` prints)."""
+    from dataclasses import replace
+
+    from flows.fidelity_stage import measure_config
+    from flows.release import read_policy
+    from gates import time_plan as T
+    from gates.pilot import pilot
+    from gates.release_plan import items_at
+    from quantgate.allocator import release_freed_memory
+    from quantize.capacity import variant_label
+
+    policy, suites = read_policy(args.policy), [s for s in args.suites.split(",") if s]
+    shape = replace(measure_config(policy, methods, suites, args.limit).time_shape(), items=items_at(suites, args.limit))
+    timing = pilot(args.model, list(shape.items), policy)
+    release_freed_memory()  # the pilot's engine is gone: its heap goes back before the release starts
+    rows = T.stage_times(policy, ["baseline", *map(variant_label, methods)], shape, timing)
+    for r in rows:
+        print(f"time plan: {r.stage}: {r.seconds and round(r.seconds)} s ({r.counted})", file=sys.stderr)
+    return {r.stage: r.seconds for r in rows}
 
 
 def _link_models(home: Path) -> None:
@@ -165,7 +190,8 @@ def _pss_anon(pid: int) -> int | None:
     return None
 
 
-def _rows(planned: dict[str, int], samples: list[tuple]) -> list[dict[str, Any]]:
+def _rows(planned: dict[str, int], samples: list[tuple], planned_s: dict[str, float | None]
+          ) -> list[dict[str, Any]]:
     rows = []
     for name, plan_bytes in planned.items():
         seen = [s for s in samples if s[1] == name]
@@ -177,6 +203,7 @@ def _rows(planned: dict[str, int], samples: list[tuple]) -> list[dict[str, Any]]
                      "peak_rss_gb": round(rss / 1e9, 3), "planned_over_anon": ratio and round(ratio, 3),
                      "within_tolerance": ratio is not None and abs(ratio - 1) <= TOLERANCE,
                      "seconds": round(seen[-1][0] - seen[0][0], 1) if seen else 0.0, "ran": bool(seen),
+                     "planned_s": planned_s.get(name) and round(planned_s[name], 1),
                      "at_peak": [{"pid": p, "command": c, "anon_gb": round(a / 1e9, 3)}
                                  for p, c, a in sorted(at_peak[4], key=lambda x: -x[2])] if at_peak else []})
     return rows
@@ -195,11 +222,14 @@ def _timeline(samples: list[tuple]) -> list[dict[str, Any]]:
 
 def _print(rows: list[dict[str, Any]], model: str, wall: float) -> None:
     print(f"\n{model}: release {wall:.0f} s; planned peak per stage vs measured (anonymous, and all resident)")
-    print(f"{'stage':<24} {'planned GB':>10} {'anon GB':>8} {'RSS GB':>8} {'plan/anon':>9}  within ±20 %")
+    print(f"{'stage':<24} {'planned GB':>10} {'anon GB':>8} {'RSS GB':>8} {'plan/anon':>9}  within ±20 %"
+          f"  {'planned s':>9} {'s':>7} {'plan/s':>7}")
     for r in rows:
         verdict = "-" if not r["ran"] else ("yes" if r["within_tolerance"] else "NO")
+        time_ratio = r["planned_s"] / r["seconds"] if r["planned_s"] and r["seconds"] else None
         print(f"{r['stage']:<24} {r['planned_gb']:>10.2f} {r['peak_anon_gb']:>8.2f} {r['peak_rss_gb']:>8.2f} "
-              f"{fmt(r['planned_over_anon'], 2):>9}  {verdict}")
+              f"{fmt(r['planned_over_anon'], 2):>9}  {verdict:<12} {fmt(r['planned_s'], 0):>9} "
+              f"{r['seconds']:>7.0f} {fmt(time_ratio, 2):>7}")
     print("\nat each stage's peak, the processes holding the most anonymous memory:")
     for r in rows:
         top = ", ".join(f"{p['anon_gb']:.2f} GB {p['command'].split(' -m ')[-1][:40]!r}" for p in r["at_peak"][:3])

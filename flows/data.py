@@ -7,6 +7,8 @@ import hashlib
 import json
 from dataclasses import asdict, dataclass, field
 
+from gates.time_plan import MeasureShape
+
 # suites or single task names, as `quantgate eval --suite` takes: our own tasks, the safety suite, and the real
 # benchmarks gates/policy.yaml requires (ARC-Easy, PIQA, HellaSwag, WinoGrande, the fixed MMLU subset)
 DEFAULT_SUITES = ("accuracy", "safety", "arc_easy", "piqa", "hellaswag", "winogrande", "mmlu_marketing",
@@ -71,6 +73,14 @@ class MeasureConfig:
         if self.limit is None:
             raise ValueError("a held-out split needs a limit (items per task in each split)")
         return range(self.split * self.limit, (self.split + 1) * self.limit)
+
+    def time_shape(self) -> MeasureShape:
+        """What each measure stage runs, for the time plan (gates/time_plan.py; the items per task it counts)."""
+        return MeasureShape(items={}, bench_requests=self.bench_requests, bench_concurrency=self.bench_concurrency,
+                            bench_max_tokens=self.bench_max_tokens,
+                            fidelity_tokens=self.fidelity_chunks * self.fidelity_chunk_tokens,
+                            probe_tokens=self.probes_per_length * sum(self.probe_lengths),
+                            probe_models=self.probe_models)
 
 
 @dataclass(frozen=True)

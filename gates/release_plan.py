@@ -13,8 +13,10 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from gates import metric_names as M
+from gates import time_plan as T
 from gates.judging import power as P
 from gates.judging.policy import Policy
+from gates.pilot import Timing, pilot
 
 
 @dataclass
@@ -113,78 +115,6 @@ def plan_tasks(policy: Policy, suites: list[str], flip_rate: float | None, secon
     return tasks, skipped
 
 
-PILOT_ITEMS = (1, 3)  # items per task timed twice: the difference is the per-item cost, without the task's setup
-
-
-@dataclass
-class Timing:
-    """This machine's measured costs (one model): seconds per item per task, per speed round (every point),
-    prompt tokens per second (fidelity chunks and long-context probes are prompt-bound); where from."""
-
-    item_s: dict[str, float] = field(default_factory=dict)
-    round_s: float | None = None
-    prefill_tps: float | None = None
-    source: str = ""
-    round_source: str = ""
-
-
-def _time(fn) -> float:
-    import time
-
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
-
-
-def _item_seconds(engine, task: str) -> float:
-    """A task's seconds per item: two pilot runs of PILOT_ITEMS items, the difference over the extra items (the
-    task's own setup, e.g. lm-eval building its requests, cancels); the larger run's mean if noise inverts it."""
-    from evals.run import run_suite
-
-    small, large = PILOT_ITEMS
-    t_small = _time(lambda: run_suite(engine, [task], limit=small))
-    t_large = _time(lambda: run_suite(engine, [task], limit=large))
-    per_item = (t_large - t_small) / (large - small)
-    return per_item if per_item > 0 else t_large / large
-
-
-def _round_seconds(engine, policy: Policy) -> tuple[float, float]:
-    """One model's speed round at the policy's points (as flows.speed_rounds times them, context prefill
-    included), and its prompt tokens per second: (seconds, tok/s)."""
-    import random
-
-    from serving import SamplingParams
-
-    sp, rng = policy.speed, random.Random(0)
-
-    def prompts(n: int, length: int) -> list[list[int]]:
-        return [[rng.randrange(1000, engine.vocab_size) for _ in range(length)] for _ in range(n)]
-
-    prefill = _time(lambda: engine.generate(prompts(1, sp.prefill_tokens),
-                                            SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)))
-    total = prefill
-    for b in policy.decode_batches if policy.min_decode_speedup is not None else []:
-        total += _time(lambda b=b: engine.generate(prompts(b, sp.decode_context), SamplingParams(
-            max_tokens=sp.decode_steps + 1, temperature=0.0, ignore_eos=True)))
-    return total, sp.prefill_tokens / prefill
-
-
-def pilot(model: str, tasks: list[str], policy: Policy, need_items: bool = True) -> Timing:
-    """Load the engine on `model` once; time PILOT_ITEMS items of every task (when `need_items`) and one speed
-    round after a warm-up one."""
-    from quantgate.models import resolve_model
-    from serving import LLMEngine
-
-    engine = LLMEngine.from_pretrained(str(resolve_model(model)))
-    timing = Timing(source=f"measured here: a pilot of {PILOT_ITEMS[0]} and {PILOT_ITEMS[1]} items per task on {model}")
-    if need_items:
-        timing.item_s = {t: _item_seconds(engine, t) for t in tasks}
-    _round_seconds(engine, policy)  # warm-up: first calls pay for allocation and kernel selection
-    timing.round_s, timing.prefill_tps = _round_seconds(engine, policy)
-    timing.round_source = f"one pilot round of the baseline on {model}"
-    return timing
-
-
 def with_run_speed(timing: Timing, run_id: str) -> Timing:
     """The speed round's cost from the run's speed.json (every round's tok/s at every point), where it has one."""
     import json
@@ -231,10 +161,12 @@ def _context(model: str | None) -> int | None:
 def plan_report(policy: Policy, suites: list[str], models: int, level: float | None = None,
                 flip_rate: float | None = None, seconds: str | None = None, from_run: str | None = None,
                 min_n: int = 20, model: str | None = None, kv_variants: int = 0, measure: bool = True,
-                memory: str = "") -> str:
+                memory: str = "", stages: tuple[list[str], T.MeasureShape, int | None] | None = None) -> str:
     """The plan as Markdown. Time: `seconds` when given; else a pilot of the engine on `model` (a few items
     per task, one speed round) when `measure` (else DEFAULT_SECONDS_PER_ITEM, said so). `memory`: the memory
-    plan's table (flows/memory_plan.py, which the CLI passes: gates may not import flows), printed last."""
+    plan's table (flows/memory_plan.py, which the CLI passes: gates may not import flows), printed last.
+    `stages`: the release's models (baseline first), what each measure stage runs and its `--limit`: the time
+    per stage (gates/time_plan.py) from the pilot's figures."""
     level = policy.family_harmless_pass if level is None else level
     rec = recorded(from_run, policy) if from_run else None
     given_all = seconds_per_item(seconds)[0] is not None
@@ -252,7 +184,21 @@ def plan_report(policy: Policy, suites: list[str], models: int, level: float | N
     lines = [P.plan_markdown(plan), f"- policy `{policy.source}`; {source}; seconds per item: {item_source}",
              f"- a release at these n: `--limit {max(r.n for r in plan.rows)}` covers every task (the largest n)"]
     lines += [f"- not planned: {s}" for s in skipped]
-    return "\n".join(lines) + "\n\n" + rows_markdown(rows, plan, models, timing) + (f"\n{memory}" if memory else "")
+    times = ""
+    if stages is not None:
+        names, shape, limit = stages
+        shape = replace(shape, items=items_at(suites, limit))
+        times = "\n" + T.markdown(T.stage_times(policy, names, shape, timing), limit)
+    return ("\n".join(lines) + "\n\n" + rows_markdown(rows, plan, models, timing) + times
+            + (f"\n{memory}" if memory else ""))
+
+
+def items_at(suites: list[str], limit: int | None) -> dict[str, int]:
+    """Items each task of the suites runs per model at `limit` (its whole data where it has fewer)."""
+    from evals.tasks import resolve_tasks
+
+    counts = {spec.name: available_items(spec) for spec in resolve_tasks(suites)}
+    return {t: (min(limit, n) if limit and n is not None else n or limit or 0) for t, n in counts.items()}
 
 
 ASSUMED_REFUSAL_RATE = 0.5  # no run named: the rate at which the flip cap binds least (a conservative figure)

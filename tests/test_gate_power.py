@@ -183,6 +183,8 @@ def test_release_plan_command_prints_n_per_task_and_time(capsys) -> None:
     assert "| facts_mc | 0.05 | 0.05 | 235 | 235 |" in out and "too few items" in out and "does NOT reach 0.9" in out
     assert "for 3 models" in out and "not planned: perplexity" in out
     assert f"{n['facts_mc'] * 0.2 + n['cloze'] * 0.5:.0f} s per model" in out
+    assert "## Time per stage (at the suites' full item counts" in out  # no --limit; no pilot: nothing timed
+    assert "| measure baseline | — | no pilot |" in out and "| measure int4wo | — | no pilot |" in out
     assert main(["release", "--plan", "--no-pilot", "--suites", "cloze", "--seconds-per-item", "cloze=fast"]) == 2
     assert "--seconds-per-item: 'cloze=fast' is not S or TASK=S" in capsys.readouterr().err
 
@@ -242,6 +244,7 @@ def test_pilot_measures_seconds_per_item_and_per_round_on_the_engine(tiny_model_
                                      "long_context": None}})
     timing = R.pilot(str(tiny_model_dir), ["facts_mc"], policy)
     assert timing.item_s["facts_mc"] > 0 and timing.round_s > 0 and timing.prefill_tps > 0
+    assert timing.load_s > 0 and set(timing.decode_s) == {1, 2} and min(timing.decode_s.values()) > 0
     assert "a pilot of 1 and 3 items per task" in timing.source
     report = R.plan_report(policy, ["facts_mc"], models=2, model=str(tiny_model_dir))
     assert "measured here: a pilot of 1 and 3 items per task" in report and "0.15 (default" not in report

@@ -1,0 +1,86 @@
+"""This machine's measured costs for the release plan: a short pilot of our engine on the model — seconds per
+eval item per task, per speed round, per prompt token, per decode step at each batch, per load
+(`quantgate release --plan`: gates/release_plan.py sizes n with them, gates/time_plan.py adds up each stage)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from gates.judging.policy import Policy
+
+PILOT_ITEMS = (1, 3)  # items per task timed twice: the difference is the per-item cost, without the task's setup
+
+
+@dataclass
+class Timing:
+    """This machine's measured costs (one model): seconds per item per task, per speed round (every point),
+    prompt tokens per second (fidelity chunks and long-context probes are prompt-bound); where from."""
+
+    item_s: dict[str, float] = field(default_factory=dict)
+    round_s: float | None = None
+    prefill_tps: float | None = None
+    load_s: float | None = None  # the engine's load of the model
+    decode_s: dict[int, float] = field(default_factory=dict)  # batch -> seconds of its decode point (context + steps)
+    source: str = ""
+    round_source: str = ""
+
+
+def _time(fn) -> float:
+    import time
+
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def _item_seconds(engine, task: str) -> float:
+    """A task's seconds per item: two pilot runs of PILOT_ITEMS items, the difference over the extra items (the
+    task's own setup, e.g. lm-eval building its requests, cancels); the larger run's mean if noise inverts it."""
+    from evals.run import run_suite
+
+    small, large = PILOT_ITEMS
+    t_small = _time(lambda: run_suite(engine, [task], limit=small))
+    t_large = _time(lambda: run_suite(engine, [task], limit=large))
+    per_item = (t_large - t_small) / (large - small)
+    return per_item if per_item > 0 else t_large / large
+
+
+def _round_seconds(engine, policy: Policy) -> tuple[float, float, dict[int, float]]:
+    """One model's speed round at the policy's points (as flows.speed_rounds times them, context prefill
+    included), its prompt tokens per second and each decode point's seconds: (seconds, tok/s, {batch: s})."""
+    import random
+
+    from serving import SamplingParams
+
+    sp, rng = policy.speed, random.Random(0)
+
+    def prompts(n: int, length: int) -> list[list[int]]:
+        return [[rng.randrange(1000, engine.vocab_size) for _ in range(length)] for _ in range(n)]
+
+    prefill = _time(lambda: engine.generate(prompts(1, sp.prefill_tokens),
+                                            SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)))
+    decode = {b: _time(lambda b=b: engine.generate(prompts(b, sp.decode_context), SamplingParams(
+        max_tokens=sp.decode_steps + 1, temperature=0.0, ignore_eos=True)))
+        for b in (policy.decode_batches if policy.min_decode_speedup is not None else [])}
+    return prefill + sum(decode.values()), sp.prefill_tokens / prefill, decode
+
+
+def pilot(model: str, tasks: list[str], policy: Policy, need_items: bool = True) -> Timing:
+    """Load the engine on `model` once; time PILOT_ITEMS items of every task (when `need_items`) and one speed
+    round after a warm-up one."""
+    import time
+
+    from quantgate.models import resolve_model
+    from serving import LLMEngine
+
+    start = time.perf_counter()
+    engine = LLMEngine.from_pretrained(str(resolve_model(model)))
+    load_s = time.perf_counter() - start
+    timing = Timing(source=f"measured here: a pilot of {PILOT_ITEMS[0]} and {PILOT_ITEMS[1]} items per task on {model}",
+                    load_s=load_s)
+    if need_items:
+        timing.item_s = {t: _item_seconds(engine, t) for t in tasks}
+    _round_seconds(engine, policy)  # warm-up: first calls pay for allocation and kernel selection
+    timing.round_s, timing.prefill_tps, timing.decode_s = _round_seconds(engine, policy)
+    timing.round_source = f"one pilot round of the baseline on {model}"
+    return timing

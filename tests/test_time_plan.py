@@ -1,0 +1,63 @@
+"""The release's time per stage (gates/time_plan.py) adds up the pilot's measured costs as the stages spend
+them: crafted costs, exact seconds."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from gates import time_plan as T
+from gates.judging.policy import load_policy
+from gates.pilot import Timing
+from gates.release_plan import items_at
+
+DEMO_POLICY = Path(__file__).resolve().parents[1] / "flows" / "demo_policy.yaml"
+
+
+def test_a_measure_stage_is_its_load_serving_evals_and_prompt_tokens() -> None:
+    shape = T.MeasureShape(items={"arc_easy": 40, "piqa": 40, "perplexity": 10}, bench_requests=16,
+                           bench_concurrency=4, bench_max_tokens=32, fidelity_tokens=1024, probe_tokens=4000,
+                           probe_models=("baseline",))
+    base = T.measure_seconds("baseline", shape, {"arc_easy": 0.5, "piqa": 0.25}, 2.0, 1000.0, 0.1)
+    assert base.seconds == pytest.approx(2.0 + 4 * 32 * 0.1 + 40 * 0.5 + 40 * 0.25 + (1024 + 4000) / 1000.0)
+    assert "not timed: perplexity" in base.counted
+    variant = T.measure_seconds("int8wo", shape, {"arc_easy": 0.5, "piqa": 0.25}, 2.0, 1000.0, 0.1)
+    assert variant.seconds == pytest.approx(base.seconds - 4.0)  # the probes run on the baseline only
+
+
+def test_decode_steps_come_from_the_nearest_measured_batch() -> None:
+    decode = {1: 6.5, 4: 13.0, 16: 32.5}
+    assert T.step_seconds(decode, 64, 4) == pytest.approx(0.2)
+    assert T.step_seconds(decode, 64, 3) == pytest.approx(0.2)
+    assert T.step_seconds(decode, 64, 12) == pytest.approx(0.5)
+    assert T.step_seconds({}, 64, 4) is None
+
+
+def test_the_speed_stage_stops_at_its_budget_or_max_rounds() -> None:
+    policy = load_policy(DEMO_POLICY)  # 12 rounds at most, a look every 4, 90 s of timed rounds
+    sp = policy.speed
+    assert (sp.max_rounds, sp.look_every, sp.time_budget_s) == (12, 4, 90)
+    fast = T.speed_seconds(policy, 2, round_s=2.0, load_s=3.0)  # 12 rounds of a pair: 48 s, under 60 + 2
+    assert fast.seconds == pytest.approx(3.0 + 2 * (3.0 + 4.0 + 48.0))
+    slow = T.speed_seconds(policy, 2, round_s=5.0, load_s=3.0)  # the budget: 90 x 2/3 + half a pair round
+    assert slow.seconds == pytest.approx(3.0 + 2 * (3.0 + 10.0 + 65.0))
+    crawl = T.speed_seconds(policy, 2, round_s=20.0, load_s=3.0)  # the first look always runs: 4 rounds
+    assert crawl.seconds == pytest.approx(3.0 + 2 * (3.0 + 40.0 + 160.0))
+
+
+def test_stage_times_from_a_pilot_and_without_one() -> None:
+    policy = load_policy(DEMO_POLICY)
+    shape = T.MeasureShape(items={"arc_easy": 40})
+    timing = Timing(item_s={"arc_easy": 0.5}, round_s=2.0, prefill_tps=1000.0, load_s=2.0,
+                    decode_s={1: 6.5, 4: 13.0, 16: 32.5})
+    rows = T.stage_times(policy, ["baseline", "int8wo"], shape, timing)
+    assert [r.stage for r in rows] == ["measure baseline", "measure int8wo", "speed"]
+    assert rows[0].seconds == pytest.approx(2.0 + 4 * 32 * 0.2 + 20.0)
+    assert all(r.seconds is None for r in T.stage_times(policy, ["baseline"], shape, Timing()))
+    assert "**" in T.markdown(rows, 40) and "--limit 40" in T.markdown(rows, 40)
+
+
+def test_items_per_task_at_a_limit() -> None:
+    assert items_at(["arc_easy", "cloze"], 40) == {"arc_easy": 40, "cloze": 40}
+    assert items_at(["cloze"], 1000) == {"cloze": 158}  # its whole data where it has fewer
