@@ -51,8 +51,9 @@ CHILD_RUNTIME_BYTES = 3 * GIB // 10  # the quantize stage's child interpreter: t
 # int4wo) to 0.40 GB (bf16 baseline of an fp32 source), SmolLM2-135M on the AMX Xeon, 2026-12-05
 ENGINE_BYTES = 3 * GIB // 10
 ENGINE_TOKENS = 2048  # serving.core.scheduler.MAX_NUM_BATCHED_TOKENS: the most tokens one engine step runs
-# Rows of logits one eval step holds: fidelity scores every prompt row of a full step (lm-eval only its
-# continuations); the engine log-softmaxes them in fp32 LOGSOFTMAX_ROWS at a time (serving/model/model_runner.py)
+# Rows of logits one eval step holds: fidelity and perplexity score every prompt row of a full step, and lm-eval's
+# continuations can fill most of one (PIQA's solutions: +0.9 GB over the engine on Qwen2.5-Coder-0.5B, perplexity
+# +1.0 GB); the engine log-softmaxes them in fp32 LOGSOFTMAX_ROWS at a time (serving/model/model_runner.py)
 LOGIT_ROWS = ENGINE_TOKENS
 LOGSOFTMAX_ROWS = 256
 STREAM_BLOCK_BYTES = 4 * (8 << 20) * 4  # quantize.streaming.CHUNK_ELEMENTS as fp32, with ~3 temporaries
@@ -268,7 +269,8 @@ def plan(inputs: Inputs, machine: Machine) -> MemoryPlan:
     if largest is not None:
         pair, weights = ("baseline", largest), served["baseline"] + served[largest]
         step = activation_bytes(shape, ENGINE_TOKENS // 4, 16, db)
-        acts = max(step, loads[largest], loads["baseline"])  # the second engine loads beside the first
+        # the baseline loads first, alone: its transient is held beside its own weights, not the variant's
+        acts = max(step, loads[largest], loads["baseline"] - served[largest])
         stages.append(Stage("speed", pair, weights, 2 * inputs.speed_kv_tokens * kv_token, acts,
                             RUNTIME_BYTES + EVAL_BYTES + 2 * ENGINE_BYTES))
         stages.append(Stage("canary", ("champion (baseline)", f"challenger ({largest})"), weights,
@@ -373,9 +375,13 @@ def for_release(source: str | Path, methods: list[str], config, policy) -> Memor
 
 
 def plan_for(model: str, methods: list[str], policy, device: str | None = None) -> MemoryPlan:
-    """`quantgate release --plan`'s: the release's plan for a model reference, at MeasureConfig's defaults."""
-    from flows.data import MeasureConfig
+    """`quantgate release --plan`'s: the release's plan for a model reference, with the MeasureConfig the release
+    builds from the policy (its fidelity chunks set the logits an eval step scores)."""
+    from dataclasses import replace
+
+    from flows.fidelity_stage import measure_config
     from flows.machine import resolve_device
     from quantgate.models import resolve_model
 
-    return for_release(resolve_model(model), methods, MeasureConfig(device=resolve_device(device)), policy)
+    config = replace(measure_config(policy, methods, None, None), device=resolve_device(device))
+    return for_release(resolve_model(model), methods, config, policy)

@@ -66,10 +66,10 @@ def speed_seconds(policy: Policy, variants: int, round_s: float, load_s: float) 
     its share of the budget (flows.speed_rounds.pair_budget) or at max_rounds, and never before the first look."""
     sp = policy.speed
     pair_round = 2 * round_s
-    timed = sp.max_rounds * pair_round
-    if sp.time_budget_s:
-        timed = min(timed, sp.time_budget_s * 2 / (variants + 1) + pair_round / 2)  # a round started runs out
-    timed = max(timed, min(sp.look_every, sp.max_rounds) * pair_round)
+    rounds = sp.max_rounds
+    if sp.time_budget_s:  # no round is started that would end past the budget
+        rounds = min(rounds, int(sp.time_budget_s * 2 / (variants + 1) // pair_round))
+    timed = max(rounds, min(sp.look_every, sp.max_rounds)) * pair_round
     per_pair = load_s + WARMUP_ROUNDS * pair_round + timed
     return StageTime("speed", load_s + variants * per_pair,
                      f"baseline load + {variants} x (load + {WARMUP_ROUNDS} warm-up + {timed:.0f} s of timed rounds)")

@@ -183,3 +183,12 @@ def test_eval_logits_are_counted_as_the_engine_holds_them():
     # every row of a full step in bf16, 256 of them at a time as fp32 logits and log-probs
     assert P.activation_bytes(shape, 2048, 2048, 2) - base == (2048 * 2 + 256 * 8) * 151936
     assert P.activation_bytes(shape, 2048, 16, 2) - base == 16 * 10 * 151936
+
+
+def test_the_speed_stage_holds_the_baseline_load_transient_beside_its_own_weights_only():
+    bf16 = dict(LLAMA_8B)  # an fp32 source served in bf16: the baseline loads first, while it is the only engine
+    shape = ModelShape.from_config(LLAMA_8B)
+    wide = P.plan(P.Inputs(bf16, ("int8wo",), stored_dtype="float32"), P.Machine(64 * GB, "pretend"))
+    speed, load = _stage(wide, "speed"), P.load_bytes(shape, "baseline", P.Inputs(bf16, (), stored_dtype="float32"))
+    step = P.activation_bytes(shape, P.ENGINE_TOKENS // 4, 16, 2)
+    assert speed.activations == max(step, load - wide.served["int8wo"])

@@ -38,10 +38,10 @@ def test_the_speed_stage_stops_at_its_budget_or_max_rounds() -> None:
     policy = load_policy(DEMO_POLICY)  # 12 rounds at most, a look every 4, 90 s of timed rounds
     sp = policy.speed
     assert (sp.max_rounds, sp.look_every, sp.time_budget_s) == (12, 4, 90)
-    fast = T.speed_seconds(policy, 2, round_s=2.0, load_s=3.0)  # 12 rounds of a pair: 48 s, under 60 + 2
+    fast = T.speed_seconds(policy, 2, round_s=2.0, load_s=3.0)  # 12 rounds of a pair: 48 s, under 60
     assert fast.seconds == pytest.approx(3.0 + 2 * (3.0 + 4.0 + 48.0))
-    slow = T.speed_seconds(policy, 2, round_s=5.0, load_s=3.0)  # the budget: 90 x 2/3 + half a pair round
-    assert slow.seconds == pytest.approx(3.0 + 2 * (3.0 + 10.0 + 65.0))
+    slow = T.speed_seconds(policy, 2, round_s=3.0, load_s=3.0)  # the budget: 90 x 2/3 s, 10 whole rounds of 6 s
+    assert slow.seconds == pytest.approx(3.0 + 2 * (3.0 + 6.0 + 60.0))
     crawl = T.speed_seconds(policy, 2, round_s=20.0, load_s=3.0)  # the first look always runs: 4 rounds
     assert crawl.seconds == pytest.approx(3.0 + 2 * (3.0 + 40.0 + 160.0))
 
