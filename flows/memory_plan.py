@@ -24,7 +24,7 @@ the kernel path takes bf16 rows, else fp32; QUANTGATE_DTYPE overrides), int8wo ~
 fp32 scale per row, int4wo / int4-awq / int4-gptq ~0.5 byte plus a bf16 scale and zero per group of 32,
 embeddings and head included, the norms at the serving dtype (quantize.capacity.estimate_weight_bytes;
 as served = as stored for these, docs/results/2026-12-01-amd-epyc.md). Every stage adds RUNTIME_BYTES, the measure
-and speed stages EVAL_BYTES, and ENGINE_BYTES per resident engine; activations are one step's or a load's
+stages EVAL_BYTES, and ENGINE_BYTES per resident engine; activations are one step's or a load's
 transient (`load_bytes`), the more. Left out: a first run's kernel builds (flows compile the engine's C++ kernels
 on first use; measured +2.1 GB for ~40 s in the first measure stage: serving/kernels/cpu/build.py).
 """
@@ -43,8 +43,8 @@ GIB = 1 << 30
 # Xeon, 2026-12-05, SmolLM2-135M and Qwen2.5-Coder-0.5B): the flow's process with torch, transformers, Prefect
 # and MLflow imported (0.43-0.44 GB anonymous) and Prefect's local API server (0.22 GB).
 RUNTIME_BYTES = 6 * GIB // 10
-# From the first engine on: lm-eval's tasks and their datasets, the tokenizer, and the heap the engines and
-# evals leave behind (measured: a measure stage 0.9-1.0 GB above the flow, its engine and its KV).
+# A measure stage's evals: lm-eval's tasks and their datasets, the tokenizer (measured: a measure stage 0.9-1.0 GB
+# above the flow, its engine and its KV, with its step's logits).
 EVAL_BYTES = GIB // 2
 CHILD_RUNTIME_BYTES = 3 * GIB // 10  # the quantize stage's child interpreter: torch and transformers imported (0.3 GB)
 # Each resident engine beside its weights and KV: anonymous memory after load minus both, 0.22 GB (int8wo,
@@ -135,7 +135,7 @@ class MemoryPlan:
                   + (f"; the GPU's free memory {gb(gpu)} GB for every stage but quantize" if gpu is not None else ""),
                   f"- weights as served ({self.serving_dtype} engine): {served}",
                   f"- runtime: {gb(RUNTIME_BYTES)} GB per stage (the flow's processes; flows/memory_plan.py), "
-                  f"{gb(EVAL_BYTES)} GB more from the first engine on (evals' datasets, the heap engines leave), "
+                  f"{gb(EVAL_BYTES)} GB more in a measure stage (lm-eval's tasks and datasets), "
                   f"{gb(ENGINE_BYTES)} GB more per resident engine, the quantize child's interpreter "
                   f"{gb(CHILD_RUNTIME_BYTES)} GB more; activations: one engine step's or a load's transient",
                   f"- capacity budget (capacity/max_seqs): {self.capacity_budget_gb:g} GiB of weights + KV"]
@@ -271,8 +271,10 @@ def plan(inputs: Inputs, machine: Machine) -> MemoryPlan:
         step = activation_bytes(shape, ENGINE_TOKENS // 4, 16, db)
         # the baseline loads first, alone: its transient is held beside its own weights, not the variant's
         acts = max(step, loads[largest], loads["baseline"] - served[largest])
+        # no EVAL_BYTES: what the evals leave is handed back between stages now (quantgate.allocator); measured
+        # (2026-12-06) 3.43 GB at 0.5B and 7.63 GB at 1.5B against 3.35 and 6.91 GB planned so
         stages.append(Stage("speed", pair, weights, 2 * inputs.speed_kv_tokens * kv_token, acts,
-                            RUNTIME_BYTES + EVAL_BYTES + 2 * ENGINE_BYTES))
+                            RUNTIME_BYTES + 2 * ENGINE_BYTES))
         stages.append(Stage("canary", ("champion (baseline)", f"challenger ({largest})"), weights,
                             2 * inputs.canary_kv_bytes, max(2 * step, acts), RUNTIME_BYTES + 2 * ENGINE_BYTES))
     budget = max(2.0, float(math.ceil(served["baseline"] / GIB + CAPACITY_HEADROOM_GB)))

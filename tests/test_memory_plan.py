@@ -30,7 +30,7 @@ def test_an_8b_shaped_release_on_24_gb_refuses_the_speed_pair():
     speed = _stage(plan, "speed")
     assert speed.models == ("baseline", "int8wo")  # the largest variant beside the baseline
     assert speed.weights == plan.served["baseline"] + plan.served["int8wo"] > 24 * GB
-    assert speed.total > 24 * GB and speed.runtime == P.RUNTIME_BYTES + P.EVAL_BYTES + 2 * P.ENGINE_BYTES
+    assert speed.total > 24 * GB and speed.runtime == P.RUNTIME_BYTES + 2 * P.ENGINE_BYTES
     assert [s.name for s in plan.unfit()] == ["speed", "canary"]
     assert _stage(plan, "measure baseline").total < 24 * GB  # one model at a time fits
     assert _stage(plan, "quantize int8wo").total < 3 * GB  # streamed: a row block, not the model
