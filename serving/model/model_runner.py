@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from quantgate.allocator import release_freed_memory
 from quantgate.model_shape import kv_shape
 from serving.core.scheduler import ScheduledSeq
 from serving.core.sequence import Sequence, TokenLogprob
@@ -94,6 +95,7 @@ def load_model(model_dir: Path, device: torch.device, dtype: torch.dtype, isa: s
     model.set_attn_implementation(attention.register())
     if packing_wanted(torch.device(device), dtype, path):
         pack_linears(model, path)
+    release_freed_memory()  # a cast or repack frees what the allocator would otherwise keep for the process's life
     return model.eval()
 
 

@@ -21,6 +21,8 @@ refuses bf16 on AVX2).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn as nn
 
@@ -146,13 +148,16 @@ def pack_for_wo(model: nn.Module, isa: str) -> int:
         model.set_output_embeddings(new_head)
         model.set_input_embeddings(WoEmbedding(new_head))
         swapped += 1
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if type(child) is nn.Linear and child.weight.dtype == torch.bfloat16 and child.weight is not getattr(
-                    embed, "weight", None) and wo_fp32.fits(child.in_features, child.out_features):
-                setattr(parent, name, WoLinear.of(child, isa))
-                swapped += 1
-    return swapped
+    embed_weight = getattr(embed, "weight", None)
+    del embed, head
+
+    def tiled(child: nn.Linear) -> nn.Module | None:
+        if child.weight.dtype == torch.bfloat16 and child.weight is not embed_weight and wo_fp32.fits(
+                child.in_features, child.out_features):
+            return WoLinear.of(child, isa)
+        return None
+
+    return swapped + swap_linears(model, tiled)
 
 
 class PairPackedEmbedding(nn.Module):
@@ -208,12 +213,26 @@ def pack_linears(model: nn.Module, isa: str | None = None) -> int:
         counts[id(tensor)] = counts.get(id(tensor), 0) + 1
     own_kernel = path in isas.BF16_PATHS and wo_bf16.available(isa=path)
     swapped = int(own_kernel and pack_tied_head(model, path))
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if type(child) is not nn.Linear or child.weight.dtype != torch.bfloat16:
-                continue
-            if counts.get(id(child.weight), 0) > 1:
-                continue
-            setattr(parent, name, _packed(child, own_kernel, path))
-            swapped += 1
+
+    def packed(child: nn.Linear) -> nn.Module | None:
+        if child.weight.dtype != torch.bfloat16 or counts.get(id(child.weight), 0) > 1:
+            return None
+        return _packed(child, own_kernel, path)
+
+    return swapped + swap_linears(model, packed)
+
+
+def swap_linears(model: nn.Module, replace: Callable[[nn.Linear], nn.Module | None]) -> int:
+    """Each plain `nn.Linear` child replaced by `replace(child)` (None: kept), one at a time; returns how many.
+    Only the parents are listed, so each old weight is freed as soon as its replacement is in place and the
+    next packing reuses its memory (listing the children too kept every old weight alive to the end: 3.0 GB
+    over the weights while Qwen2.5-Coder-1.5B's bf16 linears were packed)."""
+    parents = [m for m in model.modules() if any(type(c) is nn.Linear for c in m.children())]
+    swapped = 0
+    for parent in parents:
+        for name in [n for n, c in parent.named_children() if type(c) is nn.Linear]:
+            new = replace(getattr(parent, name))
+            if new is not None:
+                setattr(parent, name, new)
+                swapped += 1
     return swapped
