@@ -8,9 +8,10 @@ its peak:
 - `quantize <method>`: a child process (flows/stage_process.py) beside the flow's. A streamed int8wo /
   int4wo build (quantize/streaming.py) holds one row block of the largest tensor (CHUNK_ELEMENTS, cast to
   fp32, with quantize_groups' temporaries) and that tensor's scales; a streamed int4-awq / int4-gptq build
-  (quantize/calibrated_stream.py) one decoder layer in the build dtype (fp32) twice (the probe runs the
-  source layer beside the quantized one), the calibration hidden states in and out and the widest linear's
-  inputs, and GPTQ's Hessian of its widest input (then the head and its Hessian, whichever is more). A
+  (quantize/calibrated_stream.py) one decoder layer in the build dtype (fp32) twice for GPTQ (the probe runs
+  the source layer beside the quantized one), AWQ_LAYER_COPIES times for AWQ (its scale search's copies too),
+  the calibration hidden states in and out and the widest linear's inputs, and GPTQ's Hessian of its widest
+  input (then the head and its Hessian, whichever is more). A
   source without safetensors builds in memory: ~12 bytes per parameter (streaming.py's docstring).
 - `measure <model>`: one engine at a time (flows/measuring.py): its weights as served, the KV cache
   (MeasureConfig.kv_cache_memory_gb) and the activations of one scheduler step.
@@ -59,6 +60,10 @@ LOGSOFTMAX_ROWS = 256
 STREAM_BLOCK_BYTES = 4 * (8 << 20) * 4  # quantize.streaming.CHUNK_ELEMENTS as fp32, with ~3 temporaries
 IN_MEMORY_BYTES_PER_PARAM = 12  # a build that cannot stream: the whole model in fp32, quantized in place
 CALIBRATED = ("int4-awq", "int4-gptq")
+# An AWQ layer in the build dtype: the source's, its quantized copy, and the scale search's scaled and bf16 copies
+# (measured: the build's working set over the runtime is 0.32 / 0.93 / 3.5 GB at 0.5B / 1.5B / 8B-shaped,
+# docs/results/2026-12-06-release-memory.md; one layer 0.06 / 0.19 / 0.87 GB in fp32)
+AWQ_LAYER_COPIES = 4
 CAPACITY_HEADROOM_GB = 1.0  # the capacity budget: the baseline as served + this much KV, at least the default
 WAYS_OUT = ("fewer methods (--methods)", "serve in bfloat16 (QUANTGATE_DTYPE=bfloat16; --dtype bfloat16 where "
             "the verb has it)", "a smaller KV budget (the policy's speed points and long_context lengths; "
@@ -244,6 +249,8 @@ def build_bytes(shape: ModelShape, method: str, inputs: Inputs) -> tuple[int, in
     layer = sum(o * i for o, i in shape.layer_linears()) * b
     t, widest = inputs.calibration_tokens, max(i for _, i in shape.layer_linears())
     acts = t * (2 * shape.hidden_size + widest) * b
+    if algo == "int4-awq":  # its head is round-to-nearest from row blocks: only the layer's copies count
+        return AWQ_LAYER_COPIES * layer + block + scales, acts
     hessian = widest * widest * 4 if algo == "int4-gptq" else 0
     head = shape.vocab_size * shape.hidden_size * b + (shape.hidden_size ** 2 * 4 if algo == "int4-gptq" else 0)
     return max(2 * layer + hessian, head) + block + scales, acts

@@ -70,9 +70,10 @@ def test_the_calibrated_build_holds_a_layer_and_gptq_its_hessian():
     plan = P.plan(inputs, P.Machine(64 * GB, "pretend"))
     awq, gptq = _stage(plan, "quantize int4-awq"), _stage(plan, "quantize int4-gptq")
     layer_fp32 = 4 * sum(o * i for o, i in ModelShape.from_config(LLAMA_8B).layer_linears())  # 0.87 GB
-    assert awq.weights >= 2 * layer_fp32 and awq.activations == 2048 * (2 * 4096 + 14336) * 4
-    assert gptq.weights >= 2 * layer_fp32 + 14336**2 * 4 > awq.weights  # + the down projection's Hessian
-    assert awq.weights >= 128256 * 4096 * 4  # the head's fp32 rows, quantized after the layers (2.1 GB)
+    assert awq.weights >= P.AWQ_LAYER_COPIES * layer_fp32 and awq.activations == 2048 * (2 * 4096 + 14336) * 4
+    assert awq.weights < P.AWQ_LAYER_COPIES * layer_fp32 + P.STREAM_BLOCK_BYTES + 128256 * 4096  # no fp32 head
+    assert gptq.weights >= 2 * layer_fp32 + 14336**2 * 4  # + the down projection's Hessian
+    assert gptq.weights >= 128256 * 4096 * 4  # GPTQ's head from its Hessian: its fp32 rows (2.1 GB)
     assert plan.served["int4-awq"] == plan.served["int4-gptq"]  # served in int4wo's layout
     in_memory = P.plan(P.Inputs(LLAMA_8B, ("int8wo",), streamable=False), P.Machine(64 * GB, "pretend"))
     assert _stage(in_memory, "quantize int8wo").weights == 12 * ModelShape.from_config(LLAMA_8B).num_params()
