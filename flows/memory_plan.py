@@ -281,7 +281,7 @@ def plan(inputs: Inputs, machine: Machine) -> MemoryPlan:
         # the baseline loads first, alone: its transient is held beside its own weights, not the variant's
         acts = max(step, loads[largest], loads["baseline"] - served[largest])
         # no EVAL_BYTES: what the evals leave is handed back between stages now (quantgate.allocator); measured
-        # (2026-12-06) 3.43 GB at 0.5B and 7.63 GB at 1.5B against 3.35 and 6.91 GB planned so
+        # (2026-12-06) 3.43 GB at 0.5B and 7.09 GB at 1.5B against 3.31 and 6.89 GB planned so
         stages.append(Stage("speed", pair, weights, 2 * inputs.speed_kv_tokens * kv_token, acts,
                             RUNTIME_BYTES + 2 * ENGINE_BYTES))
         stages.append(Stage("canary", ("champion (baseline)", f"challenger ({largest})"), weights,
@@ -387,7 +387,7 @@ def for_release(source: str | Path, methods: list[str], config, policy) -> Memor
 
 def plan_for(model: str, methods: list[str], policy, device: str | None = None) -> MemoryPlan:
     """`quantgate release --plan`'s: the release's plan for a model reference, with the MeasureConfig the release
-    builds from the policy (its fidelity chunks set the logits an eval step scores)."""
+    builds from the policy, so --plan prints what the flow checks."""
     from dataclasses import replace
 
     from flows.fidelity_stage import measure_config
