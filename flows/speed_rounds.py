@@ -31,6 +31,7 @@ from pathlib import Path
 
 from flows.data import BASELINE, SpeedPlan, SpeedResult, Variant
 from gates import metric_names as M
+from gates.judging.policy import pair_budget_s
 from gates.judging.speed_verdicts import CONTINUE, Look, SequentialDesign, ratio_ci, sequential_look
 
 Timer = Callable[[str, str, int], float]  # (model, operating point, round; < 0: warm-up) -> tokens/s
@@ -291,13 +292,8 @@ def _time_pair(base_engine, variant: Variant, plan: SpeedPlan, budget_s: float |
 
 
 def pair_budget(plan: SpeedPlan, variants: int) -> float | None:
-    """Each pair's share of the timed rounds' budget: what its variant's timings took when every model ran in
-    one round (a round of n variants times n + 1 models, a pair's round two), so each variant gets about the
-    rounds it got then; the stage's timed rounds take 2n / (n + 1) times the budget (the baseline is timed
-    again in every pair)."""
-    if not plan.time_budget_s:
-        return None
-    return plan.time_budget_s * 2 / (variants + 1)
+    """Each pair's share of the timed rounds' budget (gates.judging.policy.pair_budget_s)."""
+    return pair_budget_s(plan.time_budget_s, variants)
 
 
 def merge_pairs(pairs: dict[str, Speeds]) -> Speeds:

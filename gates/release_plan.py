@@ -283,12 +283,11 @@ def _long_context_rows(policy: Policy, kv_variants: int, rec: Recorded, timing: 
 
 
 def _speed_rows(policy: Policy, models: int, rec: Recorded, timing: Timing) -> list[FamilyRow]:
-    sp = policy.speed
-    rounds = sp.max_rounds
-    if sp.time_budget_s and timing.round_s:  # the budget ends the rounds first: the figure counts only those
-        rounds = min(rounds, max(int(sp.time_budget_s // (timing.round_s * models)), 0))
+    sp, variants = policy.speed, max(models - 1, 1)
+    rounds = sp.pair_rounds(variants, 2 * timing.round_s) if timing.round_s else sp.max_rounds
     powers = P.speed_powers(policy, rec.variant, max_rounds=rounds) if rec.variant else {}
-    seconds = (rounds + 1) * timing.round_s * models if timing.round_s else None  # + one warm-up round
+    # each pair: one warm-up and its timed rounds, both models once per round (loads: gates/time_plan.py)
+    seconds = variants * (rounds + 1) * 2 * timing.round_s if timing.round_s else None
     names = [f"serve/min_decode_speedup/b{b}" for b in policy.decode_batches] if policy.min_decode_speedup else []
     names += ["serve/min_prefill_speedup"] if policy.min_prefill_speedup is not None else []
     out = [FamilyRow(g, f"<= {rounds} rounds, a look every {sp.look_every}", powers[g].harmless_pass if g in powers

@@ -62,14 +62,10 @@ def measure_seconds(name: str, shape: MeasureShape, item_s: dict[str, float], lo
 
 
 def speed_seconds(policy: Policy, variants: int, round_s: float, load_s: float) -> StageTime:
-    """A pair's round times both models once at every point (2 x round_s); each pair's timed rounds stop at
-    its share of the budget (flows.speed_rounds.pair_budget) or at max_rounds, and never before the first look."""
-    sp = policy.speed
+    """A pair's round times both models once at every point (2 x round_s); its timed rounds are
+    SpeedPoints.pair_rounds (its share of the budget or max_rounds, never fewer than the first look's)."""
     pair_round = 2 * round_s
-    rounds = sp.max_rounds
-    if sp.time_budget_s:  # no round is started that would end past the budget
-        rounds = min(rounds, int(sp.time_budget_s * 2 / (variants + 1) // pair_round))
-    timed = max(rounds, min(sp.look_every, sp.max_rounds)) * pair_round
+    timed = policy.speed.pair_rounds(variants, pair_round) * pair_round
     per_pair = load_s + WARMUP_ROUNDS * pair_round + timed
     return StageTime("speed", load_s + variants * per_pair,
                      f"baseline load + {variants} x (load + {WARMUP_ROUNDS} warm-up + {timed:.0f} s of timed rounds)")

@@ -44,6 +44,16 @@ def test_the_speed_stage_stops_at_its_budget_or_max_rounds() -> None:
     assert slow.seconds == pytest.approx(3.0 + 2 * (3.0 + 6.0 + 60.0))
     crawl = T.speed_seconds(policy, 2, round_s=20.0, load_s=3.0)  # the first look always runs: 4 rounds
     assert crawl.seconds == pytest.approx(3.0 + 2 * (3.0 + 40.0 + 160.0))
+    assert [sp.pair_rounds(2, r) for r in (4.0, 6.0, 40.0)] == [12, 10, 4]  # the rounds each figure counts
+
+
+def test_the_flow_and_the_plan_split_the_budget_alike() -> None:
+    from flows.data import SpeedPlan
+    from flows.speed_rounds import pair_budget
+
+    policy = load_policy(DEMO_POLICY)
+    for variants in (1, 2, 5):
+        assert pair_budget(SpeedPlan.from_policy(policy), variants) == pytest.approx(90 * 2 / (variants + 1))
 
 
 def test_stage_times_from_a_pilot_and_without_one() -> None:

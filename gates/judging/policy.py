@@ -27,6 +27,14 @@ class TaskGate:
     higher_is_better: bool = True
 
 
+def pair_budget_s(time_budget_s: float | None, variants: int) -> float | None:
+    """Each (baseline, variant) pair's share of the speed stage's timed-rounds budget: what its variant's timings
+    took when every model ran in one round (a round of n variants times n + 1 models, a pair's round two), so
+    each variant gets about the rounds it got then; the stage's timed rounds take 2n / (n + 1) times the budget
+    (the baseline is timed again in every pair). None: no cap."""
+    return time_budget_s * 2 / (variants + 1) if time_budget_s else None
+
+
 @dataclass(frozen=True)
 class SpeedPoints:
     """Where and how long the paired speed rounds time the models (flows.speed_rounds): the operating points
@@ -43,6 +51,15 @@ class SpeedPoints:
     spending: str = "pocock"  # Lan-DeMets alpha spending: pocock | obrien-fleming
     alpha: float = 0.05  # two-sided: the adjusted CIs together cover with 1 - alpha
     time_budget_s: float | None = None  # wall clock of the timed rounds (after loading and warm-up; never before the first look); None: no cap
+
+    def pair_rounds(self, variants: int, pair_round_s: float) -> int:
+        """The timed rounds a pair runs when each takes `pair_round_s`: up to its budget (no round is started
+        that would end past it) or max_rounds, and never fewer than the first look's."""
+        rounds = self.max_rounds
+        budget = pair_budget_s(self.time_budget_s, variants)
+        if budget is not None and pair_round_s > 0:
+            rounds = min(rounds, int(budget // pair_round_s))
+        return max(rounds, min(self.look_every, self.max_rounds))
 
 
 @dataclass(frozen=True)
