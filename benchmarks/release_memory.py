@@ -14,6 +14,7 @@ the measured ones and their ratio (the issue's target: within ±20 %), writes re
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import subprocess
@@ -44,10 +45,11 @@ def main(argv: list[str] | None = None) -> dict:
     args = _parser().parse_args(argv)
     methods = [m for m in args.methods.split(",") if m]
     planned = _plan(args.model, methods, args.policy)
-    planned_s = _time_plan(args, methods) if args.time_plan else {}
+    planned_s, pilot = _time_plan(args, methods) if args.time_plan else ({}, {})
     with tempfile.TemporaryDirectory(prefix="qg-release-memory-") as home:
         _link_models(Path(home))
         samples, wall = _watched_release(args, Path(home))
+        speed_wall_s = _speed_walls(Path(home))
     rows = _rows(planned, samples, planned_s)
     _print(rows, args.model, wall)
     path = write_rows_report(args.out_dir, "release_memory", rows, _plot, args.plots, model=args.model,
@@ -55,7 +57,7 @@ def main(argv: list[str] | None = None) -> dict:
                              wall_s=round(wall, 1), sample_seconds=SAMPLE_SECONDS, tolerance=TOLERANCE,
                              release_peak_anon_gb=round(max((s[2] for s in samples), default=0) / 1e9, 3),
                              release_peak_rss_gb=round(max((s[3] for s in samples), default=0) / 1e9, 3),
-                             timeline=_timeline(samples))
+                             timeline=_timeline(samples), pilot=pilot, speed_wall_s=speed_wall_s)
     print(f"wrote {path}")
     return {"rows": rows, "path": str(path)}
 
@@ -84,8 +86,9 @@ def _plan(model: str, methods: list[str], policy: str | None) -> dict[str, int]:
     return {s.name: s.total for s in plan.stages}
 
 
-def _time_plan(args, methods: list[str]) -> dict[str, float | None]:
-    """Each stage's planned seconds, from a pilot of the engine on the model here (as `release --plan` prints)."""
+def _time_plan(args, methods: list[str]) -> tuple[dict[str, float | None], dict[str, Any]]:
+    """Each stage's planned seconds, from a pilot of the engine on the model here (as `release --plan` prints),
+    and the pilot's figures."""
     from dataclasses import replace
 
     from flows.fidelity_stage import measure_config
@@ -103,7 +106,16 @@ def _time_plan(args, methods: list[str]) -> dict[str, float | None]:
     rows = T.stage_times(policy, ["baseline", *map(variant_label, methods)], shape, timing)
     for r in rows:
         print(f"time plan: {r.stage}: {r.seconds and round(r.seconds)} s ({r.counted})", file=sys.stderr)
-    return {r.stage: r.seconds for r in rows}
+    figures = {"load_s": timing.load_s, "round_s": timing.round_s, "prefill_tps": timing.prefill_tps,
+               "decode_s": timing.decode_s, "item_s": timing.item_s}
+    return {r.stage: r.seconds for r in rows}, figures
+
+
+def _speed_walls(home: Path) -> dict[str, Any]:
+    """The speed stage's own clock (flows.speed_rounds writes it into speed.json): each load, warm-up and
+    model's point, per pair; {} when the release did not reach the stage."""
+    found = sorted(home.rglob("speed.json"), key=lambda p: p.stat().st_mtime)
+    return json.loads(found[-1].read_text()).get("wall_s", {}) if found else {}
 
 
 def _link_models(home: Path) -> None:

@@ -281,13 +281,29 @@ def _units(plan: SpeedPlan, variants: Sequence[Variant]) -> dict[str, list[str]]
     return units
 
 
+def _clocked(timer: Timer, walls: dict[str, float]) -> Timer:
+    """`timer`, adding each call's wall seconds to walls["<model> <point>"] (warm-up calls under "warm-up")."""
+    def timed(name: str, point: str, round_: int) -> float:
+        start = time.perf_counter()
+        value = timer(name, point, round_)
+        key = "warm-up" if round_ < 0 else f"{name} {point}"
+        walls[key] = walls.get(key, 0.0) + time.perf_counter() - start
+        return value
+
+    return timed
+
+
 def _time_pair(base_engine, variant: Variant, plan: SpeedPlan, budget_s: float | None,
-               progress: Callable[[int], None] | None, load: Callable) -> tuple[Speeds, Looks]:
-    """The baseline and one variant in the sequential rounds; the variant's engine is dropped on return."""
+               progress: Callable[[int], None] | None, load: Callable,
+               walls: dict[str, float]) -> tuple[Speeds, Looks]:
+    """The baseline and one variant in the sequential rounds; the variant's engine is dropped on return.
+    `walls` gets the variant's load and each model's and point's seconds (the time plan's check)."""
+    start = time.perf_counter()
     engines = {BASELINE: base_engine, variant.name: load(variant, plan)}
+    walls["load"] = time.perf_counter() - start
     units = _units(plan, [variant])
     design = SequentialDesign(plan.look_every, plan.rounds, plan.alpha, plan.spending)
-    return sequential_rounds([BASELINE, variant.name], units, engine_timer(engines, plan), design,
+    return sequential_rounds([BASELINE, variant.name], units, _clocked(engine_timer(engines, plan), walls), design,
                              {p: plan.minimum(p) for p in units}, plan.warmup_rounds, budget_s, progress=progress)
 
 
@@ -310,20 +326,22 @@ def measure(models: Sequence[Variant], plan: SpeedPlan, out: Path, machine: str,
             progress: Callable[[int], None] | None = None, load: Callable = load_engine) -> SpeedResult:
     """Time the baseline against each variant in turn (two models resident at most), write every round's
     figures to `out`/speed.json: `rounds` as before (each variant's rounds; the baseline's of every pair, in
-    pair order), and `pairs`, each variant's rounds beside the baseline's of its own pair (the pairing its
-    ratios were taken from). `load(variant, plan)` builds an engine (`load_engine`)."""
+    pair order), `pairs`, each variant's rounds beside the baseline's of its own pair (the pairing its
+    ratios were taken from), and `wall_s`: seconds of each load, warm-up and model's point, per pair. `load(variant, plan)` builds an engine (`load_engine`)."""
     if models[0].name != BASELINE:
         raise ValueError(f"the baseline comes first, got {[m.name for m in models]}")
     start = time.perf_counter()
     plan = capped(plan, models[0].path)
     variants = list(models[1:])
     base_engine = load(models[0], plan)
+    walls: dict[str, dict[str, float]] = {BASELINE: {"load": time.perf_counter() - start}}
     pairs: dict[str, Speeds] = {}
     looks: Looks = {}
     metrics: dict[str, dict[str, float]] = {}
     for variant in variants:
+        walls[variant.name] = {}
         pairs[variant.name], pair_looks = _time_pair(base_engine, variant, plan, pair_budget(plan, len(variants)),
-                                                     progress, load)
+                                                     progress, load, walls[variant.name])
         release_engine_memory()  # the variant's engine is gone: its memory goes back before the next one loads
         looks.update(pair_looks)
         metrics[variant.name] = sequential_metrics(pairs[variant.name], pair_looks, plan)[variant.name]
@@ -338,7 +356,7 @@ def measure(models: Sequence[Variant], plan: SpeedPlan, out: Path, machine: str,
     report.write_text(json.dumps({
         "machine": machine, "plan": asdict(plan), "points": {p: plan.shape(p) for p in units},
         "design": asdict(design), "elapsed_s": time.perf_counter() - start, "rounds": speeds,
-        "pairs": pairs,
+        "pairs": pairs, "wall_s": walls,
         "looks": {f"{v}/{p}": {"rounds": look.ci.n, "level": look.level, "decision": look.decision,
                                 "estimate": look.ci.estimate, "low": look.ci.low, "high": look.ci.high}
                   for (v, p), look in sorted(looks.items())},

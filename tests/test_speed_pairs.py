@@ -57,6 +57,10 @@ def test_measure_holds_the_baseline_and_one_variant_at_most(tiny_model_dir, tmp_
     assert M.long_decode_speedup(1) in result.metrics["v2+kv8"] and M.long_decode_speedup(1) not in v1
     assert v1[M.SERVE_SPEED_ROUNDS] == 3 and M.paired_tps("prefill") in result.metrics[BASELINE]
     assert record["metrics"] == json.loads(json.dumps(result.metrics))
+    walls = record["wall_s"]  # the stage's own clock: each load, the warm-ups, each model's timed points
+    assert set(walls) == {BASELINE, "v1", "v2+kv8"} and walls[BASELINE]["load"] > 0
+    assert set(walls["v1"]) == {"load", "warm-up"} | {f"{m} {p}" for m in (BASELINE, "v1") for p in PLAN.points()}
+    assert f"{BASELINE} long_decode_b1" in walls["v2+kv8"] and all(v > 0 for v in walls["v1"].values())
     from gates.evidence import speed_replay  # quantgate verify replays every pair's looks from the file
 
     for name in ("v1", "v2+kv8"):
