@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> dict:
     with tempfile.TemporaryDirectory(prefix="qg-release-memory-") as home:
         _link_models(Path(home))
         samples, wall = _watched_release(args, Path(home))
-        speed_wall_s = _speed_walls(Path(home))
+        speed_wall_s, measure_s = _speed_walls(Path(home)), _measure_parts(Path(home))
     rows = _rows(planned, samples, planned_s)
     _print(rows, args.model, wall)
     path = write_rows_report(args.out_dir, "release_memory", rows, _plot, args.plots, model=args.model,
@@ -57,7 +57,8 @@ def main(argv: list[str] | None = None) -> dict:
                              wall_s=round(wall, 1), sample_seconds=SAMPLE_SECONDS, tolerance=TOLERANCE,
                              release_peak_anon_gb=round(max((s[2] for s in samples), default=0) / 1e9, 3),
                              release_peak_rss_gb=round(max((s[3] for s in samples), default=0) / 1e9, 3),
-                             timeline=_timeline(samples), pilot=pilot, speed_wall_s=speed_wall_s)
+                             timeline=_timeline(samples), pilot=pilot, speed_wall_s=speed_wall_s,
+                             measure_parts_s=measure_s)
     print(f"wrote {path}")
     return {"rows": rows, "path": str(path)}
 
@@ -107,7 +108,7 @@ def _time_plan(args, methods: list[str]) -> tuple[dict[str, float | None], dict[
     for r in rows:
         print(f"time plan: {r.stage}: {r.seconds and round(r.seconds)} s ({r.counted})", file=sys.stderr)
     figures = {"load_s": timing.load_s, "round_s": timing.round_s, "prefill_tps": timing.prefill_tps,
-               "decode_s": timing.decode_s, "item_s": timing.item_s}
+               "decode_s": timing.decode_s, "item_s": timing.item_s, "setup_s": timing.setup_s}
     return {r.stage: r.seconds for r in rows}, figures
 
 
@@ -116,6 +117,15 @@ def _speed_walls(home: Path) -> dict[str, Any]:
     model's point, per pair; {} when the release did not reach the stage."""
     found = sorted(home.rglob("speed.json"), key=lambda p: p.stat().st_mtime)
     return json.loads(found[-1].read_text()).get("wall_s", {}) if found else {}
+
+
+def _measure_parts(home: Path) -> dict[str, dict[str, float]]:
+    """Each measure stage's parts in seconds (flows/measuring.py writes seconds.json), by model."""
+    parts = {}
+    for path in home.rglob("seconds.json"):
+        record = json.loads(path.read_text())
+        parts[record["model"]] = record["seconds"]
+    return parts
 
 
 def _link_models(home: Path) -> None:

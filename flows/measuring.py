@@ -97,8 +97,10 @@ def measure_engine(engine, variant: Variant, config: MeasureConfig, out: Path, a
     engine has packed what it packs on first use (an int4 layer keeps its codes beside the kernel's copy)."""
     metrics: dict[str, float] = {M.WEIGHTS_LOADED_BYTES: float(resident_bytes(engine.model)), "load_s": load_s}
     advance(1)
+    clock = _PartClock({"load": load_s})
     bench_json = out / "serving.json"
     metrics.update(serving_benchmark(engine, config, variant.name, bench_json))
+    clock.lap("serving")
     weights = resident_bytes(engine.model)
     metrics[M.WEIGHTS_BYTES] = float(weights)
     metrics.update(capacity(variant, weights, config, engine.runner.shape.dtype.itemsize, engine.kv_cache_dtype,
@@ -109,12 +111,30 @@ def measure_engine(engine, variant: Variant, config: MeasureConfig, out: Path, a
     for suite in config.suites:
         run_evals(engine, suite, None if docs else config.limit, eval_dir / suite, config.system_prompt,
                   config.chat_template, docs)
+        clock.lap(f"evals {suite}")
         advance(1)
     metrics.update(eval_metrics(eval_dir, config.suites))
     artifacts = [str(bench_json)] + [str(eval_dir / s) for s in config.suites]
     artifacts += fidelity_stage.measure(engine, variant, config, out)
+    clock.lap("fidelity and probes")
+    clock.write(out / "seconds.json", variant.name)
     return Measured(variant=variant, metrics=metrics, eval_dir=str(eval_dir), bench_json=str(bench_json),
                     artifacts=artifacts)
+
+
+class _PartClock:
+    """Seconds of each part of a measure stage, written beside its results (seconds.json): what
+    `quantgate bench release-memory` holds the time plan (gates/time_plan.py) against."""
+
+    def __init__(self, parts: dict[str, float]):
+        self.parts, self.last = dict(parts), time.perf_counter()
+
+    def lap(self, part: str) -> None:
+        now = time.perf_counter()
+        self.parts[part], self.last = now - self.last, now
+
+    def write(self, path: Path, model: str) -> None:
+        path.write_text(json.dumps({"model": model, "seconds": self.parts}, indent=2))
 
 
 def serving_benchmark(engine, config: MeasureConfig, name: str, out_json: Path) -> dict[str, float]:

@@ -19,6 +19,8 @@ class Timing:
     prompt tokens per second (fidelity chunks and long-context probes are prompt-bound); where from."""
 
     item_s: dict[str, float] = field(default_factory=dict)
+    setup_s: dict[str, float] = field(default_factory=dict)  # per task and run, whatever its items (lm-eval
+    # building its requests; the first task's also the harness's first import)
     round_s: float | None = None
     prefill_tps: float | None = None
     load_s: float | None = None  # the engine's load of the model
@@ -35,16 +37,19 @@ def _time(fn) -> float:
     return time.perf_counter() - start
 
 
-def _item_seconds(engine, task: str) -> float:
-    """A task's seconds per item: two pilot runs of PILOT_ITEMS items, the difference over the extra items (the
-    task's own setup, e.g. lm-eval building its requests, cancels); the larger run's mean if noise inverts it."""
+def _item_seconds(engine, task: str) -> tuple[float, float]:
+    """A task's seconds per item and per run: two pilot runs of PILOT_ITEMS items, the difference over the
+    extra items per item (the larger run's mean if noise inverts it), what the smaller run took beyond its
+    items per run (a release pays it once per task and model)."""
     from evals.run import run_suite
 
     small, large = PILOT_ITEMS
     t_small = _time(lambda: run_suite(engine, [task], limit=small))
     t_large = _time(lambda: run_suite(engine, [task], limit=large))
     per_item = (t_large - t_small) / (large - small)
-    return per_item if per_item > 0 else t_large / large
+    if per_item <= 0:
+        return t_large / large, 0.0
+    return per_item, max(t_small - small * per_item, 0.0)
 
 
 def _round_seconds(engine, policy: Policy) -> tuple[float, float, dict[int, float]]:
@@ -81,7 +86,8 @@ def pilot(model: str, tasks: list[str], policy: Policy, need_items: bool = True)
     timing = Timing(source=f"measured here: a pilot of {PILOT_ITEMS[0]} and {PILOT_ITEMS[1]} items per task on {model}",
                     load_s=load_s)
     if need_items:
-        timing.item_s = {t: _item_seconds(engine, t) for t in tasks}
+        for task in tasks:
+            timing.item_s[task], timing.setup_s[task] = _item_seconds(engine, task)
     _round_seconds(engine, policy)  # warm-up: first calls pay for allocation and kernel selection
     timing.round_s, timing.prefill_tps, timing.decode_s = _round_seconds(engine, policy)
     timing.round_source = f"one pilot round of the baseline on {model}"

@@ -49,10 +49,12 @@ def step_seconds(decode_s: dict[int, float], steps: int, batch: int) -> float | 
 
 
 def measure_seconds(name: str, shape: MeasureShape, item_s: dict[str, float], load_s: float,
-                    prefill_tps: float, step_s: float | None) -> StageTime:
+                    prefill_tps: float, step_s: float | None, setup_s: dict[str, float] | None = None) -> StageTime:
+    """`setup_s`: each task's cost per run beside its items (gates.pilot.Timing.setup_s)."""
     waves = math.ceil(shape.bench_requests / max(shape.bench_concurrency, 1))
     bench = waves * shape.bench_max_tokens * step_s if step_s is not None else 0.0
-    evals = sum(n * item_s[t] for t, n in shape.items.items() if t in item_s)
+    setup_s = setup_s or {}
+    evals = sum(n * item_s[t] + setup_s.get(t, 0.0) for t, n in shape.items.items() if t in item_s)
     untimed = sorted(t for t in shape.items if t not in item_s)
     prompt_tokens = shape.fidelity_tokens + (shape.probe_tokens if name in shape.probe_models else 0)
     seconds = load_s + bench + evals + prompt_tokens / prefill_tps
@@ -76,7 +78,8 @@ def stage_times(policy: Policy, models: list[str], shape: MeasureShape, timing) 
     if timing.prefill_tps is None or timing.load_s is None:
         return [StageTime(f"measure {m}", None, "no pilot") for m in models] + [StageTime("speed", None, "no pilot")]
     step = step_seconds(timing.decode_s, policy.speed.decode_steps, shape.bench_concurrency)
-    rows = [measure_seconds(m, shape, timing.item_s, timing.load_s, timing.prefill_tps, step) for m in models]
+    rows = [measure_seconds(m, shape, timing.item_s, timing.load_s, timing.prefill_tps, step, timing.setup_s)
+            for m in models]
     return rows + [speed_seconds(policy, len(models) - 1, timing.round_s, timing.load_s)]
 
 

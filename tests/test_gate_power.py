@@ -245,6 +245,7 @@ def test_pilot_measures_seconds_per_item_and_per_round_on_the_engine(tiny_model_
                                      "long_context": None}})
     timing = R.pilot(str(tiny_model_dir), ["facts_mc"], policy)
     assert timing.item_s["facts_mc"] > 0 and timing.round_s > 0 and timing.prefill_tps > 0
+    assert timing.setup_s["facts_mc"] >= 0
     assert timing.load_s > 0 and set(timing.decode_s) == {1, 2} and min(timing.decode_s.values()) > 0
     assert "a pilot of 4 and 16 items per task" in timing.source
     report = R.plan_report(policy, ["facts_mc"], models=2, model=str(tiny_model_dir))

@@ -100,3 +100,7 @@ def test_the_measure_stage_holds_one_engine_and_leaves_none_behind(tiny_model_di
                                      lambda n: None)
         assert measured.metrics[M.WEIGHTS_BYTES] > 0 and "task/facts_mc/n" in measured.metrics
         assert len(live) == 0, f"{name}'s engine is still referenced after its measure stage"
+        parts = json.loads((tmp_path / name / "seconds.json").read_text())  # where the stage's time went
+        assert parts["model"] == name and set(parts["seconds"]) == {"load", "serving", "evals facts_mc",
+                                                                    "fidelity and probes"}
+        assert all(v >= 0 for v in parts["seconds"].values()) and parts["seconds"]["load"] == measured.metrics["load_s"]

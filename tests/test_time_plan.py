@@ -64,6 +64,8 @@ def test_stage_times_from_a_pilot_and_without_one() -> None:
     rows = T.stage_times(policy, ["baseline", "int8wo"], shape, timing)
     assert [r.stage for r in rows] == ["measure baseline", "measure int8wo", "speed"]
     assert rows[0].seconds == pytest.approx(2.0 + 4 * 32 * 0.2 + 20.0)
+    timing.setup_s = {"arc_easy": 3.0}  # a task's cost per run: once per measure stage, whatever its items
+    assert T.stage_times(policy, ["baseline"], shape, timing)[0].seconds == pytest.approx(2.0 + 25.6 + 20.0 + 3.0)
     assert all(r.seconds is None for r in T.stage_times(policy, ["baseline"], shape, Timing()))
     assert "**" in T.markdown(rows, 40) and "--limit 40" in T.markdown(rows, 40)
 
