@@ -16,6 +16,7 @@ from serving.kernels.cpu import isa as isas
 from serving.kernels.cpu.decoder_ops import paged_decode
 from serving.model import attention
 from serving.model.attention import SCALE_DTYPE, AttentionContext, DecodeBatch, DecodeGroup, PrefillChunk
+from serving.model.kv_memory import zeroed_tensors
 from serving.model.llama_forward import LlamaForward, supports
 from serving.model.packed_linear import pack_linears, packing_wanted
 from serving.model.sampler import sample, token_logprobs
@@ -111,17 +112,16 @@ class ModelRunner:
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.shape = shape = KVCacheShape.from_config(model.config, kv_dtype, kv_cache_dtype)
-        slots = num_blocks * block_size
-        self.k_cache = [
-            torch.zeros(shape.kv_heads, slots, shape.head_dim, dtype=shape.storage_dtype, device=device)
-            for _ in range(shape.num_layers)
-        ]
-        self.v_cache = [torch.zeros_like(k) for k in self.k_cache]
+        slots, layers = num_blocks * block_size, shape.num_layers
+        rows = [((shape.kv_heads, slots, shape.head_dim), shape.storage_dtype)] * (2 * layers)
+        scaled = kv_cache_dtype == "int8"
+        if scaled:
+            rows += [((shape.kv_heads, slots), SCALE_DTYPE)] * (2 * layers)
+        cache = zeroed_tensors(rows, device)  # on CPU one mapping on 2 MB pages: blocks are read scattered
+        self.k_cache, self.v_cache = cache[:layers], cache[layers:2 * layers]
         self.k_scale = self.v_scale = None
-        if kv_cache_dtype == "int8":
-            self.k_scale = [torch.zeros(shape.kv_heads, slots, dtype=SCALE_DTYPE, device=device)
-                            for _ in range(shape.num_layers)]
-            self.v_scale = [torch.zeros_like(s) for s in self.k_scale]
+        if scaled:
+            self.k_scale, self.v_scale = cache[2 * layers:3 * layers], cache[3 * layers:]
         self.generators: dict[str, torch.Generator] = {}
         self.decode_kernel = paged_decode(device, isa)  # None: gathered groups and matmuls (CUDA, no compiler)
         self.fast_forward = LlamaForward.of(model, torch.device(device), isa)  # None: the model's own forward
@@ -251,14 +251,14 @@ class ModelRunner:
 
     def _postprocess(self, scheduled, logits, sample_idx, prompt_rows) -> StepResult:
         result = StepResult({}, {}, {})
-        sample_logits = logits[: len(sample_idx)].float()
+        sample_logits = logits[: len(sample_idx)]  # in the head's dtype: greedy rows need no fp32 copy
         seqs = [scheduled[i].seq for i in sample_idx]
         if seqs:
             tokens = sample(sample_logits, seqs, self.generators)
             result.sampled = dict(zip(sample_idx, tokens, strict=True))
             want = [k for k, s in enumerate(seqs) if s.params.logprobs is not None]
             if want:
-                lps = torch.log_softmax(sample_logits[want], dim=-1)
+                lps = torch.log_softmax(sample_logits[want].float(), dim=-1)
                 top = max(seqs[k].params.logprobs for k in want)
                 for k, lp in zip(want, token_logprobs(lps, [tokens[k] for k in want], top), strict=True):
                     lp.top = lp.top[: seqs[k].params.logprobs]
