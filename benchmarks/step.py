@@ -237,11 +237,23 @@ def max_tokens(batch: int, context: int, steps: int) -> int:
     return steps + 4 + -(-batch * context // MAX_NUM_BATCHED_TOKENS)
 
 
-def fill(engine, batch: int, context: int, steps: int, seed: int) -> list[str]:
-    """`batch` sequences with `context` tokens in the cache (uncomputed), each decoding from then on."""
+def scatter_free_blocks(engine, seed: int) -> None:
+    """The free list in a seeded random order: the blocks a long-running server hands out once requests of
+    every length have come and gone (a fresh cache gives each sequence neighbouring blocks)."""
+    manager = engine.block_manager
+    ids = list(manager.free_block_ids)
+    random.Random(seed).shuffle(ids)
+    manager.free_block_ids = dict.fromkeys(ids)
+
+
+def fill(engine, batch: int, context: int, steps: int, seed: int, scattered: bool = False) -> list[str]:
+    """`batch` sequences with `context` tokens in the cache (uncomputed), each decoding from then on;
+    `scattered`: in blocks drawn from anywhere in the cache (scatter_free_blocks)."""
     from serving import SamplingParams
 
     rng = random.Random(seed)
+    if scattered:
+        scatter_free_blocks(engine, seed)
     params = SamplingParams(max_tokens=max_tokens(batch, context, steps), temperature=0, ignore_eos=True)
     ids = [engine.add_request([rng.randrange(1000, engine.vocab_size) for _ in range(context - 1)], params)
            for _ in range(batch)]
@@ -268,9 +280,10 @@ def drain(engine, ids: list[str]) -> None:
         del engine.runner.run
 
 
-def measure(engine, batch: int, context: int, rounds: int, bandwidth: float, peak: float) -> dict:
+def measure(engine, batch: int, context: int, rounds: int, bandwidth: float, peak: float,
+            scattered: bool = False) -> dict:
     """Whole step and its parts, `rounds` interleaved rounds after one warm-up; medians."""
-    ids = fill(engine, batch, context, steps=2 * rounds + 4, seed=batch * 7919 + context)
+    ids = fill(engine, batch, context, steps=2 * rounds + 4, seed=batch * 7919 + context, scattered=scattered)
     whole: list[float] = []
     parts: dict[str, list[float]] = {}
     try:
@@ -307,17 +320,20 @@ def measure(engine, batch: int, context: int, rounds: int, bandwidth: float, pea
             "bound_s": sum(bound.values()), "step_over_bound": step / sum(bound.values())}
 
 
-def engine_for(model_dir: Path, path: str, batches: list[int], contexts: list[int], rounds: int):
+def engine_for(model_dir: Path, path: str, batches: list[int], contexts: list[int], rounds: int,
+               scattered: bool = False):
+    """`scattered`: the cache a server sizes by default (its blocks handed out scattered), else just the
+    blocks the largest row needs."""
     from serving import LLMEngine
 
     per_seq = -(-(max(contexts) + max_tokens(max(batches), max(contexts), 2 * rounds + 4)) // BLOCK_SIZE)
+    sized = {} if scattered else {"num_kv_blocks": max(batches) * per_seq + 4}
     return LLMEngine.from_pretrained(str(model_dir), device="cpu", isa=path, enable_prefix_caching=False,
-                                     max_num_seqs=max(batches), block_size=BLOCK_SIZE,
-                                     num_kv_blocks=max(batches) * per_seq + 4)
+                                     max_num_seqs=max(batches), block_size=BLOCK_SIZE, **sized)
 
 
 def run(model: str, variants: list[str], paths: list[str], batches: list[int], contexts: list[int], rounds: int,
-        out_dir: str | None = None, plots: bool = True) -> dict:
+        out_dir: str | None = None, plots: bool = True, scattered: bool = False) -> dict:
     from benchmarks.isa_paths import read_bandwidth_gbs
     from benchmarks.variants import variant_dir
 
@@ -327,7 +343,7 @@ def run(model: str, variants: list[str], paths: list[str], batches: list[int], c
     for variant in variants:
         directory = variant_dir(model, variant)
         for path in paths:
-            engine = engine_for(directory, path, batches, contexts, rounds)
+            engine = engine_for(directory, path, batches, contexts, rounds, scattered)
             dtype = engine.runner.shape.dtype
             key = str(dtype).removeprefix("torch.")
             peak = peaks.setdefault(key, peak_gemm_gflops(dtype))
@@ -335,8 +351,9 @@ def run(model: str, variants: list[str], paths: list[str], batches: list[int], c
             for batch in batches:
                 for context in contexts:
                     row = {"variant": variant, "path": path, "dtype": key, "decode_plan": plan,
-                           "load_avg": os.getloadavg()[0],
-                           **measure(engine, batch, context, rounds, bandwidth, peak * 1e9)}
+                           "load_avg": os.getloadavg()[0], "scattered": scattered,
+                           "kv_blocks": engine.block_manager.num_blocks,
+                           **measure(engine, batch, context, rounds, bandwidth, peak * 1e9, scattered)}
                     rows.append(row)
                     print_row(row)
             del engine
@@ -384,6 +401,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--contexts", default="128,512")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--scattered", action="store_true",
+                        help="the server's default cache, its blocks handed out in random order (a cache after churn)")
     parser.add_argument("--out-dir", default=None)
     parser.add_argument("--no-plots", dest="plots", action="store_false")
     args = parser.parse_args(argv)
@@ -392,7 +411,7 @@ def main(argv: list[str] | None = None) -> dict:
         torch.set_num_threads(args.threads)
     paths = isas.supported() if args.paths == "all" else [isas.check(p) for p in args.paths.split(",")]
     report = run(args.model, args.variants.split(","), paths, [int(b) for b in args.batches.split(",")],
-                 [int(c) for c in args.contexts.split(",")], args.rounds, args.out_dir, args.plots)
+                 [int(c) for c in args.contexts.split(",")], args.rounds, args.out_dir, args.plots, args.scattered)
     print(f"wrote {report}")
     import json
 
