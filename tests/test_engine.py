@@ -296,11 +296,11 @@ def test_non_finite_logits_fail_only_their_own_sequence(tiny_model_dir, monkeypa
     prompts = random_prompts(3, engine.vocab_size, seed=11)
     poisoned = prompts[1]
 
-    def poisoning_sample(logits, seqs, generators):
+    def poisoning_sample(logits, seqs, generators, greedy_pick=None):  # greedy_pick: the kernel's, when built
         for row, seq in enumerate(seqs):
             if seq.token_ids[: len(poisoned)] == poisoned and seq.num_output_tokens == 2:
                 logits[row, 7] = float("nan")
-        return sample(logits, seqs, generators)
+        return sample(logits, seqs, generators, greedy_pick)
 
     monkeypatch.setattr(runner_module, "sample", poisoning_sample)
     params = [SamplingParams(max_tokens=6, temperature=t, seed=1, ignore_eos=True) for t in (0, 0.8, 0)]

@@ -332,11 +332,11 @@ def test_non_finite_logits_fail_that_request_only(tiny_model_dir, monkeypatch):
     import serving.model.model_runner as runner_module
     from serving.model.sampler import sample
 
-    def poisoning_sample(logits, seqs, generators):
+    def poisoning_sample(logits, seqs, generators, greedy_pick=None):  # greedy_pick: the kernel's, when built
         for row, seq in enumerate(seqs):
             if seq.token_ids[:3] == [5, 6, 7]:
                 logits[row, 0] = float("nan")
-        return sample(logits, seqs, generators)
+        return sample(logits, seqs, generators, greedy_pick)
 
     monkeypatch.setattr(runner_module, "sample", poisoning_sample)
     with one_torch_thread(), running_server(tiny_model_dir) as srv:

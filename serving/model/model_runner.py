@@ -13,7 +13,7 @@ from quantgate.model_shape import kv_shape
 from serving.core.scheduler import ScheduledSeq
 from serving.core.sequence import Sequence, TokenLogprob
 from serving.kernels.cpu import isa as isas
-from serving.kernels.cpu.decoder_ops import paged_decode
+from serving.kernels.cpu.decoder_ops import fused_ops, paged_decode
 from serving.model import attention
 from serving.model.attention import SCALE_DTYPE, AttentionContext, DecodeBatch, DecodeGroup, PrefillChunk
 from serving.model.kv_memory import zeroed_tensors
@@ -124,6 +124,8 @@ class ModelRunner:
             self.k_scale, self.v_scale = cache[2 * layers:3 * layers], cache[3 * layers:]
         self.generators: dict[str, torch.Generator] = {}
         self.decode_kernel = paged_decode(device, isa)  # None: gathered groups and matmuls (CUDA, no compiler)
+        ops = fused_ops(device, isa)
+        self.greedy_pick = getattr(ops, "greedy_pick", None)  # None: torch's argmax (sampler.sample)
         self.fast_forward = LlamaForward.of(model, torch.device(device), isa)  # None: the model's own forward
         self.attention, self.graphs = attention, None
         if attention == "triton":
@@ -254,7 +256,7 @@ class ModelRunner:
         sample_logits = logits[: len(sample_idx)]  # in the head's dtype: greedy rows need no fp32 copy
         seqs = [scheduled[i].seq for i in sample_idx]
         if seqs:
-            tokens = sample(sample_logits, seqs, self.generators)
+            tokens = sample(sample_logits, seqs, self.generators, self.greedy_pick)
             result.sampled = dict(zip(sample_idx, tokens, strict=True))
             want = [k for k, s in enumerate(seqs) if s.params.logprobs is not None]
             if want:

@@ -9,17 +9,23 @@ from serving.core.sequence import Sequence, TokenLogprob
 NO_TOKEN = -1  # a row whose logits are not all finite (a broken model or variant): that sequence fails alone
 
 
-def sample(logits: torch.Tensor, seqs: list[Sequence], generators: dict[str, torch.Generator]) -> list[int]:
-    """logits: [len(seqs), vocab] in the head's dtype. Greedy rows share one argmax over it (a bf16 row's
-    argmax is its fp32 copy's: the cast is exact; at 64 rows x 49k the fp32 copy and its two reads were ~3 ms
-    of the step); others sample one by one in fp32. A row with NaN/inf logits gets NO_TOKEN instead of
-    failing every sequence of the step."""
-    # max(dim) gives argmax's index (the first of ties) and the row's max in one pass, cheaper than argmax
-    # on CPU (docs/results/design-figures.md). NaN propagates through the max, and +-inf show in max/amin: two
-    # reductions instead of a [rows, vocab] boolean temporary per op (isfinite allocates three)
-    peaks, best = logits.max(dim=-1)
-    next_tokens = best.tolist()
-    finite = (torch.isfinite(peaks) & torch.isfinite(logits.amin(dim=-1))).tolist()
+def sample(logits: torch.Tensor, seqs: list[Sequence], generators: dict[str, torch.Generator],
+           greedy_pick=None) -> list[int]:
+    """logits: [len(seqs), vocab] in the head's dtype. Greedy rows share one argmax: `greedy_pick`
+    (fused_ops.cpp: one read of the logits as they are, -1 for a row with NaN/inf) where the CPU kernels run,
+    else torch's over an fp32 copy; others sample one by one in fp32. A row with NaN/inf logits gets
+    NO_TOKEN instead of failing every sequence of the step."""
+    if greedy_pick is not None:
+        picked = greedy_pick(logits).tolist()
+        next_tokens, finite = [NO_TOKEN if t < 0 else t for t in picked], [t >= 0 for t in picked]
+    else:
+        # max(dim) gives argmax's index (the first of ties) and the row's max in one pass, cheaper than argmax
+        # on CPU (docs/results/design-figures.md). NaN propagates through the max, and +-inf show in max/amin: two
+        # reductions instead of a [rows, vocab] boolean temporary per op (isfinite allocates three)
+        rows = logits.float()
+        peaks, best = rows.max(dim=-1)
+        next_tokens = best.tolist()
+        finite = (torch.isfinite(peaks) & torch.isfinite(rows.amin(dim=-1))).tolist()
     for i, seq in enumerate(seqs):
         p = seq.params
         if not finite[i]:
