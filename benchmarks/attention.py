@@ -42,6 +42,7 @@ from benchmarks.peers import cpu_info  # noqa: E402
 from serving.kernels.cpu import decoder_ops as kernels  # noqa: E402
 from serving.loadgen.report import machine, write_json  # noqa: E402
 from serving.model import attention  # noqa: E402
+from serving.model.kv_memory import huge_pages_wanted, zeroed_tensors  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
 SHAPES = ((1, 256), (8, 256), (32, 320), (64, 256), (64, 512))  # (sequences, context tokens)
@@ -144,8 +145,10 @@ def build_reference(ref: str, isa: str, workdir: Path):
 
 def _case(num_seqs: int, length: int, dtype: torch.dtype) -> tuple:
     gen = torch.Generator().manual_seed(num_seqs * 7919 + length)
-    k = torch.randn(KV_HEADS, CACHE_BLOCKS * BLOCK, HEAD_DIM, generator=gen).to(dtype)
-    v = torch.randn(KV_HEADS, CACHE_BLOCKS * BLOCK, HEAD_DIM, generator=gen).to(dtype)
+    shape = (KV_HEADS, CACHE_BLOCKS * BLOCK, HEAD_DIM)
+    k, v = zeroed_tensors([(shape, dtype)] * 2, "cpu", huge_pages_wanted(torch.device("cpu")))  # as a server holds it
+    k.copy_(torch.randn(shape, generator=gen))
+    v.copy_(torch.randn(shape, generator=gen))
     width = -(-length // BLOCK)
     tables = torch.randperm(CACHE_BLOCKS, generator=gen)[: num_seqs * width].view(num_seqs, width)
     q = torch.randn(num_seqs, HEADS, HEAD_DIM, generator=gen).to(dtype)

@@ -322,12 +322,12 @@ def measure(engine, batch: int, context: int, rounds: int, bandwidth: float, pea
 
 def engine_for(model_dir: Path, path: str, batches: list[int], contexts: list[int], rounds: int,
                scattered: bool = False):
-    """`scattered`: the cache a server sizes by default (its blocks handed out scattered), else just the
-    blocks the largest row needs."""
+    """`scattered`: the cache a server sizes by default (its blocks handed out scattered) and holds (on 2 MB
+    pages where QUANTGATE_KV_HUGE_PAGES allows), else just the blocks the largest row needs."""
     from serving import LLMEngine
 
     per_seq = -(-(max(contexts) + max_tokens(max(batches), max(contexts), 2 * rounds + 4)) // BLOCK_SIZE)
-    sized = {} if scattered else {"num_kv_blocks": max(batches) * per_seq + 4}
+    sized = {"kv_huge_pages": True} if scattered else {"num_kv_blocks": max(batches) * per_seq + 4}
     return LLMEngine.from_pretrained(str(model_dir), device="cpu", isa=path, enable_prefix_caching=False,
                                      max_num_seqs=max(batches), block_size=BLOCK_SIZE, **sized)
 

@@ -46,8 +46,8 @@ PACK_WEIGHTS = _switch("QUANTGATE_PACK_WEIGHTS", "1", "0 keeps plain nn.Linear f
 FAST_FORWARD = _switch("QUANTGATE_FAST_FORWARD", "1", "0 runs the model's own forward instead of llama_forward")
 TRITON_INTERPRET = _switch("TRITON_INTERPRET", "0", "Triton's own (read when kernels are defined): 1 runs "
                             "serving/kernels/cuda's kernels on CPU tensors in its interpreter (tests)")
-KV_HUGE_PAGES = _switch("QUANTGATE_KV_HUGE_PAGES", "1", "0: the CPU KV cache on the allocator's 4 KB pages instead "
-                        "of one mapping advised for 2 MB pages (serving/model/kv_memory.py)")
+KV_HUGE_PAGES = _switch("QUANTGATE_KV_HUGE_PAGES", "1", "0: an engine that asks for its CPU KV cache on 2 MB pages "
+                        "(`quantgate serve`; serving/model/kv_memory.py) gets the allocator's 4 KB pages instead")
 TCMALLOC = _switch("QUANTGATE_TCMALLOC", "1", "0: the CLI does not re-execute itself with tcmalloc preloaded")
 REAL_MODELS = _switch("QUANTGATE_REAL_MODELS", "",
                       "folder holding the real GGUFs scripts/real_models.sh assembles (its models/): "

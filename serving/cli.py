@@ -186,7 +186,7 @@ def _serve(args: argparse.Namespace) -> int:
         **_batch_options(args, args.max_num_seqs),
         max_num_batched_tokens=args.max_num_batched_tokens, num_kv_blocks=args.num_kv_blocks,
         kv_cache_memory_gb=args.kv_cache_memory_gb, prefix_cache_scope=args.prefix_cache_scope,
-        kv_cache_dtype=args.kv_cache_dtype,
+        kv_cache_dtype=args.kv_cache_dtype, kv_huge_pages=True,  # a server lives long: its blocks scatter
         tenant_fairness=TenantFairness.for_tenants(tenants, step_slack=args.tenant_slack,
                                                    prefill_chunk=args.tenant_prefill_chunk),
         **_parallel_options(args),

@@ -60,13 +60,14 @@ def test_huge_pages_are_for_cpu_caches_and_can_be_switched_off(monkeypatch):
     assert not huge_pages_wanted(torch.device("cpu"))
 
 
-def test_an_engine_keeps_its_cache_in_the_advised_mapping(tiny_model_dir):
+@pytest.mark.parametrize("asked", [True, False])
+def test_an_engine_that_asks_keeps_its_cache_in_the_advised_mapping(tiny_model_dir, asked):
     from serving import LLMEngine, SamplingParams
 
-    engine = LLMEngine.from_pretrained(str(tiny_model_dir), kv_cache_memory_gb=0.01)
+    engine = LLMEngine.from_pretrained(str(tiny_model_dir), kv_cache_memory_gb=0.01, kv_huge_pages=asked)
     runner = engine.runner
     base = runner.k_cache[0].untyped_storage().data_ptr()
     shared = all(t.untyped_storage().data_ptr() == base for t in runner.k_cache + runner.v_cache)
-    assert shared == huge_pages_wanted(torch.device("cpu"))  # one mapping where huge pages can back it
+    assert shared == (asked and huge_pages_wanted(torch.device("cpu")))  # one mapping where huge pages can back it
     out = engine.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
     assert len(out[0].token_ids) == 3 and runner.kv_cache_bytes() > 0

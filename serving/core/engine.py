@@ -60,8 +60,11 @@ class LLMEngine:
         attention: str = "auto",
         cuda_graphs: bool | None = None,
         batch_timeout_s: float | None = None,
+        kv_huge_pages: bool = False,
     ):
-        """`attention`: auto (Triton kernels on CUDA, torch elsewhere), torch, or triton (serving/kernels/cuda; on CPU
+        """`kv_huge_pages`: the CPU cache on 2 MB pages (serving/model/kv_memory.py; `quantgate serve` asks for it,
+        QUANTGATE_KV_HUGE_PAGES=0 refuses it): faster decode attention once blocks scatter, seconds more to start.
+        `attention`: auto (Triton kernels on CUDA, torch elsewhere), torch, or triton (serving/kernels/cuda; on CPU
         in Triton's interpreter). `cuda_graphs`: decode replayed from CUDA graphs per batch bucket (None: on
         wherever Triton attention runs on CUDA; True on CPU runs the eager stand-in). `batch_timeout_s`: the
         dynamic scheduler's batch timeout (None: its default; an error with another scheduler)."""
@@ -101,7 +104,8 @@ class LLMEngine:
         self.kernel_isa = isas.resolve(isa) if self.device.type == "cpu" else self.device.type
         graph_shape = (min(max_num_seqs, MAX_GRAPH_BATCH), -(-self.max_model_len // block_size)) if cuda_graphs else None
         self.runner = ModelRunner(model, self.device, block_size, num_kv_blocks, kv_dtype, kv_cache_dtype,
-                                  isa if self.device.type == "cpu" else None, self.attention, graph_shape)
+                                  isa if self.device.type == "cpu" else None, self.attention, graph_shape,
+                                  kv_huge_pages)
         self.kv_cache_dtype = kv_cache_dtype
         self.config = EngineConfig(
             model_name, str(self.device), block_size, num_kv_blocks, self.max_model_len, scheduler, max_num_seqs,

@@ -16,7 +16,7 @@ from serving.kernels.cpu import isa as isas
 from serving.kernels.cpu.decoder_ops import fused_ops, paged_decode
 from serving.model import attention
 from serving.model.attention import SCALE_DTYPE, AttentionContext, DecodeBatch, DecodeGroup, PrefillChunk
-from serving.model.kv_memory import zeroed_tensors
+from serving.model.kv_memory import huge_pages_wanted, zeroed_tensors
 from serving.model.llama_forward import LlamaForward, supports
 from serving.model.packed_linear import pack_linears, packing_wanted
 from serving.model.sampler import sample, token_logprobs
@@ -103,7 +103,7 @@ def load_model(model_dir: Path, device: torch.device, dtype: torch.dtype, isa: s
 class ModelRunner:
     def __init__(self, model, device: torch.device, block_size: int, num_blocks: int, kv_dtype: torch.dtype,
                  kv_cache_dtype: str = "auto", isa: str | None = None, attention: str = "torch",
-                 graph_shape: tuple[int, int] | None = None):
+                 graph_shape: tuple[int, int] | None = None, kv_huge_pages: bool = False):
         """`attention`: "torch" (serving/model/attention.py, the compiled CPU kernel where it runs) or "triton"
         (serving/kernels/cuda). `graph_shape` (max batch, max blocks a table): decode steps replayed from captured
         graphs (serving/kernels/cuda/graphs.py; on CPU its eager stand-in), Triton attention only."""
@@ -117,7 +117,8 @@ class ModelRunner:
         scaled = kv_cache_dtype == "int8"
         if scaled:
             rows += [((shape.kv_heads, slots), SCALE_DTYPE)] * (2 * layers)
-        cache = zeroed_tensors(rows, device)  # on CPU one mapping on 2 MB pages: blocks are read scattered
+        # kv_huge_pages: one mapping on 2 MB pages (kv_memory.py): a long-lived server's blocks end up scattered
+        cache = zeroed_tensors(rows, device, kv_huge_pages and huge_pages_wanted(device))
         self.k_cache, self.v_cache = cache[:layers], cache[layers:2 * layers]
         self.k_scale = self.v_scale = None
         if scaled:
