@@ -132,8 +132,7 @@ def max_confirmations(items: int | None, limit: int) -> int:
 
 def split_items(suites: list[str]) -> int | None:
     """The items of the smallest task of the suites (None: none could be counted)."""
-    from evals.tasks import resolve_tasks
-    from gates.release_plan import available_items
+    from evals.tasks import available_items, resolve_tasks
 
     counts = [c for c in (available_items(spec) for spec in resolve_tasks(suites)) if c is not None]
     return min(counts) if counts else None

@@ -38,28 +38,34 @@ def _time(fn) -> float:
 
 
 def _item_seconds(engine, task: str) -> tuple[float, float]:
-    """A task's seconds per item and per run: two pilot runs of PILOT_ITEMS items, the difference over the
-    extra items per item (the larger run's mean if noise inverts it), what the smaller run took beyond its
-    items per run (a release pays it once per task and model)."""
+    """A task's seconds per item and per run: two pilot runs of PILOT_ITEMS items, on different items (the
+    engine's prefix cache would serve a repeated item's prompt, which a release computes), the difference over
+    the extra items per item (the larger run's mean if noise inverts it), what the smaller run took beyond its
+    items per run (a release pays it once per task and model). A task with fewer items takes overlapping ones."""
     from evals.run import run_suite
+    from evals.tasks import available_items, resolve_tasks
 
     small, large = PILOT_ITEMS
-    t_small = _time(lambda: run_suite(engine, [task], limit=small))
-    t_large = _time(lambda: run_suite(engine, [task], limit=large))
-    per_item = (t_large - t_small) / (large - small)
+    available = available_items(resolve_tasks([task])[0]) or small + large
+    second = range(small, small + large) if available >= small + large else range(max(available - large, 0), available)
+    t_small = _time(lambda: run_suite(engine, [task], docs=range(small)))
+    t_large = _time(lambda: run_suite(engine, [task], docs=second))
+    per_item = (t_large - t_small) / (len(second) - small)
     if per_item <= 0:
-        return t_large / large, 0.0
+        return t_large / len(second), 0.0
     return per_item, max(t_small - small * per_item, 0.0)
 
 
-def _round_seconds(engine, policy: Policy) -> tuple[float, float, dict[int, float]]:
+def _round_seconds(engine, policy: Policy, seed: int) -> tuple[float, float, dict[int, float]]:
     """One model's speed round at the policy's points (as flows.speed_rounds times them, context prefill
-    included), its prompt tokens per second and each decode point's seconds: (seconds, tok/s, {batch: s})."""
+    included), its prompt tokens per second and each decode point's seconds: (seconds, tok/s, {batch: s}).
+    Each round its own prompts (`seed`): a repeat would come from the prefix cache (the speed stage's engines
+    have none), as the warm-up's did (Qwen2.5-Coder-0.5B: a 512-token prefill timed 0.08 s, 0.51 s uncached)."""
     import random
 
     from serving import SamplingParams
 
-    sp, rng = policy.speed, random.Random(0)
+    sp, rng = policy.speed, random.Random(seed)
 
     def prompts(n: int, length: int) -> list[list[int]]:
         return [[rng.randrange(1000, engine.vocab_size) for _ in range(length)] for _ in range(n)]
@@ -88,7 +94,7 @@ def pilot(model: str, tasks: list[str], policy: Policy, need_items: bool = True)
     if need_items:
         for task in tasks:
             timing.item_s[task], timing.setup_s[task] = _item_seconds(engine, task)
-    _round_seconds(engine, policy)  # warm-up: first calls pay for allocation and kernel selection
-    timing.round_s, timing.prefill_tps, timing.decode_s = _round_seconds(engine, policy)
+    _round_seconds(engine, policy, seed=0)  # warm-up: first calls pay for allocation and kernel selection
+    timing.round_s, timing.prefill_tps, timing.decode_s = _round_seconds(engine, policy, seed=1)
     timing.round_source = f"one pilot round of the baseline on {model}"
     return timing

@@ -70,29 +70,12 @@ def seconds_per_item(text: str | None) -> tuple[float | None, dict[str, float]]:
     return default, per_task
 
 
-def available_items(spec) -> int | None:
-    """Items the task's data has (None when they cannot be counted without loading the benchmark)."""
-    from evals.tasks import validate_task_data
-
-    try:
-        count = validate_task_data(spec)
-        if count >= 0:
-            return count
-        import pyarrow as pa
-
-        files = spec.lm_eval()["dataset_kwargs"]["data_files"]
-        paths = [p for value in files.values() for p in (value if isinstance(value, list) else [value])]
-        return sum(pa.ipc.open_stream(p).read_all().num_rows for p in paths)
-    except Exception:  # noqa: BLE001 - the plan then says "—" for the items; it never fails on counting
-        return None
-
-
 def plan_tasks(policy: Policy, suites: list[str], flip_rate: float | None, seconds: str | None,
                rec: Recorded | None = None, measured: dict[str, float] | None = None
                ) -> tuple[list[P.PlanTask], list[str]]:
     """One PlanTask per gated task of the suites, and the tasks left out (with why); seconds per item as
     given, else as `measured` (the pilot's), else DEFAULT_SECONDS_PER_ITEM (only where neither has the task)."""
-    from evals.tasks import resolve_tasks
+    from evals.tasks import available_items, resolve_tasks
 
     rec = rec or Recorded()
     given_s, per_task_s = seconds_per_item(seconds)
@@ -195,7 +178,7 @@ def plan_report(policy: Policy, suites: list[str], models: int, level: float | N
 
 def items_at(suites: list[str], limit: int | None) -> dict[str, int]:
     """Items each task of the suites runs per model at `limit` (its whole data where it has fewer)."""
-    from evals.tasks import resolve_tasks
+    from evals.tasks import available_items, resolve_tasks
 
     counts = {spec.name: available_items(spec) for spec in resolve_tasks(suites)}
     return {t: (min(limit, n) if limit and n is not None else n or limit or 0) for t, n in counts.items()}

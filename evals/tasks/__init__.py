@@ -267,3 +267,18 @@ def lm_eval_config(spec: TaskSpec, data_dir: Path | None = None) -> dict[str, An
         config["metric_list"] += [{"metric": m, "aggregation": "mean", "higher_is_better": True}
                                   for m in spec.extra_metrics]
     return config
+
+
+def available_items(spec: TaskSpec) -> int | None:
+    """Items the task's data has (None when they cannot be counted without loading the benchmark)."""
+    try:
+        count = validate_task_data(spec)
+        if count >= 0:
+            return count
+        import pyarrow as pa
+
+        files = spec.lm_eval()["dataset_kwargs"]["data_files"]
+        paths = [p for value in files.values() for p in (value if isinstance(value, list) else [value])]
+        return sum(pa.ipc.open_stream(p).read_all().num_rows for p in paths)
+    except Exception:  # noqa: BLE001 - a plan then says "—" for the items; it never fails on counting
+        return None
