@@ -51,3 +51,4 @@ def test_the_sampler_picks_alike_with_and_without_the_kernel():
             for i in range(x.shape[0])]
     with_kernel = sample(x, seqs, {}, ops.greedy_pick)
     assert with_kernel == sample(x, seqs, {}) and with_kernel[2] == with_kernel[3] == NO_TOKEN
+    assert sample(x.half(), seqs, {}, ops.greedy_pick) == with_kernel  # fp16 logits: torch's argmax instead

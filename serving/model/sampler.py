@@ -15,7 +15,7 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], generators: dict[str, tor
     (fused_ops.cpp: one read of the logits as they are, -1 for a row with NaN/inf) where the CPU kernels run,
     else torch's over an fp32 copy; others sample one by one in fp32. A row with NaN/inf logits gets
     NO_TOKEN instead of failing every sequence of the step."""
-    if greedy_pick is not None:
+    if greedy_pick is not None and logits.dtype in (torch.float32, torch.bfloat16):  # the kernel's two dtypes
         picked = greedy_pick(logits).tolist()
         next_tokens, finite = [NO_TOKEN if t < 0 else t for t in picked], [t >= 0 for t in picked]
     else:
