@@ -327,7 +327,8 @@ def measure(models: Sequence[Variant], plan: SpeedPlan, out: Path, machine: str,
     """Time the baseline against each variant in turn (two models resident at most), write every round's
     figures to `out`/speed.json: `rounds` as before (each variant's rounds; the baseline's of every pair, in
     pair order), `pairs`, each variant's rounds beside the baseline's of its own pair (the pairing its
-    ratios were taken from), and `wall_s`: seconds of each load, warm-up and model's point, per pair. `load(variant, plan)` builds an engine (`load_engine`)."""
+    ratios were taken from), and `wall_s`: seconds of each load, warm-up and model's point, per pair.
+    `load(variant, plan)` builds an engine (`load_engine`)."""
     if models[0].name != BASELINE:
         raise ValueError(f"the baseline comes first, got {[m.name for m in models]}")
     start = time.perf_counter()
