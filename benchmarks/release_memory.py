@@ -90,25 +90,26 @@ def _plan(model: str, methods: list[str], policy: str | None) -> dict[str, int]:
 def _time_plan(args, methods: list[str]) -> tuple[dict[str, float | None], dict[str, Any]]:
     """Each stage's planned seconds, from a pilot of the engine on the model here (as `release --plan` prints),
     and the pilot's figures."""
-    from dataclasses import replace
+    from dataclasses import asdict, replace
 
-    from flows.fidelity_stage import measure_config
     from flows.release import read_policy
+    from flows.time_shape import release_shape
     from gates import time_plan as T
     from gates.pilot import pilot
     from gates.release_plan import items_at
     from quantgate.allocator import release_freed_memory
-    from quantize.capacity import variant_label
 
     policy, suites = read_policy(args.policy), [s for s in args.suites.split(",") if s]
-    shape = replace(measure_config(policy, methods, suites, args.limit).time_shape(), items=items_at(suites, args.limit))
-    timing = pilot(args.model, list(shape.items), policy)
-    release_freed_memory()  # the pilot's engine is gone: its heap goes back before the release starts
-    rows = T.stage_times(policy, ["baseline", *map(variant_label, methods)], shape, timing)
+    shape = release_shape(policy, methods, suites, args.limit)
+    shape = replace(shape, measure=replace(shape.measure, items=items_at(suites, args.limit)))
+    timing = pilot(args.model, list(shape.measure.items), policy, quantize=shape.quantize)
+    release_freed_memory()  # the pilot's engines are gone: their heap goes back before the release starts
+    rows = T.stage_times(policy, shape, timing)
     for r in rows:
         print(f"time plan: {r.stage}: {r.seconds and round(r.seconds)} s ({r.counted})", file=sys.stderr)
     figures = {"load_s": timing.load_s, "round_s": timing.round_s, "prefill_tps": timing.prefill_tps,
-               "decode_s": timing.decode_s, "item_s": timing.item_s, "setup_s": timing.setup_s}
+               "decode_s": timing.decode_s, "item_s": timing.item_s, "setup_s": timing.setup_s,
+               "quantize": {label: asdict(q) for label, q in timing.quantize.items()}}
     return {r.stage: r.seconds for r in rows}, figures
 
 

@@ -211,21 +211,20 @@ def run_release(args: argparse.Namespace, model: str, methods: list[str]) -> int
 
 def _release(args: argparse.Namespace) -> int:
     if args.plan:
-        from flows.fidelity_stage import measure_config
         from flows.memory_plan import plan_for
+        from flows.time_shape import release_shape
         from gates.judging.policy import load_policy
         from gates.release_plan import plan_report
-        from quantize.capacity import split_variant, variant_label
+        from quantize.capacity import split_variant
 
         methods, policy, suites = chosen_methods(args), load_policy(_policy(args.policy)), _methods(args.suites)
         kv = sum(1 for m in methods if split_variant(m)[1] != "auto")  # the variants the long-context probes run
         memory = plan_for(args.model, methods, policy, getattr(args, "device", None)).table()  # no model loaded
-        shape = measure_config(policy, methods, suites, args.limit).time_shape()
+        stages = release_shape(policy, methods, suites, args.limit, args.canary_requests)
         print(plan_report(policy, suites, models=1 + len(methods),
                           level=args.plan_level, flip_rate=args.flip_rate, seconds=args.seconds_per_item,
                           from_run=args.from_run, model=args.model, kv_variants=kv, measure=args.pilot,
-                          memory=memory, stages=(["baseline", *map(variant_label, methods)], shape, args.limit)),
-              end="")
+                          memory=memory, stages=stages), end="")
         return 0
     if args.recipe_from_tune:
         from flows.tune_cli import from_tune

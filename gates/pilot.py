@@ -1,10 +1,12 @@
 """This machine's measured costs for the release plan: a short pilot of our engine on the model — seconds per
-eval item per task, per speed round, per prompt token, per decode step at each batch, per load
-(`quantgate release --plan`: gates/release_plan.py sizes n with them, gates/time_plan.py adds up each stage)."""
+eval item per task, per speed round, per prompt token, per decode step at each batch, per load — and of each
+quantization on the model's first layers (quantize/pilot.py) (`quantgate release --plan`: gates/release_plan.py
+sizes n with them, gates/time_plan.py adds up each stage)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from gates.judging.policy import Policy
 
@@ -27,6 +29,7 @@ class Timing:
     decode_s: dict[int, float] = field(default_factory=dict)  # batch -> seconds of its decode point (context + steps)
     source: str = ""
     round_source: str = ""
+    quantize: dict[str, Any] = field(default_factory=dict)  # stage label -> quantize.pilot.QuantizeTiming
 
 
 def _time(fn) -> float:
@@ -78,19 +81,22 @@ def _round_seconds(engine, policy: Policy, seed: int) -> tuple[float, float, dic
     return prefill + sum(decode.values()), sp.prefill_tokens / prefill, decode
 
 
-def pilot(model: str, tasks: list[str], policy: Policy, need_items: bool = True) -> Timing:
-    """Load the engine on `model` once; time PILOT_ITEMS items of every task (when `need_items`) and one speed
-    round after a warm-up one."""
+def pilot(model: str, tasks: list[str], policy: Policy, need_items: bool = True,
+          quantize: tuple[tuple[str, str, dict], ...] = ()) -> Timing:
+    """Time each of `quantize`'s (label, method, options) builds on the model's first layers; load the engine on
+    `model` once; time PILOT_ITEMS items of every task (when `need_items`) and one speed round after a warm-up one."""
     import time
 
     from quantgate.models import resolve_model
+    from quantize.pilot import quantize_timing
     from serving import LLMEngine
 
+    built = {label: quantize_timing(resolve_model(model), method, options) for label, method, options in quantize}
     start = time.perf_counter()
     engine = LLMEngine.from_pretrained(str(resolve_model(model)))
     load_s = time.perf_counter() - start
     timing = Timing(source=f"measured here: a pilot of {PILOT_ITEMS[0]} and {PILOT_ITEMS[1]} items per task on {model}",
-                    load_s=load_s)
+                    load_s=load_s, quantize=built)
     if need_items:
         for task in tasks:
             timing.item_s[task], timing.setup_s[task] = _item_seconds(engine, task)

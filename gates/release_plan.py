@@ -144,17 +144,18 @@ def _context(model: str | None) -> int | None:
 def plan_report(policy: Policy, suites: list[str], models: int, level: float | None = None,
                 flip_rate: float | None = None, seconds: str | None = None, from_run: str | None = None,
                 min_n: int = 20, model: str | None = None, kv_variants: int = 0, measure: bool = True,
-                memory: str = "", stages: tuple[list[str], T.MeasureShape, int | None] | None = None) -> str:
+                memory: str = "", stages: T.ReleaseShape | None = None) -> str:
     """The plan as Markdown. Time: `seconds` when given; else a pilot of the engine on `model` (a few items
     per task, one speed round) when `measure` (else DEFAULT_SECONDS_PER_ITEM, said so). `memory`: the memory
     plan's table (flows/memory_plan.py, which the CLI passes: gates may not import flows), printed last.
-    `stages`: the release's models (baseline first), what each measure stage runs and its `--limit`: the time
-    per stage (gates/time_plan.py) from the pilot's figures."""
+    `stages`: the release's stages (gates/time_plan.py ReleaseShape): the time per stage from the pilot's
+    figures (its quantizations piloted too)."""
     level = policy.family_harmless_pass if level is None else level
     rec = recorded(from_run, policy) if from_run else None
     given_all = seconds_per_item(seconds)[0] is not None
     names = [t.task for t in plan_tasks(policy, suites, flip_rate, "1", rec)[0]]
-    timing = pilot(model, names, policy, need_items=not given_all) if model and measure else Timing()
+    timing = (pilot(model, names, policy, need_items=not given_all, quantize=stages.quantize if stages else ())
+              if model and measure else Timing())
     if from_run:
         timing = with_run_speed(timing, from_run)
     tasks, skipped = plan_tasks(policy, suites, flip_rate, seconds, rec, timing.item_s)
@@ -169,9 +170,8 @@ def plan_report(policy: Policy, suites: list[str], models: int, level: float | N
     lines += [f"- not planned: {s}" for s in skipped]
     times = ""
     if stages is not None:
-        names, shape, limit = stages
-        shape = replace(shape, items=items_at(suites, limit))
-        times = "\n" + T.markdown(T.stage_times(policy, names, shape, timing), limit)
+        stages = replace(stages, measure=replace(stages.measure, items=items_at(suites, stages.limit)))
+        times = "\n" + T.markdown(T.stage_times(policy, stages, timing), stages.limit)
     return ("\n".join(lines) + "\n\n" + rows_markdown(rows, plan, models, timing) + times
             + (f"\n{memory}" if memory else ""))
 

@@ -6,7 +6,9 @@ A `measure <model>` stage is the load, the serving benchmark (waves of `concurre
 run them) the long-context probes, every one on that model's engine; the `speed` stage is each variant's load,
 its warm-up rounds and the timed rounds until their budget or `max_rounds` ends them, beside the baseline.
 Every model is costed at the baseline's pilot figures (a variant is usually faster: an upper bound there).
-Quantizing and the canary are not costed here (`quantgate bench scale` measures quantization per parameter).
+A `quantize <method>` stage is its build as the pilot timed it on the model's first layers (quantize/pilot.py:
+a fresh process's start, the fixed part, each decoder layer); the `canary` (run only when a variant passes)
+loads the champion and the challenger and replays its requests through both at the pilot's decode step.
 """
 
 from __future__ import annotations
@@ -30,6 +32,27 @@ class MeasureShape:
     fidelity_tokens: int = 0  # chunks x chunk tokens
     probe_tokens: int = 0  # probes x lengths, for each model in probe_models
     probe_models: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class CanaryShape:
+    """What the canary replays (flows.canary_stage's constants and the release's --canary-requests)."""
+
+    requests: int = 24
+    concurrency: int = 4
+    max_tokens: int = 16
+
+
+@dataclass(frozen=True)
+class ReleaseShape:
+    """The release the time plan costs: its models (the baseline first), what each measure stage runs, the
+    `--limit`, each quantization's (stage label, method, options) and the canary's replay."""
+
+    models: list[str]
+    measure: MeasureShape
+    limit: int | None = None
+    quantize: tuple[tuple[str, str, dict], ...] = ()
+    canary: CanaryShape | None = None
 
 
 @dataclass(frozen=True)
@@ -73,14 +96,38 @@ def speed_seconds(policy: Policy, variants: int, round_s: float, load_s: float) 
                      f"baseline load + {variants} x (load + {WARMUP_ROUNDS} warm-up + {timed:.0f} s of timed rounds)")
 
 
-def stage_times(policy: Policy, models: list[str], shape: MeasureShape, timing) -> list[StageTime]:
-    """`models`: the baseline first, then each variant; `timing`: gates.pilot.Timing from a pilot."""
+def quantize_seconds(label: str, built) -> StageTime:
+    """`built`: quantize.pilot.QuantizeTiming, or None where the pilot did not build it."""
+    if built is None:
+        return StageTime(f"quantize {label}", None, "not piloted")
+    return StageTime(f"quantize {label}", built.seconds,
+                     f"start {built.start_s:.0f} + fixed {built.fixed_s:.0f} + {built.layers} layers x "
+                     f"{built.per_layer_s:.2f} s")
+
+
+def canary_seconds(canary: CanaryShape, load_s: float, step_s: float | None) -> StageTime:
+    """Both versions loaded, then the replay: its requests in waves of `concurrency`, `max_tokens` steps each."""
+    waves = math.ceil(canary.requests / max(canary.concurrency, 1))
+    replay = waves * canary.max_tokens * step_s if step_s is not None else 0.0
+    return StageTime("canary", 2 * load_s + replay,
+                     f"2 loads + {canary.requests} requests x {canary.max_tokens} tokens {replay:.0f} (when a variant passes)")
+
+
+def stage_times(policy: Policy, release: ReleaseShape, timing) -> list[StageTime]:
+    """Every stage of `release` in the order the flow runs them; `timing`: gates.pilot.Timing from a pilot."""
+    models, shape = release.models, release.measure
+    quantize = [quantize_seconds(label, timing.quantize.get(label)) for label, _, _ in release.quantize]
     if timing.prefill_tps is None or timing.load_s is None:
-        return [StageTime(f"measure {m}", None, "no pilot") for m in models] + [StageTime("speed", None, "no pilot")]
+        rest = [StageTime(f"measure {m}", None, "no pilot") for m in models] + [StageTime("speed", None, "no pilot")]
+        return quantize + rest + ([StageTime("canary", None, "no pilot")] if release.canary else [])
     step = step_seconds(timing.decode_s, policy.speed.decode_steps, shape.bench_concurrency)
     rows = [measure_seconds(m, shape, timing.item_s, timing.load_s, timing.prefill_tps, step, timing.setup_s)
             for m in models]
-    return rows + [speed_seconds(policy, len(models) - 1, timing.round_s, timing.load_s)]
+    rows = quantize + rows + [speed_seconds(policy, len(models) - 1, timing.round_s, timing.load_s)]
+    if release.canary:
+        canary_step = step_seconds(timing.decode_s, policy.speed.decode_steps, release.canary.concurrency)
+        rows.append(canary_seconds(release.canary, timing.load_s, canary_step))
+    return rows
 
 
 def markdown(rows: list[StageTime], limit: int | None) -> str:
@@ -88,7 +135,10 @@ def markdown(rows: list[StageTime], limit: int | None) -> str:
     lines = [f"## Time per stage (at {at}; this machine, from the pilot)", "",
              "| stage | planned s | what it counts |", "| --- | ---: | --- |"]
     lines += [f"| {r.stage} | {'—' if r.seconds is None else f'{r.seconds:.0f}'} | {r.counted} |" for r in rows]
-    known = [r.seconds for r in rows if r.seconds is not None]
-    lines += ["", f"- measure and speed stages: **{sum(known) / 60:.1f} min**; quantizing and the canary not costed "
-              "here (`quantgate bench scale` measures quantization per parameter)"]
+    known = [r.seconds for r in rows if r.seconds is not None and r.stage != "canary"]
+    canary = [r.seconds for r in rows if r.stage == "canary" and r.seconds is not None]
+    lines += ["", f"- the release until its verdicts: **{sum(known) / 60:.1f} min**"
+              + (f"; the canary {canary[0] / 60:.1f} min more where a variant passes" if canary else "")]
+    unplanned = [r.stage for r in rows if r.seconds is None]
+    lines += [f"- not costed: {', '.join(unplanned)}"] if unplanned else []
     return "\n".join(lines) + "\n"

@@ -164,6 +164,12 @@ def _identity(manifest: dict[str, Any]) -> dict[str, Any]:
             "options": manifest.get("options")}
 
 
+def build_into(spec: Method, source: Path, opts: dict[str, Any], out: Path) -> None:
+    """Build `spec`'s variant of `source` into the empty directory `out`, outside the cache and without hashing
+    the source (quantize/pilot.py times builds of truncated sources with it)."""
+    _build(spec, source, str(source), f"unhashed:{source}:{time.time_ns()}", opts, out)
+
+
 def _build(spec: Method, source: Path, ref: str, source_hash: str, opts: dict[str, Any], out: Path) -> None:
     from quantize.tensor_table import tensor_table
 

@@ -61,13 +61,34 @@ def test_stage_times_from_a_pilot_and_without_one() -> None:
     shape = T.MeasureShape(items={"arc_easy": 40})
     timing = Timing(item_s={"arc_easy": 0.5}, round_s=2.0, prefill_tps=1000.0, load_s=2.0,
                     decode_s={1: 6.5, 4: 13.0, 16: 32.5})
-    rows = T.stage_times(policy, ["baseline", "int8wo"], shape, timing)
+    rows = T.stage_times(policy, T.ReleaseShape(["baseline", "int8wo"], shape), timing)
     assert [r.stage for r in rows] == ["measure baseline", "measure int8wo", "speed"]
     assert rows[0].seconds == pytest.approx(2.0 + 4 * 32 * 0.2 + 20.0)
     timing.setup_s = {"arc_easy": 3.0}  # a task's cost per run: once per measure stage, whatever its items
-    assert T.stage_times(policy, ["baseline"], shape, timing)[0].seconds == pytest.approx(2.0 + 25.6 + 20.0 + 3.0)
-    assert all(r.seconds is None for r in T.stage_times(policy, ["baseline"], shape, Timing()))
+    alone = T.ReleaseShape(["baseline"], shape)
+    assert T.stage_times(policy, alone, timing)[0].seconds == pytest.approx(2.0 + 25.6 + 20.0 + 3.0)
+    assert all(r.seconds is None for r in T.stage_times(policy, alone, Timing()))
     assert "**" in T.markdown(rows, 40) and "--limit 40" in T.markdown(rows, 40)
+
+
+def test_quantizing_and_the_canary_are_costed_in_the_flow_s_order() -> None:
+    from quantize.pilot import QuantizeTiming
+
+    policy = load_policy(DEMO_POLICY)
+    timing = Timing(item_s={"arc_easy": 0.5}, round_s=2.0, prefill_tps=1000.0, load_s=2.0,
+                    decode_s={1: 6.5, 4: 13.0, 16: 32.5},
+                    quantize={"int8wo": QuantizeTiming("int8wo", layers=24, fixed_s=2.0, per_layer_s=0.25, start_s=5.0)})
+    release = T.ReleaseShape(["baseline", "int8wo", "int4-awq"], T.MeasureShape(items={"arc_easy": 40}), limit=40,
+                             quantize=(("int8wo", "int8wo", {}), ("int4-awq", "int4-awq", {})),
+                             canary=T.CanaryShape(requests=24, concurrency=4, max_tokens=16))
+    rows = T.stage_times(policy, release, timing)
+    assert [r.stage for r in rows] == ["quantize int8wo", "quantize int4-awq", "measure baseline", "measure int8wo",
+                                       "measure int4-awq", "speed", "canary"]
+    assert rows[0].seconds == pytest.approx(5.0 + 2.0 + 24 * 0.25)
+    assert rows[1].seconds is None  # not piloted: said, never guessed
+    assert rows[-1].seconds == pytest.approx(2 * 2.0 + 6 * 16 * 0.2)  # both loaded; 6 waves of 16 steps at b4
+    text = T.markdown(rows, 40)
+    assert "not costed: quantize int4-awq" in text and "the canary 0.4 min more" in text
 
 
 def test_items_per_task_at_a_limit() -> None:

@@ -1,0 +1,107 @@
+"""What quantizing a model costs on this machine, measured on its first decoder layers.
+
+A build's time is a part that does not grow with depth (reading the embedding and the head, quantizing them,
+calibration's pass through the embedding, the probe, the manifest) and a part per decoder layer. The pilot builds
+the model truncated to `PILOT_LAYERS[0]` and to `PILOT_LAYERS[1]` decoder layers, by the same code a release runs
+(`quantize.variant`'s build, streamed where the method streams), into a throw-away directory: the difference is
+the cost of the extra layers, the smaller build less its layers the fixed part. A process's first build pays
+imports and first calls (5.98 s against 2.33 s for one layer of Qwen2.5-Coder-0.5B, int8wo), as a release's
+quantize child does once: the smaller build runs first in a fresh interpreter (that start's cost), then here
+before and after the larger one (its faster run counts: the first still paid first calls). The truncated source is the
+real one with a config.json that says fewer layers (its weights linked, never copied), so the reads, casts,
+calibration and writes are the real tensors' (`gates/time_plan.py` adds it up for `quantgate release --plan`).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+PILOT_LAYERS = (1, 6)  # decoder layers in the two builds: five layers apart keep the per-layer figure above the
+# builds' noise (Qwen2.5-Coder-0.5B: int8wo 0.25 s a layer, int4-awq 0.85; +-1 s a build); 7 of 32 layers at 8B
+
+
+@dataclass(frozen=True)
+class QuantizeTiming:
+    method: str
+    layers: int  # the model's decoder layers
+    fixed_s: float  # whatever the depth
+    per_layer_s: float
+    start_s: float = 0.0  # a fresh process's first build beyond a warm one's: imports and first calls
+
+    @property
+    def seconds(self) -> float:
+        return self.start_s + self.fixed_s + self.layers * self.per_layer_s
+
+
+def _text_config(config: dict[str, Any]) -> dict[str, Any]:
+    return config["text_config"] if "num_hidden_layers" not in config and "text_config" in config else config
+
+
+def decoder_layers(source: Path) -> int:
+    return int(_text_config(json.loads((source / "config.json").read_text()))["num_hidden_layers"])
+
+
+def truncated_source(source: Path, layers: int, into: Path) -> Path:
+    """`source` with `layers` decoder layers: every file linked but config.json, whose layer count (and every
+    per-layer list, e.g. `layer_types`) is cut to `layers`."""
+    config = json.loads((source / "config.json").read_text())
+    text = _text_config(config)
+    depth = int(text["num_hidden_layers"])
+    for key, value in list(text.items()):
+        if isinstance(value, list) and len(value) == depth:
+            text[key] = value[:layers]
+    text["num_hidden_layers"] = layers
+    into.mkdir(parents=True)
+    for file in source.iterdir():
+        if file.name != "config.json" and not file.name.startswith("."):
+            (into / file.name).symlink_to(file.resolve())
+    (into / "config.json").write_text(json.dumps(config, indent=2))
+    return into
+
+
+def build_seconds(source: Path, method: str, options: dict[str, Any], layers: int) -> float:
+    """Seconds of one build of `source` cut to `layers` decoder layers (nothing kept, nothing cached)."""
+    from quantize.methods import get_method
+    from quantize.variant import build_into
+
+    spec = get_method(method)
+    with tempfile.TemporaryDirectory(prefix="quantgate-quantize-pilot-") as tmp:
+        cut = truncated_source(source, layers, Path(tmp) / "source")
+        out = Path(tmp) / "variant"
+        out.mkdir()
+        start = time.perf_counter()
+        build_into(spec, cut, spec.options(options), out)
+        return time.perf_counter() - start
+
+
+def child_build_seconds(source: Path, method: str, options: dict[str, Any], layers: int) -> float:
+    """Wall seconds of a fresh interpreter that runs one `build_seconds`: what a release's quantize child pays
+    (flows/stage_process.py) at this depth, its start included."""
+    code = ("import json, sys; from pathlib import Path; from quantize.pilot import build_seconds; "
+            "build_seconds(Path(sys.argv[1]), sys.argv[2], json.loads(sys.argv[3]), int(sys.argv[4]))")
+    start = time.perf_counter()
+    subprocess.run([sys.executable, "-c", code, str(source), method, json.dumps(options), str(layers)], check=True,
+                   cwd=Path(__file__).resolve().parents[1], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    return time.perf_counter() - start
+
+
+def quantize_timing(source: Path, method: str, options: dict[str, Any] | None = None) -> QuantizeTiming:
+    """`method`'s build of `source` (a model directory) timed at PILOT_LAYERS decoder layers: in a fresh process
+    once (its start), then here at both depths (per layer and fixed)."""
+    layers, options = decoder_layers(source), options or {}
+    small, large = (min(n, layers) for n in PILOT_LAYERS)
+    t_child = child_build_seconds(source, method, options, small)
+    t_small = build_seconds(source, method, options, small)
+    if large == small:
+        return QuantizeTiming(method, layers, 0.0, t_small / small, max(t_child - t_small, 0.0))
+    t_large = build_seconds(source, method, options, large)
+    t_small = min(t_small, build_seconds(source, method, options, small))
+    per_layer = max(t_large - t_small, 0.0) / (large - small)
+    return QuantizeTiming(method, layers, max(t_small - small * per_layer, 0.0), per_layer, max(t_child - t_small, 0.0))

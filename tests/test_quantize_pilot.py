@@ -1,0 +1,49 @@
+"""The quantize pilot (quantize/pilot.py) times real builds of a model cut to its first layers: the cut source
+is the model with fewer layers, and its build is the variant a release would make of those layers."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from quantize.pilot import QuantizeTiming, build_seconds, decoder_layers, quantize_timing, truncated_source
+
+
+def test_a_truncated_source_says_fewer_layers_and_links_the_weights(tiny_model_dir: Path, tmp_path: Path) -> None:
+    layers = decoder_layers(tiny_model_dir)
+    assert layers >= 2
+    cut = truncated_source(tiny_model_dir, 1, tmp_path / "cut")
+    config = json.loads((cut / "config.json").read_text())
+    assert config["num_hidden_layers"] == 1
+    weights = [f for f in cut.iterdir() if f.suffix == ".safetensors"]
+    assert weights and all(f.is_symlink() for f in weights)
+    assert decoder_layers(tiny_model_dir) == layers  # the source is untouched
+
+
+def test_per_layer_lists_are_cut_with_the_count(tmp_path: Path) -> None:
+    source = tmp_path / "src"
+    source.mkdir()
+    (source / "config.json").write_text(json.dumps({"text_config": {"num_hidden_layers": 4,
+                                                                    "layer_types": ["a", "b", "a", "b"]},
+                                                    "architectures": ["X"]}))
+    cut = json.loads((truncated_source(source, 2, tmp_path / "cut") / "config.json").read_text())
+    assert cut["text_config"] == {"num_hidden_layers": 2, "layer_types": ["a", "b"]}
+    assert cut["architectures"] == ["X"]
+
+
+@pytest.mark.parametrize("method", ["int8wo", "int4-awq"])
+def test_the_pilot_builds_the_cut_model_and_keeps_nothing(tiny_model_dir: Path, method: str, tmp_path: Path,
+                                                          monkeypatch) -> None:
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+    assert build_seconds(tiny_model_dir, method, {}, 1) > 0
+    assert list(tmp_path.iterdir()) == []  # the cut source and its variant are gone
+
+
+def test_quantize_timing_adds_up(tiny_model_dir: Path) -> None:
+    timing = quantize_timing(tiny_model_dir, "int8wo")
+    assert isinstance(timing, QuantizeTiming) and timing.layers == decoder_layers(tiny_model_dir)
+    assert timing.fixed_s >= 0 and timing.per_layer_s >= 0 and timing.start_s >= 0
+    assert timing.seconds == pytest.approx(timing.start_s + timing.fixed_s + timing.layers * timing.per_layer_s)
+    assert timing.start_s > 0.5  # a fresh interpreter imports torch before it builds
