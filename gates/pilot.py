@@ -10,9 +10,11 @@ from typing import Any
 
 from gates.judging.policy import Policy
 
-PILOT_ITEMS = (4, 16)  # items per task timed twice: the difference is the per-item cost, without the task's setup;
+PILOT_ITEMS = (4, 32)  # items per task timed twice: the difference is the per-item cost, without the task's setup;
 # a release submits a suite's items together and the engine batches them: at 1 and 3 items the difference was
-# latency, 3.3x the batched cost (Qwen2.5-Coder-0.5B, six suites at 40 items: 0.46 s planned, 0.14 s measured)
+# latency, 3.3x the batched cost (Qwen2.5-Coder-0.5B, six suites at 40 items: 0.46 s planned, 0.14 s measured).
+# At 40 items the plan is 3 t16 - 2 t4 from 4 and 16 (a run's noise tripled: 4.4-8.0 s for ARC-Easy's 4.4 s
+# over two pilots), 1.29 t32 - 0.29 t4 from 4 and 32.
 
 
 @dataclass
