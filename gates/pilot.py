@@ -6,6 +6,7 @@ sizes n with them, gates/time_plan.py adds up each stage)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from gates.judging.policy import Policy
@@ -28,6 +29,8 @@ class Timing:
     round_s: float | None = None
     prefill_tps: float | None = None
     load_s: float | None = None  # the engine's load of the model
+    first_load_s: float = 0.0  # what a process's first load pays beyond it: this machine's kernels built where
+    # QUANTGATE_HOME has none yet (45 s of a 49 s first load of SmolLM2-135M in a fresh home), first calls
     decode_s: dict[int, float] = field(default_factory=dict)  # batch -> seconds of its decode point (context + steps)
     source: str = ""
     round_source: str = ""
@@ -86,19 +89,26 @@ def _round_seconds(engine, policy: Policy, seed: int) -> tuple[float, float, dic
 def pilot(model: str, tasks: list[str], policy: Policy, need_items: bool = True,
           quantize: tuple[tuple[str, str, dict], ...] = ()) -> Timing:
     """Time each of `quantize`'s (label, method, options) builds on the model's first layers; load the engine on
-    `model` once; time PILOT_ITEMS items of every task (when `need_items`) and one speed round after a warm-up one."""
+    `model` twice (the first load's excess is the process's once); time PILOT_ITEMS items of every task (when
+    `need_items`) and one speed round after a warm-up one."""
+    import gc
     import time
 
+    from quantgate.allocator import release_freed_memory
     from quantgate.models import resolve_model
     from quantize.pilot import quantize_timing
     from serving import LLMEngine
 
-    built = {label: quantize_timing(resolve_model(model), method, options) for label, method, options in quantize}
+    source = str(resolve_model(model))
+    built = {label: quantize_timing(Path(source), method, options) for label, method, options in quantize}
+    first_s = _time(lambda: LLMEngine.from_pretrained(source))  # dropped at once: two engines never resident
+    gc.collect()
+    release_freed_memory()
     start = time.perf_counter()
-    engine = LLMEngine.from_pretrained(str(resolve_model(model)))
+    engine = LLMEngine.from_pretrained(source)
     load_s = time.perf_counter() - start
     timing = Timing(source=f"measured here: a pilot of {PILOT_ITEMS[0]} and {PILOT_ITEMS[1]} items per task on {model}",
-                    load_s=load_s, quantize=built)
+                    load_s=load_s, first_load_s=max(first_s - load_s, 0.0), quantize=built)
     if need_items:
         for task in tasks:
             timing.item_s[task], timing.setup_s[task] = _item_seconds(engine, task)
