@@ -235,7 +235,7 @@ def test_plan_sizes_the_other_families_and_the_speed_budget() -> None:
 
 
 def test_pilot_measures_seconds_per_item_and_per_round_on_the_engine(tiny_model_dir) -> None:
-    """The pilot --plan runs when no --seconds-per-item is given: the engine on the model, a task at 4 and 16
+    """The pilot --plan runs when no --seconds-per-item is given: the engine on the model, a task at 4 and 32
     items, one speed round at the policy's points (small ones here: the tiny random Llama)."""
     from gates import release_plan as R
 
@@ -247,7 +247,7 @@ def test_pilot_measures_seconds_per_item_and_per_round_on_the_engine(tiny_model_
     assert timing.item_s["facts_mc"] > 0 and timing.round_s > 0 and timing.prefill_tps > 0
     assert timing.setup_s["facts_mc"] >= 0
     assert timing.load_s > 0 and set(timing.decode_s) == {1, 2} and min(timing.decode_s.values()) > 0
-    assert "a pilot of 4 and 16 items per task" in timing.source
+    assert "a pilot of 4 and 32 items per task" in timing.source
     report = R.plan_report(policy, ["facts_mc"], models=2, model=str(tiny_model_dir))
-    assert "measured here: a pilot of 4 and 16 items per task" in report and "0.15 (default" not in report
+    assert "measured here: a pilot of 4 and 32 items per task" in report and "0.15 (default" not in report
     assert "s per round and model (one pilot round of the baseline on" in report
