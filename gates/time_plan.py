@@ -123,7 +123,7 @@ def stage_times(policy: Policy, release: ReleaseShape, timing) -> list[StageTime
     step = step_seconds(timing.decode_s, policy.speed.decode_steps, shape.bench_concurrency)
     rows = [measure_seconds(m, shape, timing.item_s, timing.load_s, timing.prefill_tps, step, timing.setup_s)
             for m in models]
-    if rows and timing.first_load_s:  # the flow's first load builds the kernels (where none are cached)
+    if rows and timing.first_load_s >= 0.5:  # the flow's first load builds the kernels (where none are cached)
         rows[0] = replace(rows[0], seconds=rows[0].seconds + timing.first_load_s,
                           counted=f"first load's kernels and first calls {timing.first_load_s:.0f} + " + rows[0].counted)
     rows = quantize + rows + [speed_seconds(policy, len(models) - 1, timing.round_s, timing.load_s)]
