@@ -97,13 +97,13 @@ def _time_plan(args, methods: list[str]) -> tuple[dict[str, float | None], dict[
     from gates import time_plan as T
     from gates.pilot import pilot
     from gates.release_plan import items_at
-    from quantgate.allocator import release_freed_memory
+    from quantgate.allocator import release_engine_memory
 
     policy, suites = read_policy(args.policy), [s for s in args.suites.split(",") if s]
     shape = release_shape(policy, methods, suites, args.limit)
     shape = replace(shape, measure=replace(shape.measure, items=items_at(suites, args.limit)))
     timing = pilot(args.model, list(shape.measure.items), policy, quantize=shape.quantize)
-    release_freed_memory()  # the pilot's engines are gone: their heap goes back before the release starts
+    release_engine_memory()  # the pilot's engines are gone: their heap goes back before the release starts
     rows = T.stage_times(policy, shape, timing)
     for r in rows:
         print(f"time plan: {r.stage}: {r.seconds and round(r.seconds)} s ({r.counted})", file=sys.stderr)

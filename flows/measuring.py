@@ -22,8 +22,8 @@ from flows.data import MeasureConfig, Measured, Variant
 from flows.machine import engine_placement
 from flows.progress import note
 from flows.recipes import parse
-from flows.speed_rounds import release_engine_memory
 from gates import metric_names as M
+from quantgate.allocator import release_engine_memory
 from quantgate.loading import resident_bytes
 from quantize.capacity import ModelShape, capacity_row, capacity_shortfall, split_variant
 from quantize.methods import get_method

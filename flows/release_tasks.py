@@ -18,8 +18,8 @@ from flows import speed_rounds as speed_stage
 from flows.data import MeasureConfig, Measured, Source, SpeedPlan, SpeedResult, Variant
 from flows.progress import stage
 from flows.runtime import work_dir
-from flows.speed_rounds import release_engine_memory
 from flows.stage_process import StageKilled, run_stage_in_child
+from quantgate.allocator import release_engine_memory
 from quantize.capacity import split_variant, variant_label
 from serving.model.quant.integrity import read_manifest
 

@@ -33,6 +33,7 @@ from flows.data import BASELINE, SpeedPlan, SpeedResult, Variant
 from gates import metric_names as M
 from gates.judging.policy import pair_budget_s
 from gates.judging.speed_verdicts import CONTINUE, Look, SequentialDesign, ratio_ci, sequential_look
+from quantgate.allocator import release_engine_memory
 
 Timer = Callable[[str, str, int], float]  # (model, operating point, round; < 0: warm-up) -> tokens/s
 Speeds = dict[str, dict[str, list[float]]]  # model -> point -> tok/s per round
@@ -212,16 +213,6 @@ def load_engines(models: Sequence[Variant], plan: SpeedPlan) -> dict:
     """Every model's engine (`load_engine`), all resident at once: for a check of one model's engine;
     `measure` holds two at most."""
     return {m.name: load_engine(m, plan) for m in models}
-
-
-def release_engine_memory() -> None:
-    """Collect a dropped engine now and hand its freed heap pages back to the OS before the next one loads."""
-    import gc
-
-    from quantgate.allocator import release_freed_memory
-
-    gc.collect()
-    release_freed_memory()
 
 
 def _prompts(vocab: int, n: int, length: int, seed: int) -> list[list[int]]:

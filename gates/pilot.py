@@ -91,10 +91,9 @@ def pilot(model: str, tasks: list[str], policy: Policy, need_items: bool = True,
     """Time each of `quantize`'s (label, method, options) builds on the model's first layers; load the engine on
     `model` twice (the first load's excess is the process's once); time PILOT_ITEMS items of every task (when
     `need_items`) and one speed round after a warm-up one."""
-    import gc
     import time
 
-    from quantgate.allocator import release_freed_memory
+    from quantgate.allocator import release_engine_memory
     from quantgate.models import resolve_model
     from quantize.pilot import quantize_timing
     from serving import LLMEngine
@@ -102,8 +101,7 @@ def pilot(model: str, tasks: list[str], policy: Policy, need_items: bool = True,
     source = str(resolve_model(model))
     built = {label: quantize_timing(Path(source), method, options) for label, method, options in quantize}
     first_s = _time(lambda: LLMEngine.from_pretrained(source))  # dropped at once: two engines never resident
-    gc.collect()
-    release_freed_memory()
+    release_engine_memory()
     start = time.perf_counter()
     engine = LLMEngine.from_pretrained(source)
     load_s = time.perf_counter() - start

@@ -65,3 +65,11 @@ def release_freed_memory() -> None:
     trim = getattr(this_process, "malloc_trim", None)  # glibc: what did not come from tcmalloc
     if trim is not None:
         trim(0)
+
+
+def release_engine_memory() -> None:
+    """Collect a dropped engine now and hand its freed heap pages back to the OS before the next one loads."""
+    import gc
+
+    gc.collect()
+    release_freed_memory()

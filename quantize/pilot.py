@@ -23,6 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from quantgate.model_shape import text_config
+
 PILOT_LAYERS = (1, 6)  # decoder layers in the two builds: five layers apart keep the per-layer figure above the
 # builds' noise (Qwen2.5-Coder-0.5B: int8wo 0.25 s a layer, int4-awq 0.85; +-1 s a build); 7 of 32 layers at 8B
 
@@ -40,19 +42,15 @@ class QuantizeTiming:
         return self.start_s + self.fixed_s + self.layers * self.per_layer_s
 
 
-def _text_config(config: dict[str, Any]) -> dict[str, Any]:
-    return config["text_config"] if "num_hidden_layers" not in config and "text_config" in config else config
-
-
 def decoder_layers(source: Path) -> int:
-    return int(_text_config(json.loads((source / "config.json").read_text()))["num_hidden_layers"])
+    return int(text_config(json.loads((source / "config.json").read_text()))["num_hidden_layers"])
 
 
 def truncated_source(source: Path, layers: int, into: Path) -> Path:
     """`source` with `layers` decoder layers: every file linked but config.json, whose layer count (and every
     per-layer list, e.g. `layer_types`) is cut to `layers`."""
     config = json.loads((source / "config.json").read_text())
-    text = _text_config(config)
+    text = text_config(config)  # the nested mapping itself: cut in place
     depth = int(text["num_hidden_layers"])
     for key, value in list(text.items()):
         if isinstance(value, list) and len(value) == depth:
