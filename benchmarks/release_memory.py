@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> dict:
     with tempfile.TemporaryDirectory(prefix="qg-release-memory-") as home:
         _link_models(Path(home))
         samples, wall = _watched_release(args, Path(home))
-        speed_wall_s, measure_s = _speed_walls(Path(home)), _measure_parts(Path(home))
+        speed_wall_s, measure_s, canary_s = _speed_walls(Path(home)), _measure_parts(Path(home)), _canary_parts(Path(home))
     rows = _rows(planned, samples, planned_s)
     _print(rows, args.model, wall)
     path = write_rows_report(args.out_dir, "release_memory", rows, _plot, args.plots, model=args.model,
@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> dict:
                              release_peak_anon_gb=round(max((s[2] for s in samples), default=0) / 1e9, 3),
                              release_peak_rss_gb=round(max((s[3] for s in samples), default=0) / 1e9, 3),
                              timeline=_timeline(samples), pilot=pilot, speed_wall_s=speed_wall_s,
-                             measure_parts_s=measure_s)
+                             measure_parts_s=measure_s, canary_parts_s=canary_s)
     print(f"wrote {path}")
     return {"rows": rows, "path": str(path)}
 
@@ -102,14 +102,16 @@ def _time_plan(args, methods: list[str]) -> tuple[dict[str, float | None], dict[
     policy, suites = read_policy(args.policy), [s for s in args.suites.split(",") if s]
     shape = release_shape(policy, methods, suites, args.limit)
     shape = replace(shape, measure=replace(shape.measure, items=items_at(suites, args.limit)))
-    timing = pilot(args.model, list(shape.measure.items), policy, quantize=shape.quantize)
+    timing = pilot(args.model, list(shape.measure.items), policy, release=shape)
     release_engine_memory()  # the pilot's engines are gone: their heap goes back before the release starts
     rows = T.stage_times(policy, shape, timing)
     for r in rows:
         print(f"time plan: {r.stage}: {r.seconds and round(r.seconds)} s ({r.counted})", file=sys.stderr)
     figures = {"load_s": timing.load_s, "round_s": timing.round_s, "prefill_tps": timing.prefill_tps,
                "decode_s": timing.decode_s, "item_s": timing.item_s, "setup_s": timing.setup_s,
-               "quantize": {label: asdict(q) for label, q in timing.quantize.items()}}
+               "quantize": {label: asdict(q) for label, q in timing.quantize.items()},
+               "canary_up_s": timing.canary_up_s, "canary_request_s": timing.canary_request_s,
+               "variants": {label: asdict(cut) for label, cut in timing.variants.items()}}
     return {r.stage: r.seconds for r in rows}, figures
 
 
@@ -118,6 +120,12 @@ def _speed_walls(home: Path) -> dict[str, Any]:
     model's point, per pair; {} when the release did not reach the stage."""
     found = sorted(home.rglob("speed.json"), key=lambda p: p.stat().st_mtime)
     return json.loads(found[-1].read_text()).get("wall_s", {}) if found else {}
+
+
+def _canary_parts(home: Path) -> dict[str, float]:
+    """The canary stage's parts in seconds (flows/canary_stage.py writes them into canary.json); {} without one."""
+    found = sorted(home.rglob("canary.json"), key=lambda p: p.stat().st_mtime)
+    return json.loads(found[-1].read_text()).get("seconds", {}) if found else {}
 
 
 def _measure_parts(home: Path) -> dict[str, dict[str, float]]:

@@ -16,10 +16,10 @@ ratio champion TPOT / challenger TPOT is paired, and the windows' ratios give a 
 
 from __future__ import annotations
 
-import asyncio
 import json
 import secrets
 import statistics
+import time
 from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
@@ -31,8 +31,7 @@ from gates.judging.speed_verdicts import ratio_ci
 from serving import LLMEngine
 from serving.http.server import build_app
 from serving.http.server_thread import ServerThread
-from serving.loadgen.client import session, stream_completion
-from serving.loadgen.prompts import load_prompts
+from serving.loadgen.replay import replay, traffic
 from serving.loadgen.stats import percentile
 from serving.routing.router import build_router_app, parse_router_config
 
@@ -41,12 +40,8 @@ CANARY_KV_GB = 0.25
 REPLAY_CONCURRENCY = 4
 MAX_TOKENS = 16
 SPEED_WINDOWS = 6
-
-
-def traffic(n: int, seed: int = 0) -> list[dict]:
-    """The replayed sample: prompts from the shipped prompt set, one user id per request."""
-    prompts = load_prompts()
-    return [{"user": f"user-{seed}-{i}", "prompt": prompts[i % len(prompts)]} for i in range(n)]
+STAGE_PARTS = ("up", "replay", "judge", "down")  # canary.json's "seconds": both versions loaded and
+# served, the replay, the gates judged in MLflow, the router told and both servers stopped
 
 
 def version_stats(records: list[dict]) -> dict:
@@ -133,7 +128,7 @@ class Canary:
         self._stack.close()
 
     def replay(self, sample: list[dict], advance: Callable[[int], None]) -> list[dict]:
-        return asyncio.run(_replay(self.url, sample, advance))
+        return replay(self.url, sample, REPLAY_CONCURRENCY, MAX_TOKENS, advance)
 
     def decide(self, promote: bool, reason: str) -> dict:
         action = "promote" if promote else "rollback"
@@ -161,34 +156,6 @@ def canary_class(backend: str = "local") -> type:
     return RayCanary
 
 
-async def _replay(url: str, sample: list[dict], advance: Callable[[int], None]) -> list[dict]:
-    gate = asyncio.Semaphore(REPLAY_CONCURRENCY)
-    async with session(REPLAY_CONCURRENCY, timeout_s=300.0) as client:
-
-        async def one(i: int, item: dict) -> dict:
-            async with gate:
-                record = await _stream_one(client, url, i, item)
-            advance(1)
-            return record
-
-        return list(await asyncio.gather(*(one(i, item) for i, item in enumerate(sample))))
-
-
-async def _stream_one(client, url: str, i: int, item: dict) -> dict:
-    body = {"prompt": item["prompt"], "max_tokens": MAX_TOKENS, "temperature": 0.0, "stream": True,
-            "stream_options": {"include_usage": True}, "user": item["user"], "ignore_eos": True}
-    got = await stream_completion(client, f"{url}/v1/completions", body)
-    record: dict = {"id": i, "user": item["user"], "version": got.headers.get("x-quantgate-version"),
-                    "status": got.status, "error": got.error, "ttft_s": got.ttft, "tpot_s": None,
-                    "tokens": got.usage_tokens or 0}
-    if got.error is None:
-        if got.ttft is not None and record["tokens"] > 1:
-            record["tpot_s"] = got.tpot
-        else:
-            record["error"] = f"no tokens streamed (usage {record['tokens']})"
-    return record
-
-
 def run_canary(champion_dir: Path, challenger_dir: Path, n: int, share: float, out: Path,
                advance: Callable[[int], None], judge: Callable[[dict], tuple[bool, str]],
                kv_cache_dtypes: dict[str, str] | None = None, backend: str = "local", device: str = "cpu") -> dict:
@@ -197,9 +164,12 @@ def run_canary(champion_dir: Path, challenger_dir: Path, n: int, share: float, o
         raise ValueError(f"a canary needs at least 2 requests, got {n}")
     out.mkdir(parents=True, exist_ok=True)
     decisions = out / "router_decisions.jsonl"
+    clock = [time.perf_counter()]  # where the stage's time goes: both versions up, the replay, the gates, down
     with canary_class(backend)(champion_dir, challenger_dir, share, decisions, kv_cache_dtypes,
                                device=device) as canary:
+        clock.append(time.perf_counter())
         records = canary.replay(traffic(n), advance)
+        clock.append(time.perf_counter())
         unrouted = [r for r in records if r["version"] not in (CHAMPION, CHALLENGER)]
         result: dict = {v: version_stats([r for r in records if r["version"] == v]) for v in (CHAMPION, CHALLENGER)}
         for v in (CHAMPION, CHALLENGER):
@@ -210,7 +180,10 @@ def run_canary(champion_dir: Path, challenger_dir: Path, n: int, share: float, o
             raise RuntimeError(f"no request of the {n}-request sample reached the challenger at share {share}")
         result["speed"] = speed_comparison(records)
         passed, reason = judge(result)
+        clock.append(time.perf_counter())
         result["router"] = canary.decide(passed, reason)
+    clock.append(time.perf_counter())
+    result["seconds"] = {part: round(b - a, 3) for part, a, b in zip(STAGE_PARTS, clock[:-1], clock[1:], strict=True)}
     trace = out / "canary_trace.jsonl"
     trace.write_text("".join(json.dumps(r) + "\n" for r in records))
     (out / "canary.json").write_text(json.dumps(result, indent=2))

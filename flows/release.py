@@ -174,6 +174,9 @@ def canary(champion_dir: str, challenger_dir: str, requests: int, share: float, 
     with stage(f"canary: {requests} replayed requests, {share:.0%} to the challenger", total=requests) as advance:
         result = canary_stage.run_canary(Path(champion_dir), Path(challenger_dir), requests, share, Path(out),
                                          advance, judge, kv_cache_dtypes, backend, device)
+    parts = result["seconds"]
+    note(f"canary: both versions up in {parts['up']:.1f} s, {requests} requests replayed in {parts['replay']:.1f} s, "
+         f"gates judged in {parts['judge']:.1f} s, servers down in {parts['down']:.1f} s")
     records.log_canary_artifacts(challenger_run_id, result)
     return result
 

@@ -21,4 +21,6 @@ def release_shape(policy: Policy, methods: list[str], suites: list[str] | None, 
     return ReleaseShape(models=[BASELINE, *map(variant_label, methods)],
                         measure=measure_config(policy, methods, suites, limit).time_shape(), limit=limit,
                         quantize=tuple((m, r.method, dict(r.options)) for m, r in recipes),
-                        canary=CanaryShape(canary_requests, REPLAY_CONCURRENCY, MAX_TOKENS))
+                        canary=CanaryShape(canary_requests, REPLAY_CONCURRENCY, MAX_TOKENS),
+                        weights={variant_label(m): split_variant(m)[0] for m in methods
+                                 if split_variant(m)[0] != BASELINE})

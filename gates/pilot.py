@@ -5,6 +5,7 @@ sizes n with them, gates/time_plan.py adds up each stage)."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,20 @@ PILOT_ITEMS = (4, 32)  # items per task timed twice: the difference is the per-i
 # latency, 3.3x the batched cost (Qwen2.5-Coder-0.5B, six suites at 40 items: 0.46 s planned, 0.14 s measured).
 # At 40 items the plan is 3 t16 - 2 t4 from 4 and 16 (a run's noise tripled: 4.4-8.0 s for ARC-Easy's 4.4 s
 # over two pilots), 1.29 t32 - 0.29 t4 from 4 and 32.
+PILOT_CANARY_REQUESTS = 8  # replayed through one server and the router: the canary's cost per request
+
+
+@dataclass(frozen=True)
+class CutServed:
+    """The model and one variant cut to the same `layers` decoder layers, as the engine serves them: each one's
+    load and decode step (baseline, variant). Their difference times `model_layers` over `layers` is what the
+    whole variant saves (or costs) beside the whole baseline: the embedding, the head and the runtime, alike in
+    both, cancel (gates.time_plan.variant_costs)."""
+
+    layers: int
+    model_layers: int
+    load_s: tuple[float, float]
+    step_s: tuple[float, float]
 
 
 @dataclass
@@ -35,11 +50,12 @@ class Timing:
     source: str = ""
     round_source: str = ""
     quantize: dict[str, Any] = field(default_factory=dict)  # stage label -> quantize.pilot.QuantizeTiming
+    canary_up_s: float | None = None  # a server and the router in front of it started and stopped
+    canary_request_s: float | None = None  # per request replayed through them at the canary's concurrency
+    variants: dict[str, CutServed] = field(default_factory=dict)  # quantize stage label -> its cut, served
 
 
 def _time(fn) -> float:
-    import time
-
     start = time.perf_counter()
     fn()
     return time.perf_counter() - start
@@ -86,12 +102,39 @@ def _round_seconds(engine, policy: Policy, seed: int) -> tuple[float, float, dic
     return prefill + sum(decode.values()), sp.prefill_tokens / prefill, decode
 
 
-def pilot(model: str, tasks: list[str], policy: Policy, need_items: bool = True,
-          quantize: tuple[tuple[str, str, dict], ...] = ()) -> Timing:
-    """Time each of `quantize`'s (label, method, options) builds on the model's first layers; load the engine on
-    `model` twice (the first load's excess is the process's once); time PILOT_ITEMS items of every task (when
-    `need_items`) and one speed round after a warm-up one."""
-    import time
+def _canary_seconds(engine, canary) -> tuple[float, float]:
+    """(start and stop, seconds per request) of the canary's replay (`canary`: gates.time_plan.CanaryShape)
+    through a server on `engine` and the router in front of it: the same HTTP, streaming and routing as the
+    canary's, with one engine where the canary runs two on the same cores (Qwen2.5-Coder-0.5B, 24 requests:
+    6.4 s here, 7.3 s beside its int8wo variant, 8.5 s beside a second baseline). Last: the engine is served."""
+    import secrets
+
+    from serving.http.server import build_app
+    from serving.http.server_thread import ServerThread
+    from serving.loadgen.replay import replay, traffic
+    from serving.routing.router import build_router_app, parse_router_config
+
+    n = max(min(canary.requests, PILOT_CANARY_REQUESTS), 1)
+    start = time.perf_counter()
+    with ServerThread(build_app(engine, served_model_name="pilot", version="pilot")) as server:
+        config = parse_router_config({"versions": {"pilot": {"weight": 1.0, "backends": [server.url]}},
+                                      "canary": "pilot", "admin_key": secrets.token_hex(16)}, source="the pilot's router")
+        with ServerThread(build_router_app(config)) as router:
+            up = time.perf_counter()
+            records = replay(router.url, traffic(n, seed=1), canary.concurrency, canary.max_tokens)
+            replayed = time.perf_counter()
+    failed = [r["error"] for r in records if r["error"]]
+    if failed:
+        raise RuntimeError(f"the pilot's canary replay failed: {failed[0]}")
+    return up - start + time.perf_counter() - replayed, (replayed - up) / n
+
+
+def pilot(model: str, tasks: list[str], policy: Policy, need_items: bool = True, release=None) -> Timing:
+    """Time each of `release`'s quantizations (gates.time_plan.ReleaseShape) on the model's first layers; load the
+    engine on `model` twice (the first load's excess is the process's once); time PILOT_ITEMS items of every task
+    (when `need_items`), one speed round after a warm-up one, a few of the canary's requests replayed through a
+    server and the router, and each variant's deeper build served beside the model cut alike (CutServed)."""
+    import tempfile
 
     from quantgate.allocator import release_engine_memory
     from quantgate.models import resolve_model
@@ -99,18 +142,59 @@ def pilot(model: str, tasks: list[str], policy: Policy, need_items: bool = True,
     from serving import LLMEngine
 
     source = str(resolve_model(model))
-    built = {label: quantize_timing(Path(source), method, options) for label, method, options in quantize}
-    first_s = _time(lambda: LLMEngine.from_pretrained(source))  # dropped at once: two engines never resident
-    release_engine_memory()
-    start = time.perf_counter()
-    engine = LLMEngine.from_pretrained(source)
-    load_s = time.perf_counter() - start
-    timing = Timing(source=f"measured here: a pilot of {PILOT_ITEMS[0]} and {PILOT_ITEMS[1]} items per task on {model}",
-                    load_s=load_s, first_load_s=max(first_s - load_s, 0.0), quantize=built)
-    if need_items:
-        for task in tasks:
-            timing.item_s[task], timing.setup_s[task] = _item_seconds(engine, task)
-    _round_seconds(engine, policy, seed=0)  # warm-up: first calls pay for allocation and kernel selection
-    timing.round_s, timing.prefill_tps, timing.decode_s = _round_seconds(engine, policy, seed=1)
-    timing.round_source = f"one pilot round of the baseline on {model}"
+    with tempfile.TemporaryDirectory(prefix="quantgate-pilot-") as kept:
+        built = {label: quantize_timing(Path(source), method, options, keep=Path(kept) / label)
+                 for label, method, options in (release.quantize if release else ())}
+        first_s = _time(lambda: LLMEngine.from_pretrained(source))  # dropped at once: two engines never resident
+        release_engine_memory()
+        start = time.perf_counter()
+        engine = LLMEngine.from_pretrained(source)
+        load_s = time.perf_counter() - start
+        timing = Timing(source=f"measured here: a pilot of {PILOT_ITEMS[0]} and {PILOT_ITEMS[1]} items per task on "
+                        f"{model}", load_s=load_s, first_load_s=max(first_s - load_s, 0.0), quantize=built)
+        if need_items:
+            for task in tasks:
+                timing.item_s[task], timing.setup_s[task] = _item_seconds(engine, task)
+        _round_seconds(engine, policy, seed=0)  # warm-up: first calls pay for allocation and kernel selection
+        timing.round_s, timing.prefill_tps, timing.decode_s = _round_seconds(engine, policy, seed=1)
+        timing.round_source = f"one pilot round of the baseline on {model}"
+        if release is not None and release.canary is not None:
+            timing.canary_up_s, timing.canary_request_s = _canary_seconds(engine, release.canary)
+        del engine
+        release_engine_memory()
+        if release is not None:
+            batch, steps = release.measure.bench_concurrency, release.measure.bench_max_tokens
+            timing.variants = {label: cut_served(Path(kept) / label, q.kept_layers, q.layers, batch, steps)
+                               for label, q in built.items()}
     return timing
+
+
+def _served_seconds(path: Path, batch: int, steps: int) -> tuple[float, float]:
+    """(load, seconds per decode step at `batch` short prompts) of the engine on `path`, the step timed after a
+    first call; the engine dropped after."""
+    from quantgate.allocator import release_engine_memory
+    from serving import LLMEngine, SamplingParams
+
+    start = time.perf_counter()
+    engine = LLMEngine.from_pretrained(str(path))
+    load_s = time.perf_counter() - start
+    params = SamplingParams(max_tokens=steps + 1, temperature=0.0, ignore_eos=True)
+
+    def prompts(seed: int) -> list[list[int]]:
+        return [[1000 + 97 * seed + 13 * i + j for j in range(16)] for i in range(batch)]
+
+    engine.generate(prompts(0), params)
+    start = time.perf_counter()
+    engine.generate(prompts(1), params)
+    step_s = (time.perf_counter() - start) / (steps + 1)
+    del engine
+    release_engine_memory()
+    return load_s, step_s
+
+
+def cut_served(kept: Path, layers: int, model_layers: int, batch: int, steps: int) -> CutServed:
+    """The variant's build kept by the quantize pilot (kept/variant) and the source cut alike (kept/source), each
+    loaded and stepped; the variant loaded once before, untimed (its kernel path's first calls)."""
+    _served_seconds(kept / "variant", batch, 1)
+    base, variant = _served_seconds(kept / "source", batch, steps), _served_seconds(kept / "variant", batch, steps)
+    return CutServed(layers, model_layers, (base[0], variant[0]), (base[1], variant[1]))

@@ -154,8 +154,7 @@ def plan_report(policy: Policy, suites: list[str], models: int, level: float | N
     rec = recorded(from_run, policy) if from_run else None
     given_all = seconds_per_item(seconds)[0] is not None
     names = [t.task for t in plan_tasks(policy, suites, flip_rate, "1", rec)[0]]
-    timing = (pilot(model, names, policy, need_items=not given_all, quantize=stages.quantize if stages else ())
-              if model and measure else Timing())
+    timing = pilot(model, names, policy, need_items=not given_all, release=stages) if model and measure else Timing()
     if from_run:
         timing = with_run_speed(timing, from_run)
     tasks, skipped = plan_tasks(policy, suites, flip_rate, seconds, rec, timing.item_s)

@@ -5,16 +5,18 @@ A `measure <model>` stage is the load, the serving benchmark (waves of `concurre
 `max_tokens` each), the eval items at the release's `--limit`, the fidelity chunks and (for the models that
 run them) the long-context probes, every one on that model's engine; the `speed` stage is each variant's load,
 its warm-up rounds and the timed rounds until their budget or `max_rounds` ends them, beside the baseline.
-Every model is costed at the baseline's pilot figures (a variant is usually faster: an upper bound there).
+A variant's load and decode step are the baseline's less what its build on the model's first layers saved
+beside the baseline cut alike (gates.pilot.CutServed); its eval items and speed rounds are the baseline's.
 A `quantize <method>` stage is its build as the pilot timed it on the model's first layers (quantize/pilot.py:
 a fresh process's start, the fixed part, each decoder layer); the `canary` (run only when a variant passes)
-loads the champion and the challenger and replays its requests through both at the pilot's decode step.
+loads the champion and the challenger and replays its requests through the router, as the pilot replayed a few
+through one server (gates.pilot._canary_seconds).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from gates.judging.policy import Policy
 
@@ -53,6 +55,7 @@ class ReleaseShape:
     limit: int | None = None
     quantize: tuple[tuple[str, str, dict], ...] = ()
     canary: CanaryShape | None = None
+    weights: dict[str, str] = field(default_factory=dict)  # a variant's model label -> its quantize label
 
 
 @dataclass(frozen=True)
@@ -69,6 +72,17 @@ def step_seconds(decode_s: dict[int, float], steps: int, batch: int) -> float | 
         return None
     nearest = min(decode_s, key=lambda b: (abs(b - batch), b))
     return decode_s[nearest] / (steps + 1)
+
+
+def variant_costs(cut, load_s: float, step_s: float | None) -> tuple[float, float | None]:
+    """The whole variant's (load, decode step) from the baseline's and what its cut saved beside the baseline's
+    cut (`cut`: gates.pilot.CutServed), scaled from the cut's layers to the model's; never below a tenth of the
+    baseline's (the cut's noise on a few layers must not plan a free stage)."""
+    scale = cut.model_layers / cut.layers
+    load = max(load_s - scale * (cut.load_s[0] - cut.load_s[1]), 0.1 * load_s)
+    if step_s is None:
+        return load, None
+    return load, max(step_s - scale * (cut.step_s[0] - cut.step_s[1]), 0.1 * step_s)
 
 
 def measure_seconds(name: str, shape: MeasureShape, item_s: dict[str, float], load_s: float,
@@ -105,12 +119,20 @@ def quantize_seconds(label: str, built) -> StageTime:
                      f"{built.per_layer_s:.2f} s")
 
 
-def canary_seconds(canary: CanaryShape, load_s: float, step_s: float | None) -> StageTime:
-    """Both versions loaded, then the replay: its requests in waves of `concurrency`, `max_tokens` steps each."""
+def canary_seconds(canary: CanaryShape, load_s: float, step_s: float | None, up_s: float | None = None,
+                   request_s: float | None = None) -> StageTime:
+    """Both versions loaded and served, then the replay: as the pilot replayed a few of its requests through a
+    server and the router (`up_s`, `request_s`), else its waves of `concurrency` at the decode step."""
+    loads = f"2 loads {2 * load_s:.0f}"
+    if request_s is not None:
+        replay, up = canary.requests * request_s, up_s or 0.0
+        return StageTime("canary", 2 * load_s + up + replay,
+                         f"{loads} + servers and router {up:.0f} + {canary.requests} requests x {request_s:.2f} s "
+                         f"{replay:.0f} (when a variant passes)")
     waves = math.ceil(canary.requests / max(canary.concurrency, 1))
     replay = waves * canary.max_tokens * step_s if step_s is not None else 0.0
     return StageTime("canary", 2 * load_s + replay,
-                     f"2 loads + {canary.requests} requests x {canary.max_tokens} tokens {replay:.0f} (when a variant passes)")
+                     f"{loads} + {canary.requests} requests x {canary.max_tokens} tokens {replay:.0f} (when a variant passes)")
 
 
 def stage_times(policy: Policy, release: ReleaseShape, timing) -> list[StageTime]:
@@ -121,15 +143,20 @@ def stage_times(policy: Policy, release: ReleaseShape, timing) -> list[StageTime
         rest = [StageTime(f"measure {m}", None, "no pilot") for m in models] + [StageTime("speed", None, "no pilot")]
         return quantize + rest + ([StageTime("canary", None, "no pilot")] if release.canary else [])
     step = step_seconds(timing.decode_s, policy.speed.decode_steps, shape.bench_concurrency)
-    rows = [measure_seconds(m, shape, timing.item_s, timing.load_s, timing.prefill_tps, step, timing.setup_s)
-            for m in models]
+    rows = []
+    for m in models:
+        cut = timing.variants.get(release.weights.get(m, ""))
+        load, model_step = variant_costs(cut, timing.load_s, step) if cut else (timing.load_s, step)
+        row = measure_seconds(m, shape, timing.item_s, load, timing.prefill_tps, model_step, timing.setup_s)
+        rows.append(replace(row, counted=row.counted + f"; load and steps from its {cut.layers}-layer cut") if cut else row)
     if rows and timing.first_load_s >= 0.5:  # the flow's first load builds the kernels (where none are cached)
         rows[0] = replace(rows[0], seconds=rows[0].seconds + timing.first_load_s,
                           counted=f"first load's kernels and first calls {timing.first_load_s:.0f} + " + rows[0].counted)
     rows = quantize + rows + [speed_seconds(policy, len(models) - 1, timing.round_s, timing.load_s)]
     if release.canary:
         canary_step = step_seconds(timing.decode_s, policy.speed.decode_steps, release.canary.concurrency)
-        rows.append(canary_seconds(release.canary, timing.load_s, canary_step))
+        rows.append(canary_seconds(release.canary, timing.load_s, canary_step, timing.canary_up_s,
+                                   timing.canary_request_s))
     return rows
 
 

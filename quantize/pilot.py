@@ -36,6 +36,7 @@ class QuantizeTiming:
     fixed_s: float  # whatever the depth
     per_layer_s: float
     start_s: float = 0.0  # a fresh process's first build beyond a warm one's: imports and first calls
+    kept_layers: int = 0  # the decoder layers of the build kept (quantize_timing's `keep`)
 
     @property
     def seconds(self) -> float:
@@ -64,15 +65,17 @@ def truncated_source(source: Path, layers: int, into: Path) -> Path:
     return into
 
 
-def build_seconds(source: Path, method: str, options: dict[str, Any], layers: int) -> float:
-    """Seconds of one build of `source` cut to `layers` decoder layers (nothing kept, nothing cached)."""
+def build_seconds(source: Path, method: str, options: dict[str, Any], layers: int, keep: Path | None = None) -> float:
+    """Seconds of one build of `source` cut to `layers` decoder layers (nothing cached; nothing kept, or where
+    `keep` names a new directory, the cut source in keep/source and its variant in keep/variant)."""
     from quantize.methods import get_method
     from quantize.variant import build_into
 
     spec = get_method(method)
     with tempfile.TemporaryDirectory(prefix="quantgate-quantize-pilot-") as tmp:
-        cut = truncated_source(source, layers, Path(tmp) / "source")
-        out = Path(tmp) / "variant"
+        into = keep or Path(tmp)
+        cut = truncated_source(source, layers, into / "source")
+        out = into / "variant"
         out.mkdir()
         start = time.perf_counter()
         build_into(spec, cut, spec.options(options), out)
@@ -90,16 +93,19 @@ def child_build_seconds(source: Path, method: str, options: dict[str, Any], laye
     return time.perf_counter() - start
 
 
-def quantize_timing(source: Path, method: str, options: dict[str, Any] | None = None) -> QuantizeTiming:
+def quantize_timing(source: Path, method: str, options: dict[str, Any] | None = None,
+                    keep: Path | None = None) -> QuantizeTiming:
     """`method`'s build of `source` (a model directory) timed at PILOT_LAYERS decoder layers: in a fresh process
-    once (its start), then here at both depths (per layer and fixed)."""
+    once (its start), then here at both depths (per layer and fixed). `keep`: where the deeper build stays
+    (build_seconds), for the pilot to serve beside the source cut alike."""
     layers, options = decoder_layers(source), options or {}
     small, large = (min(n, layers) for n in PILOT_LAYERS)
     t_child = child_build_seconds(source, method, options, small)
-    t_small = build_seconds(source, method, options, small)
+    t_small = build_seconds(source, method, options, small, keep if large == small else None)
     if large == small:
-        return QuantizeTiming(method, layers, 0.0, t_small / small, max(t_child - t_small, 0.0))
-    t_large = build_seconds(source, method, options, large)
+        return QuantizeTiming(method, layers, 0.0, t_small / small, max(t_child - t_small, 0.0), small)
+    t_large = build_seconds(source, method, options, large, keep)
     t_small = min(t_small, build_seconds(source, method, options, small))
     per_layer = max(t_large - t_small, 0.0) / (large - small)
-    return QuantizeTiming(method, layers, max(t_small - small * per_layer, 0.0), per_layer, max(t_child - t_small, 0.0))
+    return QuantizeTiming(method, layers, max(t_small - small * per_layer, 0.0), per_layer, max(t_child - t_small, 0.0),
+                          large)

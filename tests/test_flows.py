@@ -6,6 +6,7 @@ One Prefect test harness for the whole module (starting it takes 15-30 s on 2 co
 
 from __future__ import annotations
 
+import json
 import shutil
 import time
 import uuid
@@ -124,7 +125,7 @@ def first_release(prefect_api, tiny_model_dir, policies) -> dict:
     return _release(tiny_model_dir, policies["pass"])
 
 
-def test_release_end_to_end_promotes_the_variant_after_the_canary(first_release):
+def test_release_end_to_end_promotes_the_variant_after_the_canary(first_release, tmp_path):
     from gates.records import registry
     from gates.records.evaluation import read_evaluation
     from gates.records.tracking import get_client, get_run, release_children
@@ -159,6 +160,8 @@ def test_release_end_to_end_promotes_the_variant_after_the_canary(first_release)
     assert run.data.metrics["canary/error_rate"] == 0.0 and run.data.metrics["canary/requests"] >= 1
     assert read_evaluation(nf4["run_id"], "release").passed
     assert read_evaluation(nf4["run_id"], "canary").passed
+    canary = json.loads(Path(client.download_artifacts(nf4["run_id"], "canary/canary.json", tmp_path)).read_text())
+    assert list(canary["seconds"]) == ["up", "replay", "judge", "down"] and min(canary["seconds"].values()) >= 0
     approval = registry.read_approval(s["model"], nf4["version"])
     assert (approval.decision, approval.by) == ("approved", "quantgate-auto")
     # the quantize task ran as a Prefect task, and its result was persisted for reruns

@@ -18,6 +18,7 @@ from gates.judging import power as P
 from gates.judging import power_sim as S
 from gates.judging.judge import judge
 from gates.judging.policy import PolicyError, parse_policy
+from gates.time_plan import CanaryShape, MeasureShape, ReleaseShape
 
 POLICY = parse_policy({"tasks": {"max_drop": 0.05, "overrides": {"t03": {"max_drop": 0.08}}}})
 DRAWS = 200
@@ -243,8 +244,10 @@ def test_pilot_measures_seconds_per_item_and_per_round_on_the_engine(tiny_model_
                            "serving": {"min_decode_speedup": 1.0, "decode_batches": [1, 2]},
                            "speed": {"prefill_tokens": 32, "decode_context": 16, "decode_steps": 4,
                                      "long_context": None}})
-    timing = R.pilot(str(tiny_model_dir), ["facts_mc"], policy)
+    timing = R.pilot(str(tiny_model_dir), ["facts_mc"], policy,
+                     release=ReleaseShape(["baseline"], MeasureShape(items={}), canary=CanaryShape(24, max_tokens=4)))
     assert timing.item_s["facts_mc"] > 0 and timing.round_s > 0 and timing.prefill_tps > 0
+    assert timing.canary_up_s > 0 and timing.canary_request_s > 0  # 8 of its requests through a server and router
     assert timing.setup_s["facts_mc"] >= 0
     assert timing.load_s > 0 and set(timing.decode_s) == {1, 2} and min(timing.decode_s.values()) > 0
     assert "a pilot of 4 and 32 items per task" in timing.source

@@ -47,3 +47,17 @@ def test_quantize_timing_adds_up(tiny_model_dir: Path) -> None:
     assert timing.fixed_s >= 0 and timing.per_layer_s >= 0 and timing.start_s >= 0
     assert timing.seconds == pytest.approx(timing.start_s + timing.fixed_s + timing.layers * timing.per_layer_s)
     assert timing.start_s > 0.5  # a fresh interpreter imports torch before it builds
+
+
+def test_the_kept_build_is_served_beside_the_source_cut_alike(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """The time plan costs a variant's load and decode step from its deeper pilot build, served beside the source
+    cut to the same layers (gates.pilot.cut_served)."""
+    from gates.pilot import cut_served
+
+    kept = tmp_path / "kept"
+    timing = quantize_timing(tiny_model_dir, "int8wo", keep=kept)
+    assert timing.kept_layers == min(6, timing.layers) == decoder_layers(kept / "source")
+    assert (kept / "variant" / "quantgate.json").is_file()
+    cut = cut_served(kept, timing.kept_layers, timing.layers, batch=2, steps=4)
+    assert (cut.layers, cut.model_layers) == (timing.kept_layers, timing.layers)
+    assert min(cut.load_s + cut.step_s) > 0

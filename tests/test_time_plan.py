@@ -95,8 +95,30 @@ def test_quantizing_and_the_canary_are_costed_in_the_flow_s_order() -> None:
     assert rows[-1].seconds == pytest.approx(2 * 2.0 + 6 * 16 * 0.2)  # both loaded; 6 waves of 16 steps at b4
     text = T.markdown(rows, 40)
     assert "not costed: quantize int4-awq" in text and "the canary 0.4 min more" in text
+    timing.canary_up_s, timing.canary_request_s = 0.5, 0.3  # the pilot replayed some through a server and router
+    piloted = T.stage_times(policy, release, timing)[-1]
+    assert piloted.seconds == pytest.approx(2 * 2.0 + 0.5 + 24 * 0.3) and "24 requests x 0.30 s" in piloted.counted
 
 
 def test_items_per_task_at_a_limit() -> None:
     assert items_at(["arc_easy", "cloze"], 40) == {"arc_easy": 40, "cloze": 40}
     assert items_at(["cloze"], 1000) == {"cloze": 158}  # its whole data where it has fewer
+
+
+def test_a_variant_is_costed_from_its_cut_beside_the_baseline_s() -> None:
+    """What the 6-layer variant saved beside the 6-layer baseline, times 24/6 layers, comes off the whole
+    baseline's load and step; a saving larger than the baseline leaves a tenth of it."""
+    from gates.pilot import CutServed
+
+    policy = load_policy(DEMO_POLICY)
+    cut = CutServed(layers=6, model_layers=24, load_s=(1.0, 0.5), step_s=(0.010, 0.006))
+    assert T.variant_costs(cut, 5.0, 0.05) == pytest.approx((5.0 - 4 * 0.5, 0.05 - 4 * 0.004))
+    assert T.variant_costs(cut, 1.0, None) == pytest.approx((0.1, None))
+    timing = Timing(item_s={"arc_easy": 0.5}, round_s=2.0, prefill_tps=1000.0, load_s=5.0,
+                    decode_s={1: 6.5, 4: 13.0, 16: 32.5}, variants={"int8wo": cut})
+    release = T.ReleaseShape(["baseline", "int8wo", "int4-awq"], T.MeasureShape(items={"arc_easy": 40}),
+                             weights={"int8wo": "int8wo", "int4-awq": "int4-awq"})
+    base, int8, int4 = T.stage_times(policy, release, timing)[:3]
+    assert int4.seconds == base.seconds  # no cut served: the baseline's figures
+    assert base.seconds - int8.seconds == pytest.approx(2.0 + 4 * 32 * 4 * 0.004)  # load; 4 waves x 32 steps
+    assert "from its 6-layer cut" in int8.counted and "cut" not in base.counted
