@@ -53,6 +53,7 @@ class Timing:
     canary_up_s: float | None = None  # a server and the router in front of it started and stopped
     canary_request_s: float | None = None  # per request replayed through them at the canary's concurrency
     variants: dict[str, CutServed] = field(default_factory=dict)  # quantize stage label -> its cut, served
+    source_hash_s: float = 0.0  # the first build's hashing of the source (none where its hash is remembered)
 
 
 def _time(fn) -> float:
@@ -138,7 +139,7 @@ def pilot(model: str, tasks: list[str], policy: Policy, need_items: bool = True,
 
     from quantgate.allocator import release_engine_memory
     from quantgate.models import resolve_model
-    from quantize.pilot import quantize_timing
+    from quantize.pilot import quantize_timing, source_hash_seconds
     from serving import LLMEngine
 
     source = str(resolve_model(model))
@@ -151,7 +152,8 @@ def pilot(model: str, tasks: list[str], policy: Policy, need_items: bool = True,
         engine = LLMEngine.from_pretrained(source)
         load_s = time.perf_counter() - start
         timing = Timing(source=f"measured here: a pilot of {PILOT_ITEMS[0]} and {PILOT_ITEMS[1]} items per task on "
-                        f"{model}", load_s=load_s, first_load_s=max(first_s - load_s, 0.0), quantize=built)
+                        f"{model}", load_s=load_s, first_load_s=max(first_s - load_s, 0.0), quantize=built,
+                        source_hash_s=source_hash_seconds(Path(source)) if built else 0.0)
         if need_items:
             for task in tasks:
                 timing.item_s[task], timing.setup_s[task] = _item_seconds(engine, task)

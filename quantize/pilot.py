@@ -109,3 +109,28 @@ def quantize_timing(source: Path, method: str, options: dict[str, Any] | None = 
     per_layer = max(t_large - t_small, 0.0) / (large - small)
     return QuantizeTiming(method, layers, max(t_small - small * per_layer, 0.0), per_layer, max(t_child - t_small, 0.0),
                           large)
+
+
+HASH_SAMPLE_BYTES = 256 << 20  # read and hashed once to time this machine's sha256 over the source's files
+
+
+def source_hash_seconds(source: Path) -> float:
+    """What a release's first build pays to hash the source (quantize.variant.cached_content_hash): nothing
+    where its hash is remembered for the directory as it is now, else its bytes at the rate measured here on
+    its largest file's first HASH_SAMPLE_BYTES (read as the release will read them: page cache or disk)."""
+    import hashlib
+
+    from quantize.variant import memoized_content_hash
+
+    if memoized_content_hash(source) is not None:
+        return 0.0
+    files = [p for p in Path(source).rglob("*") if p.is_file() and not p.name.startswith(".")]
+    total = sum(p.stat().st_size for p in files)
+    largest = max(files, key=lambda p: p.stat().st_size)
+    digest, read = hashlib.sha256(), 0
+    start = time.perf_counter()
+    with open(largest, "rb") as handle:
+        while read < HASH_SAMPLE_BYTES and (block := handle.read(1 << 24)):
+            digest.update(block)
+            read += len(block)
+    return total / max(read, 1) * (time.perf_counter() - start)

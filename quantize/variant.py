@@ -254,25 +254,37 @@ def library_versions(backend: str) -> dict[str, str]:
 def cached_content_hash(model_dir: Path) -> str:
     """`content_hash`, remembered per directory until a file's size or mtime changes (hashing 0.5 GB takes s)."""
     model_dir = Path(model_dir).resolve()
-    stamp = hashlib.sha256()
-    for file in sorted(p for p in model_dir.rglob("*") if p.is_file() and not p.name.startswith(".")):
-        st = file.stat()
-        stamp.update(f"{file.relative_to(model_dir)}:{st.st_size}:{st.st_mtime_ns}\n".encode())
-    memo_path = variants_root() / ".source-hashes.json"
-    try:
-        memo = json.loads(memo_path.read_text())
-    except (OSError, ValueError):
-        memo = {}
-    entry = memo.get(str(model_dir))
-    if entry and entry.get("stamp") == stamp.hexdigest():
-        return entry["hash"]
+    known, stamp, memo = _memo_entry(model_dir)
+    if known is not None:
+        return known
     digest = content_hash(model_dir)
-    memo[str(model_dir)] = {"stamp": stamp.hexdigest(), "hash": digest}
+    memo[str(model_dir)] = {"stamp": stamp, "hash": digest}
+    memo_path = variants_root() / ".source-hashes.json"
     memo_path.parent.mkdir(parents=True, exist_ok=True)
     tmp = memo_path.with_name(f".source-hashes.{os.getpid()}.tmp")
     tmp.write_text(json.dumps(memo, indent=1))
     os.replace(tmp, memo_path)
     return digest
+
+
+def memoized_content_hash(model_dir: Path) -> str | None:
+    """The content hash `cached_content_hash` remembers for this directory as it is now; None: it would hash."""
+    return _memo_entry(Path(model_dir).resolve())[0]
+
+
+def _memo_entry(model_dir: Path) -> tuple[str | None, str, dict]:
+    """(the remembered hash if still valid, the directory's stamp of names, sizes and mtimes, the whole memo)."""
+    stamp = hashlib.sha256()
+    for file in sorted(p for p in model_dir.rglob("*") if p.is_file() and not p.name.startswith(".")):
+        st = file.stat()
+        stamp.update(f"{file.relative_to(model_dir)}:{st.st_size}:{st.st_mtime_ns}\n".encode())
+    try:
+        memo = json.loads((variants_root() / ".source-hashes.json").read_text())
+    except (OSError, ValueError):
+        memo = {}
+    entry = memo.get(str(model_dir))
+    known = entry["hash"] if entry and entry.get("stamp") == stamp.hexdigest() else None
+    return known, stamp.hexdigest(), memo
 
 
 _SAFETENSORS_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}

@@ -61,3 +61,18 @@ def test_the_kept_build_is_served_beside_the_source_cut_alike(tiny_model_dir: Pa
     cut = cut_served(kept, timing.kept_layers, timing.layers, batch=2, steps=4)
     assert (cut.layers, cut.model_layers) == (timing.kept_layers, timing.layers)
     assert min(cut.load_s + cut.step_s) > 0
+
+
+def test_the_source_hash_is_costed_until_it_is_remembered(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """A release's first build hashes the source unless its hash is remembered for the directory as it is."""
+    import shutil
+
+    from quantize.pilot import source_hash_seconds
+    from quantize.variant import cached_content_hash, memoized_content_hash
+
+    source = Path(shutil.copytree(tiny_model_dir, tmp_path / "source"))
+    assert memoized_content_hash(source) is None and source_hash_seconds(source) > 0
+    digest = cached_content_hash(source)
+    assert memoized_content_hash(source) == digest and source_hash_seconds(source) == 0.0
+    (source / "config.json").touch()  # a newer mtime: hashed again
+    assert memoized_content_hash(source) is None
