@@ -111,7 +111,7 @@ def _time_plan(args, methods: list[str]) -> tuple[dict[str, float | None], dict[
                "decode_s": timing.decode_s, "item_s": timing.item_s, "setup_s": timing.setup_s,
                "quantize": {label: asdict(q) for label, q in timing.quantize.items()},
                "canary_up_s": timing.canary_up_s, "canary_request_s": timing.canary_request_s,
-               "source_hash_s": timing.source_hash_s,
+               "source_hash_s": timing.source_hash_s, "serving_wave_s": timing.serving_wave_s,
                "variants": {label: asdict(cut) for label, cut in timing.variants.items()}}
     return {r.stage: r.seconds for r in rows}, figures
 

@@ -22,15 +22,22 @@ PILOT_CANARY_REQUESTS = 8  # replayed through one server and the router: the can
 
 @dataclass(frozen=True)
 class CutServed:
-    """The model and one variant cut to the same `layers` decoder layers, as the engine serves them: each one's
-    load and decode step (baseline, variant). Their difference times `model_layers` over `layers` is what the
-    whole variant saves (or costs) beside the whole baseline: the embedding, the head and the runtime, alike in
-    both, cancel (gates.time_plan.variant_costs)."""
+    """The model and one variant cut to the same few decoder layers (`layers`, two depths), as the engine serves
+    them: each one's load and decode step at each depth, (baseline, variant). Each line through the two depths
+    is a fixed part (embedding, head, runtime) and a part per layer: at the model's `model_layers` the two lines
+    differ by what the whole variant saves (or costs) beside the whole baseline (gates.time_plan.variant_costs)."""
 
-    layers: int
+    layers: tuple[int, int]
     model_layers: int
-    load_s: tuple[float, float]
-    step_s: tuple[float, float]
+    load_s: tuple[tuple[float, float], tuple[float, float]]  # (baseline, variant) at layers[0], then at layers[1]
+    step_s: tuple[tuple[float, float], tuple[float, float]]
+
+    def saved(self, field_name: str) -> float:
+        """Seconds the whole variant saves beside the whole baseline in `load_s` or `step_s` (< 0: it costs)."""
+        (b1, v1), (b2, v2) = getattr(self, field_name)
+        n1, n2 = self.layers
+        slope = ((b2 - v2) - (b1 - v1)) / (n2 - n1)
+        return (b1 - v1) + (self.model_layers - n1) * slope
 
 
 @dataclass
@@ -52,6 +59,7 @@ class Timing:
     quantize: dict[str, Any] = field(default_factory=dict)  # stage label -> quantize.pilot.QuantizeTiming
     canary_up_s: float | None = None  # a server and the router in front of it started and stopped
     canary_request_s: float | None = None  # per request replayed through them at the canary's concurrency
+    serving_wave_s: float | None = None  # one wave of the measure stage's serving benchmark, as it runs there
     variants: dict[str, CutServed] = field(default_factory=dict)  # quantize stage label -> its cut, served
     source_hash_s: float = 0.0  # the first build's hashing of the source (none where its hash is remembered)
 
@@ -160,15 +168,39 @@ def pilot(model: str, tasks: list[str], policy: Policy, need_items: bool = True,
         _round_seconds(engine, policy, seed=0)  # warm-up: first calls pay for allocation and kernel selection
         timing.round_s, timing.prefill_tps, timing.decode_s = _round_seconds(engine, policy, seed=1)
         timing.round_source = f"one pilot round of the baseline on {model}"
+        if release is not None:
+            timing.serving_wave_s = _serving_wave_seconds(engine, release.measure)
         if release is not None and release.canary is not None:
             timing.canary_up_s, timing.canary_request_s = _canary_seconds(engine, release.canary)
         del engine
         release_engine_memory()
         if release is not None:
             batch, steps = release.measure.bench_concurrency, release.measure.bench_max_tokens
-            timing.variants = {label: cut_served(Path(kept) / label, q.kept_layers, q.layers, batch, steps)
-                               for label, q in built.items()}
+            timing.variants = {label: cut_served(Path(kept) / label, q.kept, q.layers, batch, steps)
+                               for label, q in built.items() if len(q.kept) == 2}
     return timing
+
+
+def _serving_wave_seconds(engine, measure) -> float:
+    """Seconds of one wave of the measure stage's serving benchmark (`measure`: gates.time_plan.MeasureShape):
+    `bench_concurrency` streams of `bench_max_tokens` tokens through our server, stepped on this thread, as
+    flows/serving_harness.py runs it (the HTTP streaming costs beside the decode steps: 94 ms a step there for
+    Qwen2.5-Coder-0.5B at 4 streams, 54 ms in the engine alone). A warm-up wave, then two timed."""
+    from serving.http.server import build_app
+    from serving.http.server_thread import ServerThread, run_beside_engine
+    from serving.loadgen.run import run_serving_benchmark
+
+    app = build_app(engine, served_model_name="pilot", version="pilot", engine_thread=False)
+    streams = max(measure.bench_concurrency, 1)
+
+    def waves(n: int) -> None:
+        run_beside_engine(app.state.engine_loop, lambda: run_serving_benchmark(
+            server.url, "pilot", num_requests=n * streams, concurrency=streams, max_tokens=measure.bench_max_tokens,
+            ignore_eos=True, temperature=0.0, seed=n))
+
+    with ServerThread(app) as server:
+        waves(1)
+        return _time(lambda: waves(2)) / 2
 
 
 def _served_seconds(path: Path, batch: int, steps: int) -> tuple[float, float]:
@@ -194,9 +226,11 @@ def _served_seconds(path: Path, batch: int, steps: int) -> tuple[float, float]:
     return load_s, step_s
 
 
-def cut_served(kept: Path, layers: int, model_layers: int, batch: int, steps: int) -> CutServed:
-    """The variant's build kept by the quantize pilot (kept/variant) and the source cut alike (kept/source), each
-    loaded and stepped; the variant loaded once before, untimed (its kernel path's first calls)."""
-    _served_seconds(kept / "variant", batch, 1)
-    base, variant = _served_seconds(kept / "source", batch, steps), _served_seconds(kept / "variant", batch, steps)
-    return CutServed(layers, model_layers, (base[0], variant[0]), (base[1], variant[1]))
+def cut_served(kept: Path, layers: tuple[int, int], model_layers: int, batch: int, steps: int) -> CutServed:
+    """The variant's builds kept by the quantize pilot (kept/<layers>/variant) and the source cut alike
+    (kept/<layers>/source), each loaded and stepped; the variant loaded once before, untimed (its kernel path's
+    first calls)."""
+    _served_seconds(kept / str(layers[0]) / "variant", batch, 1)
+    pairs = [(_served_seconds(kept / str(n) / "source", batch, steps), _served_seconds(kept / str(n) / "variant", batch, steps))
+             for n in layers]
+    return CutServed(layers, model_layers, tuple((b[0], v[0]) for b, v in pairs), tuple((b[1], v[1]) for b, v in pairs))

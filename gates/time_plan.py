@@ -74,22 +74,18 @@ def step_seconds(decode_s: dict[int, float], steps: int, batch: int) -> float | 
     return decode_s[nearest] / (steps + 1)
 
 
-def variant_costs(cut, load_s: float, step_s: float | None) -> tuple[float, float | None]:
-    """The whole variant's (load, decode step) from the baseline's and what its cut saved beside the baseline's
-    cut (`cut`: gates.pilot.CutServed), scaled from the cut's layers to the model's; never below a tenth of the
-    baseline's (the cut's noise on a few layers must not plan a free stage)."""
-    scale = cut.model_layers / cut.layers
-    load = max(load_s - scale * (cut.load_s[0] - cut.load_s[1]), 0.1 * load_s)
-    if step_s is None:
-        return load, None
-    return load, max(step_s - scale * (cut.step_s[0] - cut.step_s[1]), 0.1 * step_s)
+def less_saved(baseline_s: float, saved_s: float) -> float:
+    """A variant's cost: the baseline's less what its cuts say it saves (gates.pilot.CutServed.saved); never
+    below a tenth of the baseline's (a few layers' noise must not plan a free stage)."""
+    return max(baseline_s - saved_s, 0.1 * baseline_s)
 
 
 def measure_seconds(name: str, shape: MeasureShape, item_s: dict[str, float], load_s: float,
-                    prefill_tps: float, step_s: float | None, setup_s: dict[str, float] | None = None) -> StageTime:
-    """`setup_s`: each task's cost per run beside its items (gates.pilot.Timing.setup_s)."""
+                    prefill_tps: float, wave_s: float | None, setup_s: dict[str, float] | None = None) -> StageTime:
+    """`wave_s`: one wave of the serving benchmark (`bench_concurrency` streams of `bench_max_tokens`);
+    `setup_s`: each task's cost per run beside its items (gates.pilot.Timing.setup_s)."""
     waves = math.ceil(shape.bench_requests / max(shape.bench_concurrency, 1))
-    bench = waves * shape.bench_max_tokens * step_s if step_s is not None else 0.0
+    bench = waves * wave_s if wave_s is not None else 0.0
     setup_s = setup_s or {}
     evals = sum(n * item_s[t] + setup_s.get(t, 0.0) for t, n in shape.items.items() if t in item_s)
     untimed = sorted(t for t in shape.items if t not in item_s)
@@ -135,6 +131,19 @@ def canary_seconds(canary: CanaryShape, load_s: float, step_s: float | None, up_
                      f"{loads} + {canary.requests} requests x {canary.max_tokens} tokens {replay:.0f} (when a variant passes)")
 
 
+def _measure_row(name: str, shape: MeasureShape, timing, step: float | None, cut) -> StageTime:
+    """A model's measure stage: the baseline's figures, a variant's load and steps less what its cut saves."""
+    wave = timing.serving_wave_s if timing.serving_wave_s is not None else (
+        None if step is None else shape.bench_max_tokens * step)
+    load = timing.load_s
+    if cut is not None:  # what a variant saves per step, on each of a wave's bench_max_tokens steps
+        load = less_saved(load, cut.saved("load_s"))
+        wave = None if wave is None else less_saved(wave, shape.bench_max_tokens * cut.saved("step_s"))
+    row = measure_seconds(name, shape, timing.item_s, load, timing.prefill_tps, wave, timing.setup_s)
+    layers = " and ".join(map(str, cut.layers)) if cut else ""
+    return replace(row, counted=row.counted + f"; load and steps from its cuts at {layers} layers") if cut else row
+
+
 def stage_times(policy: Policy, release: ReleaseShape, timing) -> list[StageTime]:
     """Every stage of `release` in the order the flow runs them; `timing`: gates.pilot.Timing from a pilot."""
     models, shape = release.models, release.measure
@@ -146,12 +155,7 @@ def stage_times(policy: Policy, release: ReleaseShape, timing) -> list[StageTime
         rest = [StageTime(f"measure {m}", None, "no pilot") for m in models] + [StageTime("speed", None, "no pilot")]
         return quantize + rest + ([StageTime("canary", None, "no pilot")] if release.canary else [])
     step = step_seconds(timing.decode_s, policy.speed.decode_steps, shape.bench_concurrency)
-    rows = []
-    for m in models:
-        cut = timing.variants.get(release.weights.get(m, ""))
-        load, model_step = variant_costs(cut, timing.load_s, step) if cut else (timing.load_s, step)
-        row = measure_seconds(m, shape, timing.item_s, load, timing.prefill_tps, model_step, timing.setup_s)
-        rows.append(replace(row, counted=row.counted + f"; load and steps from its {cut.layers}-layer cut") if cut else row)
+    rows = [_measure_row(m, shape, timing, step, timing.variants.get(release.weights.get(m, ""))) for m in models]
     if rows and timing.first_load_s >= 0.5:  # the flow's first load builds the kernels (where none are cached)
         rows[0] = replace(rows[0], seconds=rows[0].seconds + timing.first_load_s,
                           counted=f"first load's kernels and first calls {timing.first_load_s:.0f} + " + rows[0].counted)

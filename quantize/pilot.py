@@ -36,7 +36,7 @@ class QuantizeTiming:
     fixed_s: float  # whatever the depth
     per_layer_s: float
     start_s: float = 0.0  # a fresh process's first build beyond a warm one's: imports and first calls
-    kept_layers: int = 0  # the decoder layers of the build kept (quantize_timing's `keep`)
+    kept: tuple[int, ...] = ()  # the depths whose builds were kept (quantize_timing's `keep`)
 
     @property
     def seconds(self) -> float:
@@ -96,19 +96,20 @@ def child_build_seconds(source: Path, method: str, options: dict[str, Any], laye
 def quantize_timing(source: Path, method: str, options: dict[str, Any] | None = None,
                     keep: Path | None = None) -> QuantizeTiming:
     """`method`'s build of `source` (a model directory) timed at PILOT_LAYERS decoder layers: in a fresh process
-    once (its start), then here at both depths (per layer and fixed). `keep`: where the deeper build stays
-    (build_seconds), for the pilot to serve beside the source cut alike."""
+    once (its start), then here at both depths (per layer and fixed). `keep`: where each depth's first build
+    stays, in keep/<layers> (build_seconds), for the pilot to serve beside the source cut alike."""
     layers, options = decoder_layers(source), options or {}
     small, large = (min(n, layers) for n in PILOT_LAYERS)
+    kept = tuple(sorted({small, large})) if keep else ()
     t_child = child_build_seconds(source, method, options, small)
-    t_small = build_seconds(source, method, options, small, keep if large == small else None)
+    t_small = build_seconds(source, method, options, small, keep / str(small) if keep else None)
     if large == small:
-        return QuantizeTiming(method, layers, 0.0, t_small / small, max(t_child - t_small, 0.0), small)
-    t_large = build_seconds(source, method, options, large, keep)
+        return QuantizeTiming(method, layers, 0.0, t_small / small, max(t_child - t_small, 0.0), kept)
+    t_large = build_seconds(source, method, options, large, keep / str(large) if keep else None)
     t_small = min(t_small, build_seconds(source, method, options, small))
     per_layer = max(t_large - t_small, 0.0) / (large - small)
     return QuantizeTiming(method, layers, max(t_small - small * per_layer, 0.0), per_layer, max(t_child - t_small, 0.0),
-                          large)
+                          kept)
 
 
 HASH_SAMPLE_BYTES = 256 << 20  # read and hashed once to time this machine's sha256 over the source's files

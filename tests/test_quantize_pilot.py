@@ -49,18 +49,18 @@ def test_quantize_timing_adds_up(tiny_model_dir: Path) -> None:
     assert timing.start_s > 0.5  # a fresh interpreter imports torch before it builds
 
 
-def test_the_kept_build_is_served_beside_the_source_cut_alike(tiny_model_dir: Path, tmp_path: Path) -> None:
-    """The time plan costs a variant's load and decode step from its deeper pilot build, served beside the source
-    cut to the same layers (gates.pilot.cut_served)."""
+def test_the_kept_builds_are_served_beside_the_source_cut_alike(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """The time plan costs a variant's load and decode step from its pilot builds at both depths, each served
+    beside the source cut to the same layers (gates.pilot.cut_served)."""
     from gates.pilot import cut_served
 
     kept = tmp_path / "kept"
     timing = quantize_timing(tiny_model_dir, "int8wo", keep=kept)
-    assert timing.kept_layers == min(6, timing.layers) == decoder_layers(kept / "source")
-    assert (kept / "variant" / "quantgate.json").is_file()
-    cut = cut_served(kept, timing.kept_layers, timing.layers, batch=2, steps=4)
-    assert (cut.layers, cut.model_layers) == (timing.kept_layers, timing.layers)
-    assert min(cut.load_s + cut.step_s) > 0
+    assert timing.kept == (1, min(6, timing.layers)) and decoder_layers(kept / "1" / "source") == 1
+    assert all((kept / str(n) / "variant" / "quantgate.json").is_file() for n in timing.kept)
+    cut = cut_served(kept, timing.kept, timing.layers, batch=2, steps=4)
+    assert (cut.layers, cut.model_layers) == (timing.kept, timing.layers)
+    assert min(min(pair) for pair in cut.load_s + cut.step_s) > 0
 
 
 def test_the_source_hash_is_costed_until_it_is_remembered(tiny_model_dir: Path, tmp_path: Path) -> None:

@@ -19,10 +19,10 @@ def test_a_measure_stage_is_its_load_serving_evals_and_prompt_tokens() -> None:
     shape = T.MeasureShape(items={"arc_easy": 40, "piqa": 40, "perplexity": 10}, bench_requests=16,
                            bench_concurrency=4, bench_max_tokens=32, fidelity_tokens=1024, probe_tokens=4000,
                            probe_models=("baseline",))
-    base = T.measure_seconds("baseline", shape, {"arc_easy": 0.5, "piqa": 0.25}, 2.0, 1000.0, 0.1)
-    assert base.seconds == pytest.approx(2.0 + 4 * 32 * 0.1 + 40 * 0.5 + 40 * 0.25 + (1024 + 4000) / 1000.0)
+    base = T.measure_seconds("baseline", shape, {"arc_easy": 0.5, "piqa": 0.25}, 2.0, 1000.0, 3.2)  # s a wave
+    assert base.seconds == pytest.approx(2.0 + 4 * 3.2 + 40 * 0.5 + 40 * 0.25 + (1024 + 4000) / 1000.0)
     assert "not timed: perplexity" in base.counted
-    variant = T.measure_seconds("int8wo", shape, {"arc_easy": 0.5, "piqa": 0.25}, 2.0, 1000.0, 0.1)
+    variant = T.measure_seconds("int8wo", shape, {"arc_easy": 0.5, "piqa": 0.25}, 2.0, 1000.0, 3.2)
     assert variant.seconds == pytest.approx(base.seconds - 4.0)  # the probes run on the baseline only
 
 
@@ -109,20 +109,27 @@ def test_items_per_task_at_a_limit() -> None:
     assert items_at(["cloze"], 1000) == {"cloze": 158}  # its whole data where it has fewer
 
 
-def test_a_variant_is_costed_from_its_cut_beside_the_baseline_s() -> None:
-    """What the 6-layer variant saved beside the 6-layer baseline, times 24/6 layers, comes off the whole
-    baseline's load and step; a saving larger than the baseline leaves a tenth of it."""
+def test_a_variant_is_costed_from_its_cuts_beside_the_baseline_s() -> None:
+    """The baseline and the variant cut to 1 and 6 layers: each pair's line through the two depths, at the
+    model's 24 layers, says what the whole variant saves; that comes off the whole baseline's load and step."""
     from gates.pilot import CutServed
 
     policy = load_policy(DEMO_POLICY)
-    cut = CutServed(layers=6, model_layers=24, load_s=(1.0, 0.5), step_s=(0.010, 0.006))
-    assert T.variant_costs(cut, 5.0, 0.05) == pytest.approx((5.0 - 4 * 0.5, 0.05 - 4 * 0.004))
-    assert T.variant_costs(cut, 1.0, None) == pytest.approx((0.1, None))
+    # baseline load 1.0 + 0.2 a layer, the variant 1.5 + 0.1 a layer: at 24 layers it saves 2.4 - 0.5 = 1.9 s;
+    # steps 4 ms + 1 ms a layer against 4 ms + 0.5 ms: 12 ms saved at 24 layers
+    cut = CutServed(layers=(1, 6), model_layers=24, load_s=((1.2, 1.6), (2.2, 2.1)),
+                    step_s=((0.005, 0.0045), (0.010, 0.007)))
+    assert cut.saved("load_s") == pytest.approx(1.9) and cut.saved("step_s") == pytest.approx(0.012)
+    assert T.less_saved(5.0, 1.9) == pytest.approx(3.1) and T.less_saved(1.0, 1.9) == pytest.approx(0.1)
     timing = Timing(item_s={"arc_easy": 0.5}, round_s=2.0, prefill_tps=1000.0, load_s=5.0,
                     decode_s={1: 6.5, 4: 13.0, 16: 32.5}, variants={"int8wo": cut})
     release = T.ReleaseShape(["baseline", "int8wo", "int4-awq"], T.MeasureShape(items={"arc_easy": 40}),
                              weights={"int8wo": "int8wo", "int4-awq": "int4-awq"})
     base, int8, int4 = T.stage_times(policy, release, timing)[:3]
-    assert int4.seconds == base.seconds  # no cut served: the baseline's figures
-    assert base.seconds - int8.seconds == pytest.approx(2.0 + 4 * 32 * 4 * 0.004)  # load; 4 waves x 32 steps
-    assert "from its 6-layer cut" in int8.counted and "cut" not in base.counted
+    assert int4.seconds == base.seconds  # no cuts served: the baseline's figures
+    assert base.seconds - int8.seconds == pytest.approx(1.9 + 4 * 32 * 0.012)  # load; 4 waves x 32 steps
+    assert "from its cuts at 1 and 6 layers" in int8.counted and "cuts" not in base.counted
+    timing.serving_wave_s = 9.0  # a wave through the server as the pilot timed it, not the engine's steps
+    base, int8 = T.stage_times(policy, release, timing)[:2]
+    assert base.seconds == pytest.approx(5.0 + 4 * 9.0 + 20.0)
+    assert base.seconds - int8.seconds == pytest.approx(1.9 + 4 * 32 * 0.012)
