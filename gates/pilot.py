@@ -61,7 +61,7 @@ class Timing:
     canary_request_s: float | None = None  # per request replayed through them at the canary's concurrency
     serving_wave_s: float | None = None  # one wave of the measure stage's serving benchmark, as it runs there
     variants: dict[str, CutServed] = field(default_factory=dict)  # quantize stage label -> its cut, served
-    source_hash_s: float = 0.0  # the first build's hashing of the source (none where its hash is remembered)
+    source_hash_s: float = 0.0  # the release's hashing of the source (none where its hash is remembered)
 
 
 def _time(fn) -> float:
@@ -161,7 +161,7 @@ def pilot(model: str, tasks: list[str], policy: Policy, need_items: bool = True,
         load_s = time.perf_counter() - start
         timing = Timing(source=f"measured here: a pilot of {PILOT_ITEMS[0]} and {PILOT_ITEMS[1]} items per task on "
                         f"{model}", load_s=load_s, first_load_s=max(first_s - load_s, 0.0), quantize=built,
-                        source_hash_s=source_hash_seconds(Path(source)) if built else 0.0)
+                        source_hash_s=source_hash_seconds(Path(source)))
         if need_items:
             for task in tasks:
                 timing.item_s[task], timing.setup_s[task] = _item_seconds(engine, task)

@@ -148,9 +148,8 @@ def stage_times(policy: Policy, release: ReleaseShape, timing) -> list[StageTime
     """Every stage of `release` in the order the flow runs them; `timing`: gates.pilot.Timing from a pilot."""
     models, shape = release.models, release.measure
     quantize = [quantize_seconds(label, timing.quantize.get(label)) for label, _, _ in release.quantize]
-    if quantize and quantize[0].seconds is not None and timing.source_hash_s >= 0.5:  # once: then remembered
-        quantize[0] = replace(quantize[0], seconds=quantize[0].seconds + timing.source_hash_s,
-                              counted=f"hashing the source {timing.source_hash_s:.0f} + " + quantize[0].counted)
+    if timing.source_hash_s >= 0.5:  # the flow's first step hashes the source where this home has not yet
+        quantize.insert(0, StageTime("resolve", timing.source_hash_s, "hashing the source (once: then remembered)"))
     if timing.prefill_tps is None or timing.load_s is None:
         rest = [StageTime(f"measure {m}", None, "no pilot") for m in models] + [StageTime("speed", None, "no pilot")]
         return quantize + rest + ([StageTime("canary", None, "no pilot")] if release.canary else [])

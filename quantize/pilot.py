@@ -116,7 +116,7 @@ HASH_SAMPLE_BYTES = 256 << 20  # read and hashed once to time this machine's sha
 
 
 def source_hash_seconds(source: Path) -> float:
-    """What a release's first build pays to hash the source (quantize.variant.cached_content_hash): nothing
+    """What a release pays to hash the source as it resolves it (quantize.variant.cached_content_hash): nothing
     where its hash is remembered for the directory as it is now, else its bytes at the rate measured here on
     its largest file's first HASH_SAMPLE_BYTES (read as the release will read them: page cache or disk)."""
     import hashlib
@@ -131,7 +131,7 @@ def source_hash_seconds(source: Path) -> float:
     digest, read = hashlib.sha256(), 0
     start = time.perf_counter()
     with open(largest, "rb") as handle:
-        while read < HASH_SAMPLE_BYTES and (block := handle.read(1 << 24)):
+        while read < HASH_SAMPLE_BYTES and (block := handle.read(1 << 22)):  # file_sha256's reads
             digest.update(block)
             read += len(block)
     return total / max(read, 1) * (time.perf_counter() - start)

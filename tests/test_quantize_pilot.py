@@ -64,7 +64,7 @@ def test_the_kept_builds_are_served_beside_the_source_cut_alike(tiny_model_dir: 
 
 
 def test_the_source_hash_is_costed_until_it_is_remembered(tiny_model_dir: Path, tmp_path: Path) -> None:
-    """A release's first build hashes the source unless its hash is remembered for the directory as it is."""
+    """A release hashes the source as it resolves it unless its hash is remembered for the directory as it is."""
     import shutil
 
     from quantize.pilot import source_hash_seconds
