@@ -124,9 +124,14 @@ def _speed_walls(home: Path) -> dict[str, Any]:
 
 
 def _canary_parts(home: Path) -> dict[str, float]:
-    """The canary stage's parts in seconds (flows/canary_stage.py writes them into canary.json); {} without one."""
+    """The canary stage's parts and each version's load in seconds (flows/canary_stage.py writes them into
+    canary.json); {} without one."""
     found = sorted(home.rglob("canary.json"), key=lambda p: p.stat().st_mtime)
-    return json.loads(found[-1].read_text()).get("seconds", {}) if found else {}
+    if not found:
+        return {}
+    record = json.loads(found[-1].read_text())
+    loads = {f"load {v}": record[v]["load_s"] for v in ("champion", "challenger") if "load_s" in record.get(v, {})}
+    return {**record.get("seconds", {}), **loads}
 
 
 def _measure_parts(home: Path) -> dict[str, dict[str, float]]:

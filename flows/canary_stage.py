@@ -94,6 +94,7 @@ class Canary:
         self.share = share
         self.kv_cache_dtypes = {v: (kv_cache_dtypes or {}).get(v, "auto") for v in self.dirs}
         self.served_kv: dict[str, str] = {}  # what each engine really allocated
+        self.load_s: dict[str, float] = {}  # each engine's load
         self.device = device  # the release's (flows.machine.resolve_device)
         self.decisions_log = decisions_log
         self.admin_key = secrets.token_hex(16)
@@ -104,10 +105,12 @@ class Canary:
         try:
             backends = {}
             for version, path in self.dirs.items():
+                start = time.perf_counter()
                 engine = LLMEngine.from_pretrained(str(path), **engine_placement(self.device),
                                                    kv_cache_memory_gb=CANARY_KV_GB,
                                                    kv_cache_dtype=self.kv_cache_dtypes[version])
                 self.served_kv[version] = engine.kv_cache_dtype
+                self.load_s[version] = time.perf_counter() - start
                 server = self._stack.enter_context(ServerThread(build_app(engine, served_model_name=version,
                                                                           version=version)))
                 backends[version] = server.url
@@ -174,6 +177,8 @@ def run_canary(champion_dir: Path, challenger_dir: Path, n: int, share: float, o
         result: dict = {v: version_stats([r for r in records if r["version"] == v]) for v in (CHAMPION, CHALLENGER)}
         for v in (CHAMPION, CHALLENGER):
             result[v]["kv_cache_dtype"] = canary.served_kv[v]
+            if v in getattr(canary, "load_s", {}):  # the Ray fleet's replicas load elsewhere
+                result[v]["load_s"] = round(canary.load_s[v], 3)
         if unrouted:
             result["unrouted"] = len(unrouted)
         if result[CHALLENGER]["requests"] == 0:

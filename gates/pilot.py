@@ -107,7 +107,7 @@ def _round_seconds(engine, policy: Policy, seed: int) -> tuple[float, float, dic
                                             SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)))
     decode = {b: _time(lambda b=b: engine.generate(prompts(b, sp.decode_context), SamplingParams(
         max_tokens=sp.decode_steps + 1, temperature=0.0, ignore_eos=True)))
-        for b in (policy.decode_batches if policy.min_decode_speedup is not None else [])}
+        for b in policy.decode_batches}  # the flow times every batch, gated or not (flows.data.SpeedPlan)
     return prefill + sum(decode.values()), sp.prefill_tokens / prefill, decode
 
 
