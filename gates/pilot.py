@@ -25,7 +25,7 @@ class CutServed:
     """The model and one variant cut to the same few decoder layers (`layers`, two depths), as the engine serves
     them: each one's load and decode step at each depth, (baseline, variant). Each line through the two depths
     is a fixed part (embedding, head, runtime) and a part per layer: at the model's `model_layers` the two lines
-    differ by what the whole variant saves (or costs) beside the whole baseline (gates.time_plan.variant_costs)."""
+    differ by what the whole variant saves (or costs) beside the whole baseline (gates.time_plan.less_saved)."""
 
     layers: tuple[int, int]
     model_layers: int

@@ -5,8 +5,9 @@ A `measure <model>` stage is the load, the serving benchmark (waves of `concurre
 `max_tokens` each), the eval items at the release's `--limit`, the fidelity chunks and (for the models that
 run them) the long-context probes, every one on that model's engine; the `speed` stage is each variant's load,
 its warm-up rounds and the timed rounds until their budget or `max_rounds` ends them, beside the baseline.
-A variant's load and decode step are the baseline's less what its build on the model's first layers saved
-beside the baseline cut alike (gates.pilot.CutServed); its eval items and speed rounds are the baseline's.
+A variant's load and decode step are the baseline's less what its builds on the model's first 1 and 6 layers
+save beside the model cut alike, carried to the model's depth (gates.pilot.CutServed); its eval items and speed
+rounds are the baseline's. The flow's `resolve` step hashes the source where this home has not remembered it.
 A `quantize <method>` stage is its build as the pilot timed it on the model's first layers (quantize/pilot.py:
 a fresh process's start, the fixed part, each decoder layer); the `canary` (run only when a variant passes)
 loads the champion and the challenger and replays its requests through the router, as the pilot replayed a few
@@ -147,18 +148,18 @@ def _measure_row(name: str, shape: MeasureShape, timing, step: float | None, cut
 def stage_times(policy: Policy, release: ReleaseShape, timing) -> list[StageTime]:
     """Every stage of `release` in the order the flow runs them; `timing`: gates.pilot.Timing from a pilot."""
     models, shape = release.models, release.measure
-    quantize = [quantize_seconds(label, timing.quantize.get(label)) for label, _, _ in release.quantize]
+    before = [quantize_seconds(label, timing.quantize.get(label)) for label, _, _ in release.quantize]
     if timing.source_hash_s >= 0.5:  # the flow's first step hashes the source where this home has not yet
-        quantize.insert(0, StageTime("resolve", timing.source_hash_s, "hashing the source (once: then remembered)"))
+        before.insert(0, StageTime("resolve", timing.source_hash_s, "hashing the source (once: then remembered)"))
     if timing.prefill_tps is None or timing.load_s is None:
         rest = [StageTime(f"measure {m}", None, "no pilot") for m in models] + [StageTime("speed", None, "no pilot")]
-        return quantize + rest + ([StageTime("canary", None, "no pilot")] if release.canary else [])
+        return before + rest + ([StageTime("canary", None, "no pilot")] if release.canary else [])
     step = step_seconds(timing.decode_s, policy.speed.decode_steps, shape.bench_concurrency)
     rows = [_measure_row(m, shape, timing, step, timing.variants.get(release.weights.get(m, ""))) for m in models]
     if rows and timing.first_load_s >= 0.5:  # the flow's first load builds the kernels (where none are cached)
         rows[0] = replace(rows[0], seconds=rows[0].seconds + timing.first_load_s,
                           counted=f"first load's kernels and first calls {timing.first_load_s:.0f} + " + rows[0].counted)
-    rows = quantize + rows + [speed_seconds(policy, len(models) - 1, timing.round_s, timing.load_s)]
+    rows = before + rows + [speed_seconds(policy, len(models) - 1, timing.round_s, timing.load_s)]
     if release.canary:
         canary_step = step_seconds(timing.decode_s, policy.speed.decode_steps, release.canary.concurrency)
         rows.append(canary_seconds(release.canary, timing.load_s, canary_step, timing.canary_up_s,
