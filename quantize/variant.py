@@ -259,7 +259,7 @@ def cached_content_hash(model_dir: Path) -> str:
         return known
     digest = content_hash(model_dir)
     memo[str(model_dir)] = {"stamp": stamp, "hash": digest}
-    memo_path = variants_root() / ".source-hashes.json"
+    memo_path = _memo_path()
     memo_path.parent.mkdir(parents=True, exist_ok=True)
     tmp = memo_path.with_name(f".source-hashes.{os.getpid()}.tmp")
     tmp.write_text(json.dumps(memo, indent=1))
@@ -272,6 +272,10 @@ def memoized_content_hash(model_dir: Path) -> str | None:
     return _memo_entry(Path(model_dir).resolve())[0]
 
 
+def _memo_path() -> Path:
+    return variants_root() / ".source-hashes.json"
+
+
 def _memo_entry(model_dir: Path) -> tuple[str | None, str, dict]:
     """(the remembered hash if still valid, the directory's stamp of names, sizes and mtimes, the whole memo)."""
     stamp = hashlib.sha256()
@@ -279,7 +283,7 @@ def _memo_entry(model_dir: Path) -> tuple[str | None, str, dict]:
         st = file.stat()
         stamp.update(f"{file.relative_to(model_dir)}:{st.st_size}:{st.st_mtime_ns}\n".encode())
     try:
-        memo = json.loads((variants_root() / ".source-hashes.json").read_text())
+        memo = json.loads(_memo_path().read_text())
     except (OSError, ValueError):
         memo = {}
     entry = memo.get(str(model_dir))
