@@ -34,7 +34,9 @@ from benchmarks.peers import cpu_info  # noqa: E402
 SAMPLE_SECONDS = 0.1
 TOLERANCE = 0.20
 # The release's progress lines (flows/progress.py) -> the plan's stage names (flows/memory_plan.py).
-STAGES = ((re.compile(r"quantize \S+ -> (\S+) \.\.\.$"), "quantize {0}"),
+STAGES = ((re.compile(r"^resolve \S+ \.\.\.$"), "resolve"),
+          (re.compile(r"snapshot the source .* \.\.\.$"), "snapshot"),
+          (re.compile(r"quantize \S+ -> (\S+) \.\.\.$"), "quantize {0}"),
           (re.compile(r"(\S+): load, benchmark, evaluate \.\.\.$"), "measure {0}"),
           (re.compile(r"paired speed: .* \.\.\.$"), "speed"),
           (re.compile(r"canary: .* \.\.\.$"), "canary"))
@@ -51,14 +53,17 @@ def main(argv: list[str] | None = None) -> dict:
         samples, wall = _watched_release(args, Path(home))
         speed_wall_s, measure_s, canary_s = _speed_walls(Path(home)), _measure_parts(Path(home)), _canary_parts(Path(home))
     rows = _rows(planned, samples, planned_s)
+    time_only = _time_only(planned, samples, planned_s)
     _print(rows, args.model, wall)
+    for name, row in time_only.items():
+        print(f"{name:<24} (time only){'':>44} {fmt(row['planned_s'], 0):>9} {row['seconds']:>7.0f}")
     path = write_rows_report(args.out_dir, "release_memory", rows, _plot, args.plots, model=args.model,
                              methods=methods, limit=args.limit, suites=args.suites, cpu=cpu_info(),
                              wall_s=round(wall, 1), sample_seconds=SAMPLE_SECONDS, tolerance=TOLERANCE,
                              release_peak_anon_gb=round(max((s[2] for s in samples), default=0) / 1e9, 3),
                              release_peak_rss_gb=round(max((s[3] for s in samples), default=0) / 1e9, 3),
                              timeline=_timeline(samples), pilot=pilot, speed_wall_s=speed_wall_s,
-                             measure_parts_s=measure_s, canary_parts_s=canary_s)
+                             measure_parts_s=measure_s, canary_parts_s=canary_s, time_only=time_only)
     print(f"wrote {path}")
     return {"rows": rows, "path": str(path)}
 
@@ -100,7 +105,8 @@ def _time_plan(args, methods: list[str]) -> tuple[dict[str, float | None], dict[
     from quantgate.allocator import release_engine_memory
 
     policy, suites = read_policy(args.policy), [s for s in args.suites.split(",") if s]
-    shape = release_shape(policy, methods, suites, args.limit)
+    shape = release_shape(policy, methods, suites, args.limit, snapshot=True)  # the release's home is new:
+    # no champion, and the model lies outside it (linked in)
     shape = replace(shape, measure=replace(shape.measure, items=items_at(suites, args.limit)))
     timing = pilot(args.model, list(shape.measure.items), policy, release=shape)
     release_engine_memory()  # the pilot's engines are gone: their heap goes back before the release starts
@@ -111,7 +117,7 @@ def _time_plan(args, methods: list[str]) -> tuple[dict[str, float | None], dict[
                "decode_s": timing.decode_s, "item_s": timing.item_s, "setup_s": timing.setup_s,
                "quantize": {label: asdict(q) for label, q in timing.quantize.items()},
                "canary_up_s": timing.canary_up_s, "canary_request_s": timing.canary_request_s,
-               "source_hash_s": timing.source_hash_s, "serving_wave_s": timing.serving_wave_s,
+               "source_hash_s": timing.source_hash_s, "snapshot_s": timing.snapshot_s, "serving_wave_s": timing.serving_wave_s,
                "variants": {label: asdict(cut) for label, cut in timing.variants.items()}}
     return {r.stage: r.seconds for r in rows}, figures
 
@@ -240,6 +246,17 @@ def _rows(planned: dict[str, int], samples: list[tuple], planned_s: dict[str, fl
                      "at_peak": [{"pid": p, "command": c, "anon_gb": round(a / 1e9, 3)}
                                  for p, c, a in sorted(at_peak[4], key=lambda x: -x[2])] if at_peak else []})
     return rows
+
+
+def _time_only(planned: dict[str, int], samples: list[tuple], planned_s: dict[str, float | None]
+               ) -> dict[str, dict[str, float | None]]:
+    """The stages the time plan costs and the memory plan does not (resolve, snapshot): planned and measured s."""
+    out = {}
+    for name in (n for n in planned_s if n not in planned):
+        seen = [s[0] for s in samples if s[1] == name]
+        out[name] = {"planned_s": planned_s[name] and round(planned_s[name], 1),
+                     "seconds": round(seen[-1] - seen[0], 1) if seen else 0.0}
+    return out
 
 
 def _timeline(samples: list[tuple]) -> list[dict[str, Any]]:

@@ -212,7 +212,7 @@ def run_release(args: argparse.Namespace, model: str, methods: list[str]) -> int
 def _release(args: argparse.Namespace) -> int:
     if args.plan:
         from flows.memory_plan import plan_for
-        from flows.time_shape import release_shape
+        from flows.time_shape import first_release_snapshot, release_shape
         from gates.judging.policy import load_policy
         from gates.release_plan import plan_report
         from quantize.capacity import split_variant
@@ -220,7 +220,8 @@ def _release(args: argparse.Namespace) -> int:
         methods, policy, suites = chosen_methods(args), load_policy(_policy(args.policy)), _methods(args.suites)
         kv = sum(1 for m in methods if split_variant(m)[1] != "auto")  # the variants the long-context probes run
         memory = plan_for(args.model, methods, policy, getattr(args, "device", None)).table()  # no model loaded
-        stages = release_shape(policy, methods, suites, args.limit, args.canary_requests)
+        stages = release_shape(policy, methods, suites, args.limit, args.canary_requests,
+                               snapshot=args.pilot and first_release_snapshot(args.model))
         print(plan_report(policy, suites, models=1 + len(methods),
                           level=args.plan_level, flip_rate=args.flip_rate, seconds=args.seconds_per_item,
                           from_run=args.from_run, model=args.model, kv_variants=kv, measure=args.pilot,

@@ -296,11 +296,13 @@ def _build_and_measure(source: Source, methods: list[str], config: MeasureConfig
     """Every variant built and every model measured: here, one after another, or on the Ray cluster."""
     if cluster is None:
         mem.check()  # a stage that cannot fit is refused (MemoryRefused) before anything is built
+        records.snapshot_first_release(source)
         variants = _quantize_all(source, methods, fresh)
         base = _measure(Variant(BASELINE, None, source.path, source.content_hash, None), config, fresh)
         return variants, base, [_measure(v, config, fresh) for v in variants]
     records.tag_release(release_id, cluster.tags())  # the nodes' room was checked when connecting; the speed
     release_on_ray.driver_stages(mem).check()  # rounds and the canary still run here
+    records.snapshot_first_release(source)
     return release_on_ray.build_and_measure(cluster, source, methods, config, fresh, mem)
 
 

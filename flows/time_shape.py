@@ -12,7 +12,7 @@ from quantize.capacity import split_variant, variant_label
 
 
 def release_shape(policy: Policy, methods: list[str], suites: list[str] | None, limit: int | None,
-                  canary_requests: int = 24) -> ReleaseShape:
+                  canary_requests: int = 24, snapshot: bool = False) -> ReleaseShape:
     """Each weight method is built once (int4wo and int4wo+kv8 share it: flows.release._quantize_all)."""
     from flows.canary_stage import MAX_TOKENS, REPLAY_CONCURRENCY
 
@@ -23,4 +23,17 @@ def release_shape(policy: Policy, methods: list[str], suites: list[str] | None, 
                         quantize=tuple((m, r.method, dict(r.options)) for m, r in recipes),
                         canary=CanaryShape(canary_requests, REPLAY_CONCURRENCY, MAX_TOKENS),
                         weights={variant_label(m): split_variant(m)[0] for m in methods
-                                 if split_variant(m)[0] != BASELINE})
+                                 if split_variant(m)[0] != BASELINE},
+                        snapshot=snapshot)
+
+
+def first_release_snapshot(model: str) -> bool:
+    """Whether a release of `model` in this home copies it for the registry first: no champion yet, and a
+    source outside the home (flows.records.snapshot_first_release)."""
+    from flows import records
+    from flows.release import model_name
+    from gates.records.registry import CHAMPION
+    from quantgate.models import resolve_model
+
+    path = resolve_model(model)
+    return records.needs_snapshot(path) and records.aliases(model_name(model, path)).get(CHAMPION) is None

@@ -62,6 +62,7 @@ class Timing:
     serving_wave_s: float | None = None  # one wave of the measure stage's serving benchmark, as it runs there
     variants: dict[str, CutServed] = field(default_factory=dict)  # quantize stage label -> its cut, served
     source_hash_s: float = 0.0  # the release's hashing of the source (none where its hash is remembered)
+    snapshot_s: float = 0.0  # a first release's copy of the source for the registry (none where it makes none)
 
 
 def _time(fn) -> float:
@@ -146,8 +147,9 @@ def pilot(model: str, tasks: list[str], policy: Policy, need_items: bool = True,
     import tempfile
 
     from quantgate.allocator import release_engine_memory
+    from quantgate.env import home
     from quantgate.models import resolve_model
-    from quantize.pilot import quantize_timing, source_hash_seconds
+    from quantize.pilot import quantize_timing, source_copy_seconds, source_hash_seconds
     from serving import LLMEngine
 
     source = str(resolve_model(model))
@@ -162,6 +164,8 @@ def pilot(model: str, tasks: list[str], policy: Policy, need_items: bool = True,
         timing = Timing(source=f"measured here: a pilot of {PILOT_ITEMS[0]} and {PILOT_ITEMS[1]} items per task on "
                         f"{model}", load_s=load_s, first_load_s=max(first_s - load_s, 0.0), quantize=built,
                         source_hash_s=source_hash_seconds(Path(source)))
+        if release is not None and release.snapshot:
+            timing.snapshot_s = source_copy_seconds(Path(source), home() / "flows")
         if need_items:
             for task in tasks:
                 timing.item_s[task], timing.setup_s[task] = _item_seconds(engine, task)

@@ -7,7 +7,8 @@ run them) the long-context probes, every one on that model's engine; the `speed`
 its warm-up rounds and the timed rounds until their budget or `max_rounds` ends them, beside the baseline.
 A variant's load and decode step are the baseline's less what its builds on the model's first 1 and 6 layers
 save beside the model cut alike, carried to the model's depth (gates.pilot.CutServed); its eval items and speed
-rounds are the baseline's. The flow's `resolve` step hashes the source where this home has not remembered it.
+rounds are the baseline's. The flow's `resolve` step hashes the source where this home has not remembered it;
+a first release of a source outside the home copies it for the registry (`snapshot`) before any build.
 A `quantize <method>` stage is its build as the pilot timed it on the model's first layers (quantize/pilot.py:
 a fresh process's start, the fixed part, each decoder layer); the `canary` (run only when a variant passes)
 loads the champion and the challenger and replays its requests through the router, as the pilot replayed a few
@@ -57,6 +58,7 @@ class ReleaseShape:
     quantize: tuple[tuple[str, str, dict], ...] = ()
     canary: CanaryShape | None = None
     weights: dict[str, str] = field(default_factory=dict)  # a variant's model label -> its quantize label
+    snapshot: bool = False  # a first release copies its source for the registry (flows.records.snapshot)
 
 
 @dataclass(frozen=True)
@@ -149,6 +151,8 @@ def stage_times(policy: Policy, release: ReleaseShape, timing) -> list[StageTime
     """Every stage of `release` in the order the flow runs them; `timing`: gates.pilot.Timing from a pilot."""
     models, shape = release.models, release.measure
     before = [quantize_seconds(label, timing.quantize.get(label)) for label, _, _ in release.quantize]
+    if release.snapshot:  # after the memory check, before any build
+        before.insert(0, StageTime("snapshot", timing.snapshot_s, "copying the source for the registry (first release)"))
     if timing.source_hash_s >= 0.5:  # the flow's first step hashes the source where this home has not yet
         before.insert(0, StageTime("resolve", timing.source_hash_s, "hashing the source (once: then remembered)"))
     if timing.prefill_tps is None or timing.load_s is None:

@@ -76,3 +76,13 @@ def test_the_source_hash_is_costed_until_it_is_remembered(tiny_model_dir: Path, 
     assert memoized_content_hash(source) == digest and source_hash_seconds(source) == 0.0
     (source / "config.json").touch()  # a newer mtime: hashed again
     assert memoized_content_hash(source) is None
+
+
+def test_the_source_copy_is_costed_at_its_size_and_leaves_nothing(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """A first release's snapshot copy: the source's bytes at the rate of a synced sample copy into the target's
+    directory, which keeps nothing of it."""
+    from quantize.pilot import source_copy_seconds
+
+    target = tmp_path / "flows"
+    assert source_copy_seconds(tiny_model_dir, target) > 0
+    assert list(target.iterdir()) == []

@@ -3,6 +3,7 @@ them: crafted costs, exact seconds."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -94,6 +95,9 @@ def test_quantizing_and_the_canary_are_costed_in_the_flow_s_order() -> None:
     timing.source_hash_s = 3.0  # the flow hashes the source as it resolves it, before any stage
     hashed = T.stage_times(policy, release, timing)
     assert (hashed[0].stage, hashed[0].seconds) == ("resolve", 3.0) and hashed[1:] == rows
+    timing.snapshot_s = 2.5  # a first release copies a source outside the home, after resolving it
+    first = T.stage_times(policy, replace(release, snapshot=True), timing)
+    assert [(r.stage, r.seconds) for r in first[:2]] == [("resolve", 3.0), ("snapshot", 2.5)] and first[2:] == rows
     timing.source_hash_s = 0.0
     assert rows[1].seconds is None  # not piloted: said, never guessed
     assert rows[-1].seconds == pytest.approx(2 * 2.0 + 6 * 16 * 0.2)  # both loaded; 6 waves of 16 steps at b4
