@@ -101,13 +101,13 @@ def _time_plan(args, methods: list[str]) -> tuple[dict[str, float | None], dict[
     from flows.time_shape import release_shape
     from gates import time_plan as T
     from gates.pilot import pilot
-    from gates.release_plan import items_at
+    from gates.release_plan import items_at, suite_runs
     from quantgate.allocator import release_engine_memory
 
     policy, suites = read_policy(args.policy), [s for s in args.suites.split(",") if s]
     shape = release_shape(policy, methods, suites, args.limit, snapshot=True)  # the release's home is new:
     # no champion, and the model lies outside it (linked in)
-    shape = replace(shape, measure=replace(shape.measure, items=items_at(suites, args.limit)))
+    shape = replace(shape, measure=replace(shape.measure, items=items_at(suites, args.limit), runs=suite_runs(suites)))
     timing = pilot(args.model, list(shape.measure.items), policy, release=shape)
     release_engine_memory()  # the pilot's engines are gone: their heap goes back before the release starts
     rows = T.stage_times(policy, shape, timing)
@@ -117,7 +117,8 @@ def _time_plan(args, methods: list[str]) -> tuple[dict[str, float | None], dict[
                "decode_s": timing.decode_s, "item_s": timing.item_s, "setup_s": timing.setup_s,
                "quantize": {label: asdict(q) for label, q in timing.quantize.items()},
                "canary_up_s": timing.canary_up_s, "canary_request_s": timing.canary_request_s,
-               "source_hash_s": timing.source_hash_s, "snapshot_s": timing.snapshot_s, "serving_wave_s": timing.serving_wave_s,
+               "source_hash_s": timing.source_hash_s, "snapshot_s": timing.snapshot_s,
+               "serving_wave_s": timing.serving_wave_s, "first_wave_s": timing.first_wave_s,
                "variants": {label: asdict(cut) for label, cut in timing.variants.items()}}
     return {r.stage: r.seconds for r in rows}, figures
 

@@ -60,6 +60,7 @@ class Timing:
     canary_up_s: float | None = None  # a server and the router in front of it started and stopped
     canary_request_s: float | None = None  # per request replayed through them at the canary's concurrency
     serving_wave_s: float | None = None  # one wave of the measure stage's serving benchmark, as it runs there
+    first_wave_s: float = 0.0  # what a process's first wave pays beyond it (its first server and streams)
     variants: dict[str, CutServed] = field(default_factory=dict)  # quantize stage label -> its cut, served
     source_hash_s: float = 0.0  # the release's hashing of the source (none where its hash is remembered)
     snapshot_s: float = 0.0  # a first release's copy of the source for the registry (none where it makes none)
@@ -173,7 +174,7 @@ def pilot(model: str, tasks: list[str], policy: Policy, need_items: bool = True,
         timing.round_s, timing.prefill_tps, timing.decode_s = _round_seconds(engine, policy, seed=1)
         timing.round_source = f"one pilot round of the baseline on {model}"
         if release is not None:
-            timing.serving_wave_s = _serving_wave_seconds(engine, release.measure)
+            timing.serving_wave_s, timing.first_wave_s = _serving_wave_seconds(engine, release.measure)
         if release is not None and release.canary is not None:
             timing.canary_up_s, timing.canary_request_s = _canary_seconds(engine, release.canary)
         del engine
@@ -185,11 +186,13 @@ def pilot(model: str, tasks: list[str], policy: Policy, need_items: bool = True,
     return timing
 
 
-def _serving_wave_seconds(engine, measure) -> float:
+def _serving_wave_seconds(engine, measure) -> tuple[float, float]:
     """Seconds of one wave of the measure stage's serving benchmark (`measure`: gates.time_plan.MeasureShape):
     `bench_concurrency` streams of `bench_max_tokens` tokens through our server, stepped on this thread, as
     flows/serving_harness.py runs it (the HTTP streaming costs beside the decode steps: 94 ms a step there for
-    Qwen2.5-Coder-0.5B at 4 streams, 54 ms in the engine alone). A warm-up wave, then two timed."""
+    Qwen2.5-Coder-0.5B at 4 streams, 54 ms in the engine alone). A first wave, then two timed: (seconds a wave,
+    what the process's first wave pays beyond it: its first server's and streams' setup, 11.7 s of the 0.5B
+    baseline's serving benchmark where its int8wo variant's took 5.0)."""
     from serving.http.server import build_app
     from serving.http.server_thread import ServerThread, run_beside_engine
     from serving.loadgen.run import run_serving_benchmark
@@ -203,8 +206,9 @@ def _serving_wave_seconds(engine, measure) -> float:
             ignore_eos=True, temperature=0.0, seed=n))
 
     with ServerThread(app) as server:
-        waves(1)
-        return _time(lambda: waves(2)) / 2
+        first = _time(lambda: waves(1))
+        wave = _time(lambda: waves(2)) / 2
+    return wave, max(first - wave, 0.0)
 
 
 def _served_seconds(path: Path, batch: int, steps: int) -> tuple[float, float]:

@@ -169,7 +169,8 @@ def plan_report(policy: Policy, suites: list[str], models: int, level: float | N
     lines += [f"- not planned: {s}" for s in skipped]
     times = ""
     if stages is not None:
-        stages = replace(stages, measure=replace(stages.measure, items=items_at(suites, stages.limit)))
+        stages = replace(stages, measure=replace(stages.measure, items=items_at(suites, stages.limit),
+                                                 runs=suite_runs(suites)))
         times = "\n" + T.markdown(T.stage_times(policy, stages, timing), stages.limit)
     return ("\n".join(lines) + "\n\n" + rows_markdown(rows, plan, models, timing) + times
             + (f"\n{memory}" if memory else ""))
@@ -181,6 +182,13 @@ def items_at(suites: list[str], limit: int | None) -> dict[str, int]:
 
     counts = {spec.name: available_items(spec) for spec in resolve_tasks(suites)}
     return {t: (min(limit, n) if limit and n is not None else n or limit or 0) for t, n in counts.items()}
+
+
+def suite_runs(suites: list[str]) -> tuple[tuple[str, ...], ...]:
+    """The tasks each suite's eval run takes together (a release runs one suite at a time)."""
+    from evals.tasks import resolve_tasks
+
+    return tuple(tuple(spec.name for spec in resolve_tasks([suite])) for suite in suites)
 
 
 ASSUMED_REFUSAL_RATE = 0.5  # no run named: the rate at which the flip cap binds least (a conservative figure)

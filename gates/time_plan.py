@@ -30,6 +30,8 @@ class MeasureShape:
     """What one measure stage runs (flows.data.MeasureConfig's fields, passed in: gates may not import flows)."""
 
     items: dict[str, int]  # eval items per task at the release's limit
+    runs: tuple[tuple[str, ...], ...] = ()  # the tasks each eval run takes together (a suite's): its setup is paid
+    # once (Qwen2.5-Coder-0.5B, the safety suite's three tasks at 4 items: 2.3 s together, 5.9 s one by one)
     bench_requests: int = 16
     bench_concurrency: int = 4
     bench_max_tokens: int = 32
@@ -89,14 +91,20 @@ def measure_seconds(name: str, shape: MeasureShape, item_s: dict[str, float], lo
     `setup_s`: each task's cost per run beside its items (gates.pilot.Timing.setup_s)."""
     waves = math.ceil(shape.bench_requests / max(shape.bench_concurrency, 1))
     bench = waves * wave_s if wave_s is not None else 0.0
-    setup_s = setup_s or {}
-    evals = sum(n * item_s[t] + setup_s.get(t, 0.0) for t, n in shape.items.items() if t in item_s)
+    evals = sum(n * item_s[t] for t, n in shape.items.items() if t in item_s) + _setup_seconds(shape, setup_s or {})
     untimed = sorted(t for t in shape.items if t not in item_s)
     prompt_tokens = shape.fidelity_tokens + (shape.probe_tokens if name in shape.probe_models else 0)
     seconds = load_s + bench + evals + prompt_tokens / prefill_tps
     counted = (f"load {load_s:.0f} + serving {bench:.0f} + evals {evals:.0f} ({sum(shape.items.values())} items)"
                f" + {prompt_tokens} prompt tokens {prompt_tokens / prefill_tps:.0f}")
     return StageTime(f"measure {name}", seconds, counted + (f"; not timed: {', '.join(untimed)}" if untimed else ""))
+
+
+def _setup_seconds(shape: MeasureShape, setup_s: dict[str, float]) -> float:
+    """Each eval run's setup: the largest of its tasks' (a task in no run is a run of its own)."""
+    runs = [run for run in shape.runs if any(t in shape.items for t in run)]
+    alone = [(t,) for t in shape.items if not any(t in run for run in runs)]
+    return sum(max((setup_s.get(t, 0.0) for t in run if t in shape.items), default=0.0) for run in runs + alone)
 
 
 def speed_seconds(policy: Policy, variants: int, round_s: float, load_s: float) -> StageTime:
@@ -163,6 +171,9 @@ def stage_times(policy: Policy, release: ReleaseShape, timing) -> list[StageTime
     if rows and timing.first_load_s >= 0.5:  # the flow's first load builds the kernels (where none are cached)
         rows[0] = replace(rows[0], seconds=rows[0].seconds + timing.first_load_s,
                           counted=f"first load's kernels and first calls {timing.first_load_s:.0f} + " + rows[0].counted)
+    if rows and timing.first_wave_s >= 0.5:  # and its first serving benchmark starts the first server
+        rows[0] = replace(rows[0], seconds=rows[0].seconds + timing.first_wave_s,
+                          counted=f"first server's wave {timing.first_wave_s:.0f} + " + rows[0].counted)
     rows = before + rows + [speed_seconds(policy, len(models) - 1, timing.round_s, timing.load_s)]
     if release.canary:
         canary_step = step_seconds(timing.decode_s, policy.speed.decode_steps, release.canary.concurrency)

@@ -249,6 +249,7 @@ def test_pilot_measures_seconds_per_item_and_per_round_on_the_engine(tiny_model_
     assert timing.item_s["facts_mc"] > 0 and timing.round_s > 0 and timing.prefill_tps > 0
     assert timing.canary_up_s > 0 and timing.canary_request_s > 0  # 8 of its requests through a server and router
     assert timing.setup_s["facts_mc"] >= 0
+    assert timing.serving_wave_s > 0 and timing.first_wave_s >= 0  # the measure stage's serving benchmark
     assert timing.load_s > 0 and set(timing.decode_s) == {1, 2} and min(timing.decode_s.values()) > 0
     assert "a pilot of 4 and 32 items per task" in timing.source
     report = R.plan_report(policy, ["facts_mc"], models=2, model=str(tiny_model_dir))

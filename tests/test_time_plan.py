@@ -137,3 +137,23 @@ def test_a_variant_is_costed_from_its_cuts_beside_the_baseline_s() -> None:
     base, int8 = T.stage_times(policy, release, timing)[:2]
     assert base.seconds == pytest.approx(5.0 + 4 * 9.0 + 20.0)
     assert base.seconds - int8.seconds == pytest.approx(1.9 + 4 * 32 * 0.012)
+    timing.first_wave_s = 6.0  # the process's first server: the first measure stage pays it, once
+    first, second = T.stage_times(policy, release, timing)[:2]
+    assert first.seconds == pytest.approx(base.seconds + 6.0) and "first server" in first.counted
+    assert second.seconds == pytest.approx(int8.seconds)
+
+
+def test_a_suite_run_pays_its_setup_once() -> None:
+    """The tasks of one suite run together, sharing the run's setup (the largest of theirs); a task of no
+    suite run pays its own."""
+    from gates.release_plan import suite_runs
+
+    items = {"harmbench": 20, "advbench": 20, "over_refusal": 20, "arc_easy": 20}
+    setup = {"harmbench": 2.2, "advbench": 2.3, "over_refusal": 1.9, "arc_easy": 0.4}
+    item_s = dict.fromkeys(items, 0.1)
+    apart = T.measure_seconds("baseline", T.MeasureShape(items=items), item_s, 0.0, 1e9, None, setup)
+    runs = suite_runs(["safety", "arc_easy"])
+    assert runs == (("harmbench", "advbench", "over_refusal"), ("arc_easy",))
+    together = T.measure_seconds("baseline", T.MeasureShape(items=items, runs=runs), item_s, 0.0, 1e9, None, setup)
+    assert apart.seconds == pytest.approx(8.0 + 2.2 + 2.3 + 1.9 + 0.4)
+    assert together.seconds == pytest.approx(8.0 + 2.3 + 0.4)
