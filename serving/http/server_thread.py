@@ -23,7 +23,9 @@ class ServerThread:
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind((host, port))
         self.host, self.port = self.sock.getsockname()[:2]
-        config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=2, lifespan="on")
+        # log_config=None: uvicorn's own dictConfig would shut down the host process's handlers (the release
+        # flow's Prefect API log handler, whose flush then waited ~4 s on the logging lock at each first server)
+        config = uvicorn.Config(app, log_level=log_level, log_config=None, timeout_graceful_shutdown=2, lifespan="on")
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
                                        name=f"uvicorn-{self.port}", daemon=True)
