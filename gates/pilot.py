@@ -207,8 +207,8 @@ def _serving_wave_seconds(engine, measure) -> tuple[float, float]:
     `bench_concurrency` streams of `bench_max_tokens` tokens through our server, stepped on this thread, as
     flows/serving_harness.py runs it (the HTTP streaming costs beside the decode steps: 94 ms a step there for
     Qwen2.5-Coder-0.5B at 4 streams, 54 ms in the engine alone). A first wave, then two timed: (seconds a wave,
-    what the process's first wave pays beyond it: its first server's and streams' setup, 11.7 s of the 0.5B
-    baseline's serving benchmark where its int8wo variant's took 5.0)."""
+    what the process's first wave pays beyond it: its first server's start; 0.1-0.3 s at 0.5B once uvicorn no
+    longer reconfigured the process's logging, serving/http/server_thread.py)."""
     from serving.http.server import build_app
     from serving.http.server_thread import ServerThread, run_beside_engine
     from serving.loadgen.run import run_serving_benchmark
