@@ -115,6 +115,12 @@ def quantize_timing(source: Path, method: str, options: dict[str, Any] | None = 
 HASH_SAMPLE_BYTES = 256 << 20  # read and hashed once to time this machine's sha256 over the source's files
 
 
+def _total_and_largest(source: Path) -> tuple[int, Path]:
+    """The source's bytes (its files but hidden ones) and its largest file, the one a rate is sampled on."""
+    files = [p for p in source.rglob("*") if p.is_file() and not p.name.startswith(".")]
+    return sum(p.stat().st_size for p in files), max(files, key=lambda p: p.stat().st_size)
+
+
 def source_hash_seconds(source: Path) -> float:
     """What a release pays to hash the source as it resolves it (quantize.variant.cached_content_hash): nothing
     where its hash is remembered for the directory as it is now, else its bytes at the rate measured here on
@@ -125,9 +131,7 @@ def source_hash_seconds(source: Path) -> float:
 
     if memoized_content_hash(source) is not None:
         return 0.0
-    files = [p for p in Path(source).rglob("*") if p.is_file() and not p.name.startswith(".")]
-    total = sum(p.stat().st_size for p in files)
-    largest = max(files, key=lambda p: p.stat().st_size)
+    total, largest = _total_and_largest(Path(source))
     digest, read = hashlib.sha256(), 0
     start = time.perf_counter()
     with open(largest, "rb") as handle:
@@ -144,9 +148,7 @@ def source_copy_seconds(source: Path, target_dir: Path) -> float:
     import os
     import tempfile
 
-    files = [p for p in Path(source).rglob("*") if p.is_file() and not p.name.startswith(".")]
-    total = sum(p.stat().st_size for p in files)
-    largest = max(files, key=lambda p: p.stat().st_size)
+    total, largest = _total_and_largest(Path(source))
     target_dir.mkdir(parents=True, exist_ok=True)
     copied = 0
     with tempfile.TemporaryFile(dir=target_dir) as out, open(largest, "rb") as handle:
