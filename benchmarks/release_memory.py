@@ -101,13 +101,13 @@ def _time_plan(args, methods: list[str]) -> tuple[dict[str, float | None], dict[
     from flows.time_shape import release_shape
     from gates import time_plan as T
     from gates.pilot import pilot
-    from gates.release_plan import items_at, suite_runs
+    from gates.release_plan import with_suites
     from quantgate.allocator import release_engine_memory
 
     policy, suites = read_policy(args.policy), [s for s in args.suites.split(",") if s]
     shape = release_shape(policy, methods, suites, args.limit, snapshot=True)  # the release's home is new:
     # no champion, and the model lies outside it (linked in)
-    shape = replace(shape, measure=replace(shape.measure, items=items_at(suites, args.limit), runs=suite_runs(suites)))
+    shape = replace(shape, measure=with_suites(shape.measure, suites, args.limit))
     timing = pilot(args.model, list(shape.measure.items), policy, release=shape)
     release_engine_memory()  # the pilot's engines are gone: their heap goes back before the release starts
     rows = T.stage_times(policy, shape, timing)
@@ -242,7 +242,7 @@ def _rows(planned: dict[str, int], samples: list[tuple], planned_s: dict[str, fl
         rows.append({"stage": name, "planned_gb": round(plan_bytes / 1e9, 3), "peak_anon_gb": round(anon / 1e9, 3),
                      "peak_rss_gb": round(rss / 1e9, 3), "planned_over_anon": ratio and round(ratio, 3),
                      "within_tolerance": ratio is not None and abs(ratio - 1) <= TOLERANCE,
-                     "seconds": round(seen[-1][0] - seen[0][0], 1) if seen else 0.0, "ran": bool(seen),
+                     "seconds": _span(samples, name), "ran": bool(seen),
                      "planned_s": planned_s.get(name) and round(planned_s[name], 1),
                      "at_peak": [{"pid": p, "command": c, "anon_gb": round(a / 1e9, 3)}
                                  for p, c, a in sorted(at_peak[4], key=lambda x: -x[2])] if at_peak else []})
@@ -254,10 +254,14 @@ def _time_only(planned: dict[str, int], samples: list[tuple], planned_s: dict[st
     """The stages the time plan costs and the memory plan does not (resolve, snapshot): planned and measured s."""
     out = {}
     for name in (n for n in planned_s if n not in planned):
-        seen = [s[0] for s in samples if s[1] == name]
-        out[name] = {"planned_s": planned_s[name] and round(planned_s[name], 1),
-                     "seconds": round(seen[-1] - seen[0], 1) if seen else 0.0}
+        out[name] = {"planned_s": planned_s[name] and round(planned_s[name], 1), "seconds": _span(samples, name)}
     return out
+
+
+def _span(samples: list[tuple], stage: str) -> float:
+    """Seconds from the stage's first sample to its last (0 where it never ran)."""
+    seen = [s[0] for s in samples if s[1] == stage]
+    return round(seen[-1] - seen[0], 1) if seen else 0.0
 
 
 def _timeline(samples: list[tuple]) -> list[dict[str, Any]]:

@@ -126,12 +126,18 @@ def _copy_synced(src: str, dst: str) -> str:
     return dst
 
 
+def first_release_copies(model_dir: Path, name: str) -> bool:
+    """Whether a release of the model `name` at `model_dir` copies it for the registry first: a source outside
+    the home, and no champion yet."""
+    return needs_snapshot(model_dir) and aliases(name).get(CHAMPION) is None
+
+
 def snapshot_first_release(source: Source) -> Path | None:
     """The first release of a model outside quantgate's home registers its baseline as the initial champion
     from a snapshot: made now, before any stage, so its copy is not written back under a later stage's loads
     and the time plan counts it where it runs (gates.time_plan `snapshot`). None: a champion exists, or the
     source needs no copy."""
-    if not needs_snapshot(Path(source.path)) or aliases(source.name).get(CHAMPION) is not None:
+    if not first_release_copies(Path(source.path), source.name):
         return None
     with stage("snapshot the source for the registry (first release)"):
         return snapshot(Path(source.path), source.content_hash)

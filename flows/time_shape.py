@@ -30,10 +30,9 @@ def release_shape(policy: Policy, methods: list[str], suites: list[str] | None, 
 def first_release_snapshot(model: str) -> bool:
     """Whether a release of `model` in this home copies it for the registry first: no champion yet, and a
     source outside the home (flows.records.snapshot_first_release)."""
-    from flows import records
+    from flows.records import first_release_copies
     from flows.release import model_name
-    from gates.records.registry import CHAMPION
     from quantgate.models import resolve_model
 
     path = resolve_model(model)
-    return records.needs_snapshot(path) and records.aliases(model_name(model, path)).get(CHAMPION) is None
+    return first_release_copies(path, model_name(model, path))

@@ -169,8 +169,7 @@ def plan_report(policy: Policy, suites: list[str], models: int, level: float | N
     lines += [f"- not planned: {s}" for s in skipped]
     times = ""
     if stages is not None:
-        stages = replace(stages, measure=replace(stages.measure, items=items_at(suites, stages.limit),
-                                                 runs=suite_runs(suites)))
+        stages = replace(stages, measure=with_suites(stages.measure, suites, stages.limit))
         times = "\n" + T.markdown(T.stage_times(policy, stages, timing), stages.limit)
     return ("\n".join(lines) + "\n\n" + rows_markdown(rows, plan, models, timing) + times
             + (f"\n{memory}" if memory else ""))
@@ -182,6 +181,11 @@ def items_at(suites: list[str], limit: int | None) -> dict[str, int]:
 
     counts = {spec.name: available_items(spec) for spec in resolve_tasks(suites)}
     return {t: (min(limit, n) if limit and n is not None else n or limit or 0) for t, n in counts.items()}
+
+
+def with_suites(measure: T.MeasureShape, suites: list[str], limit: int | None) -> T.MeasureShape:
+    """`measure` with the suites' items per task at `limit` and the tasks each suite's run takes together."""
+    return replace(measure, items=items_at(suites, limit), runs=suite_runs(suites))
 
 
 def suite_runs(suites: list[str]) -> tuple[tuple[str, ...], ...]:
