@@ -141,21 +141,27 @@ def source_hash_seconds(source: Path) -> float:
     return total / max(read, 1) * (time.perf_counter() - start)
 
 
-def source_copy_seconds(source: Path, target_dir: Path) -> float:
-    """What a first release pays to copy the source for the registry (flows.records.snapshot: every file copied
-    and fsync'd): its bytes at the rate measured here copying its largest file's first HASH_SAMPLE_BYTES into
-    `target_dir` (where the snapshot goes: the same disk) as shutil.copy2 copies (os.sendfile), and syncing them."""
+def source_copy_seconds(source: Path, target_dir: Path, samples: int = 3) -> float:
+    """What a first release pays to copy the source for the registry (flows.records.snapshot: every file copied,
+    fsync'd and dropped from the page cache): its bytes at the median rate of `samples` copies of its largest
+    file's first HASH_SAMPLE_BYTES into `target_dir` (where the snapshot goes: the same disk), made as
+    shutil.copy2 copies (os.sendfile) and _copy_synced syncs and drops them."""
     import os
+    import statistics
     import tempfile
 
     total, largest = _total_and_largest(Path(source))
     target_dir.mkdir(parents=True, exist_ok=True)
-    copied = 0
-    with tempfile.TemporaryFile(dir=target_dir) as out, open(largest, "rb") as handle:
-        start = time.perf_counter()
-        while copied < HASH_SAMPLE_BYTES and (sent := os.sendfile(out.fileno(), handle.fileno(), copied,
-                                                                    min(1 << 23, HASH_SAMPLE_BYTES - copied))):
-            copied += sent
-        os.fsync(out.fileno())
-        seconds = time.perf_counter() - start
-    return total / max(copied, 1) * seconds
+    rates = []
+    for _ in range(samples):
+        copied = 0
+        with tempfile.TemporaryFile(dir=target_dir) as out, open(largest, "rb") as handle:
+            start = time.perf_counter()
+            while copied < HASH_SAMPLE_BYTES and (sent := os.sendfile(out.fileno(), handle.fileno(), copied,
+                                                                        min(1 << 23, HASH_SAMPLE_BYTES - copied))):
+                copied += sent
+            os.fsync(out.fileno())
+            if hasattr(os, "posix_fadvise"):
+                os.posix_fadvise(out.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+            rates.append(max(copied, 1) / (time.perf_counter() - start))
+    return total / statistics.median(rates)
