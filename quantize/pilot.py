@@ -7,7 +7,7 @@ the model truncated to `PILOT_LAYERS[0]` and to `PILOT_LAYERS[1]` decoder layers
 the cost of the extra layers, the smaller build less its layers the fixed part. A process's first build pays
 imports and first calls (5.98 s against 2.33 s for one layer of Qwen2.5-Coder-0.5B, int8wo), as a release's
 quantize child does once: the smaller build runs first in a fresh interpreter (that start's cost), then here
-before and after the larger one (its faster run counts: the first still paid first calls). The truncated source is the
+twice, as does the larger (the faster run of each counts: a first one paid first calls or cold reads). The truncated source is the
 real one with a config.json that says fewer layers (its weights linked, never copied), so the reads, casts,
 calibration and writes are the real tensors' (`gates/time_plan.py` adds it up for `quantgate release --plan`).
 """
@@ -107,6 +107,8 @@ def quantize_timing(source: Path, method: str, options: dict[str, Any] | None = 
         return QuantizeTiming(method, layers, 0.0, t_small / small, max(t_child - t_small, 0.0), kept)
     t_large = build_seconds(source, method, options, large, keep / str(large) if keep else None)
     t_small = min(t_small, build_seconds(source, method, options, small))
+    t_large = min(t_large, build_seconds(source, method, options, large))  # its first read layers 2-6 first: a
+    # cold read there once planned Qwen2.5-Coder-1.5B's int8wo at 1.02 s a layer, 2x what its build then took
     per_layer = max(t_large - t_small, 0.0) / (large - small)
     return QuantizeTiming(method, layers, max(t_small - small * per_layer, 0.0), per_layer, max(t_child - t_small, 0.0),
                           kept)
