@@ -154,6 +154,8 @@ def pilot(model: str, tasks: list[str], policy: Policy, need_items: bool = True,
     from serving import LLMEngine
 
     source = str(resolve_model(model))
+    # first, as the release copies first, before the pilot's builds leave their writes to the disk
+    snapshot_s = source_copy_seconds(Path(source), home() / "flows") if release is not None and release.snapshot else 0.0
     with tempfile.TemporaryDirectory(prefix="quantgate-pilot-") as kept:
         built = {label: quantize_timing(Path(source), method, options, keep=Path(kept) / label)
                  for label, method, options in (release.quantize if release else ())}
@@ -165,9 +167,7 @@ def pilot(model: str, tasks: list[str], policy: Policy, need_items: bool = True,
         load_s = time.perf_counter() - start
         timing = Timing(source=f"measured here: a pilot of {PILOT_ITEMS[0]} and {PILOT_ITEMS[1]} items per task on "
                         f"{model}", load_s=load_s, first_load_s=max(first_s - load_s, 0.0), quantize=built,
-                        source_hash_s=source_hash_seconds(Path(source)))
-        if release is not None and release.snapshot:
-            timing.snapshot_s = source_copy_seconds(Path(source), home() / "flows")
+                        source_hash_s=source_hash_seconds(Path(source)), snapshot_s=snapshot_s)
         if need_items:
             for task in tasks:
                 timing.item_s[task], timing.setup_s[task] = _item_seconds(engine, task)

@@ -7,7 +7,7 @@ the model truncated to `PILOT_LAYERS[0]` and to `PILOT_LAYERS[1]` decoder layers
 the cost of the extra layers, the smaller build less its layers the fixed part. A process's first build pays
 imports and first calls (5.98 s against 2.33 s for one layer of Qwen2.5-Coder-0.5B, int8wo), as a release's
 quantize child does once: the smaller build runs first in a fresh interpreter (that start's cost), then here
-twice, as does the larger (the faster run of each counts: a first one paid first calls or cold reads). The truncated source is the
+PILOT_RUNS times, as does the larger (the median of each counts). The truncated source is the
 real one with a config.json that says fewer layers (its weights linked, never copied), so the reads, casts,
 calibration and writes are the real tensors' (`gates/time_plan.py` adds it up for `quantgate release --plan`).
 """
@@ -15,6 +15,7 @@ calibration and writes are the real tensors' (`gates/time_plan.py` adds it up fo
 from __future__ import annotations
 
 import json
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -25,6 +26,9 @@ from typing import Any
 
 from quantgate.model_shape import text_config
 
+PILOT_RUNS = 3  # builds at each depth, their median counts: the per-layer figure is a difference carried to the
+# model's depth (x5.4 at 28 layers), and one build at each depth planned Qwen2.5-Coder-1.5B's int8wo anywhere from
+# 16 to 37 s where its builds took 18-25 s
 PILOT_LAYERS = (1, 6)  # decoder layers in the two builds: five layers apart keep the per-layer figure above the
 # builds' noise (Qwen2.5-Coder-0.5B: int8wo 0.25 s a layer, int4-awq 0.85; +-1 s a build); 7 of 32 layers at 8B
 
@@ -102,16 +106,17 @@ def quantize_timing(source: Path, method: str, options: dict[str, Any] | None = 
     small, large = (min(n, layers) for n in PILOT_LAYERS)
     kept = tuple(sorted({small, large})) if keep else ()
     t_child = child_build_seconds(source, method, options, small)
-    t_small = build_seconds(source, method, options, small, keep / str(small) if keep else None)
+    runs_small = [build_seconds(source, method, options, small, keep / str(small) if keep else None)]
     if large == small:
-        return QuantizeTiming(method, layers, 0.0, t_small / small, max(t_child - t_small, 0.0), kept)
-    t_large = build_seconds(source, method, options, large, keep / str(large) if keep else None)
-    t_small = min(t_small, build_seconds(source, method, options, small))
-    t_large = min(t_large, build_seconds(source, method, options, large))  # its first read layers 2-6 first: a
-    # cold read there once planned Qwen2.5-Coder-1.5B's int8wo at 1.02 s a layer, 2x what its build then took
+        return QuantizeTiming(method, layers, 0.0, runs_small[0] / small, max(t_child - runs_small[0], 0.0), kept)
+    runs_large = [build_seconds(source, method, options, large, keep / str(large) if keep else None)]
+    for _ in range(PILOT_RUNS - 1):
+        runs_small.append(build_seconds(source, method, options, small))
+        runs_large.append(build_seconds(source, method, options, large))
+    t_small, t_large = statistics.median(runs_small), statistics.median(runs_large)
     per_layer = max(t_large - t_small, 0.0) / (large - small)
-    return QuantizeTiming(method, layers, max(t_small - small * per_layer, 0.0), per_layer, max(t_child - t_small, 0.0),
-                          kept)
+    return QuantizeTiming(method, layers, max(t_small - small * per_layer, 0.0), per_layer,
+                          max(t_child - min(runs_small), 0.0), kept)
 
 
 HASH_SAMPLE_BYTES = 256 << 20  # read and hashed once to time this machine's sha256 over the source's files
