@@ -1,21 +1,20 @@
 """What quantizing a model costs on this machine, measured on its first decoder layers.
 
-A build's time is a part that does not grow with depth (reading the embedding and the head, quantizing them,
-calibration's pass through the embedding, the probe, the manifest) and a part per decoder layer. The pilot builds
-the model truncated to `PILOT_LAYERS[0]` and to `PILOT_LAYERS[1]` decoder layers, by the same code a release runs
-(`quantize.variant`'s build, streamed where the method streams), into a throw-away directory: the difference is
-the cost of the extra layers, the smaller build less its layers the fixed part. A process's first build pays
-imports and first calls (5.98 s against 2.33 s for one layer of Qwen2.5-Coder-0.5B, int8wo), as a release's
-quantize child does once: the smaller build runs first in a fresh interpreter (that start's cost), then here
-PILOT_RUNS times, as does the larger (the median of each counts). The truncated source is the
-real one with a config.json that says fewer layers (its weights linked, never copied), so the reads, casts,
-calibration and writes are the real tensors' (`gates/time_plan.py` adds it up for `quantgate release --plan`).
+The pilot builds the model truncated to `PILOT_LAYERS[0]` and to `PILOT_LAYERS[1]` decoder layers, by the same code
+a release runs (`quantize.variant`'s build, streamed where the method streams), into a throw-away directory, twice
+each (the faster counts). A round-to-nearest build streams bytes: one seconds-per-parameter rate is fitted to both
+builds (`seconds_per_parameter`), the embedding's and head's parameters costed as a layer's. A calibrated build
+(AWQ, GPTQ) costs what its layers' searches cost: the difference of the two builds is the extra layers', the
+smaller less its layers the fixed part. A process's first build pays imports and first calls (5.98 s against
+2.33 s for one layer of Qwen2.5-Coder-0.5B, int8wo), as a release's quantize child does once: the smaller build
+runs first in a fresh interpreter, and that start's excess is costed on its own. The truncated source is the real
+one with a config.json that says fewer layers (its weights linked, never copied), so the reads, casts, calibration
+and writes are the real tensors' (`gates/time_plan.py` adds it up for `quantgate release --plan`).
 """
 
 from __future__ import annotations
 
 import json
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -26,9 +25,6 @@ from typing import Any
 
 from quantgate.model_shape import text_config
 
-PILOT_RUNS = 3  # builds at each depth, their median counts: the per-layer figure is a difference carried to the
-# model's depth (x5.4 at 28 layers), and one build at each depth planned Qwen2.5-Coder-1.5B's int8wo anywhere from
-# 16 to 37 s where its builds took 18-25 s
 PILOT_LAYERS = (1, 6)  # decoder layers in the two builds: five layers apart keep the per-layer figure above the
 # builds' noise (Qwen2.5-Coder-0.5B: int8wo 0.25 s a layer, int4-awq 0.85; +-1 s a build); 7 of 32 layers at 8B
 
@@ -102,21 +98,43 @@ def quantize_timing(source: Path, method: str, options: dict[str, Any] | None = 
     """`method`'s build of `source` (a model directory) timed at PILOT_LAYERS decoder layers: in a fresh process
     once (its start), then here at both depths (per layer and fixed). `keep`: where each depth's first build
     stays, in keep/<layers> (build_seconds), for the pilot to serve beside the source cut alike."""
+    from quantize.methods import get_method
+
     layers, options = decoder_layers(source), options or {}
     small, large = (min(n, layers) for n in PILOT_LAYERS)
     kept = tuple(sorted({small, large})) if keep else ()
     t_child = child_build_seconds(source, method, options, small)
-    runs_small = [build_seconds(source, method, options, small, keep / str(small) if keep else None)]
-    if large == small:
-        return QuantizeTiming(method, layers, 0.0, runs_small[0] / small, max(t_child - runs_small[0], 0.0), kept)
-    runs_large = [build_seconds(source, method, options, large, keep / str(large) if keep else None)]
-    for _ in range(PILOT_RUNS - 1):
-        runs_small.append(build_seconds(source, method, options, small))
-        runs_large.append(build_seconds(source, method, options, large))
-    t_small, t_large = statistics.median(runs_small), statistics.median(runs_large)
-    per_layer = max(t_large - t_small, 0.0) / (large - small)
-    return QuantizeTiming(method, layers, max(t_small - small * per_layer, 0.0), per_layer,
-                          max(t_child - min(runs_small), 0.0), kept)
+    runs = {small: [build_seconds(source, method, options, small, keep / str(small) if keep else None)]}
+    if large != small:
+        runs[large] = [build_seconds(source, method, options, large, keep / str(large) if keep else None)]
+    for depth in runs:  # once more each: the faster counts (a first build paid first calls, or a cold read)
+        runs[depth].append(build_seconds(source, method, options, depth))
+    times = {depth: min(t) for depth, t in runs.items()}
+    start = max(t_child - times[small], 0.0)
+    if "calibration_tokens" in get_method(method).defaults and large != small:  # a layer's search dominates
+        per_layer = max(times[large] - times[small], 0.0) / (large - small)
+        return QuantizeTiming(method, layers, max(times[small] - small * per_layer, 0.0), per_layer, start, kept)
+    outside, per_layer = parameter_split(source)
+    rate = seconds_per_parameter(times, outside, per_layer)
+    return QuantizeTiming(method, layers, rate * outside, rate * per_layer, start, kept)
+
+
+def parameter_split(source: Path) -> tuple[int, int]:
+    """(parameters outside the decoder layers, parameters in one), from the config's shapes."""
+    from quantize.capacity import ModelShape
+
+    shape = ModelShape.from_config(json.loads((source / "config.json").read_text()))
+    per_layer = sum(o * i for o, i in shape.layer_linears())
+    return shape.num_params() - shape.num_layers * per_layer, per_layer
+
+
+def seconds_per_parameter(times: dict[int, float], outside: int, per_layer: int) -> float:
+    """One rate through the origin over the builds (least squares, time against parameters built): a build costs
+    its parameters at it, the embedding's and head's as a layer's. The difference of the two depths' times, carried
+    to the model's depth (x5.4 at 28 layers), made a build's noise the plan's: Qwen2.5-Coder-1.5B's int8wo planned
+    at 11-37 s where it took 18-25 s (the VM's first touch of freed memory costs a build up to +8 s at random)."""
+    params = {depth: outside + depth * per_layer for depth in times}
+    return sum(times[d] * params[d] for d in times) / sum(p * p for p in params.values())
 
 
 HASH_SAMPLE_BYTES = 256 << 20  # read and hashed once to time this machine's sha256 over the source's files

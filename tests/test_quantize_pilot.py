@@ -86,3 +86,17 @@ def test_the_source_copy_is_costed_at_its_size_and_leaves_nothing(tiny_model_dir
     target = tmp_path / "flows"
     assert source_copy_seconds(tiny_model_dir, target) > 0
     assert list(target.iterdir()) == []
+
+
+def test_one_rate_through_both_builds_holds_a_noisy_build() -> None:
+    """A round-to-nearest build's rate is fitted through the origin to both depths' (parameters, seconds): a slow
+    one-layer build (the VM's first touch of freed memory) may not plan the layers at nothing, as the difference
+    of the two builds did (Qwen2.5-Coder-1.5B int8wo: 7.8 s at 1 layer, 6.6 s at 6)."""
+    from quantize.pilot import seconds_per_parameter
+
+    outside, per_layer = 233_000_000, 46_800_000  # Qwen2.5-Coder-1.5B: tied embedding, one decoder layer
+    steady = seconds_per_parameter({1: 3.1, 6: 4.8}, outside, per_layer)
+    noisy = seconds_per_parameter({1: 7.8, 6: 6.6}, outside, per_layer)
+    full = outside + 28 * per_layer
+    assert 14 < steady * full < 16  # its builds at 28 layers: 17-21 s beside a start of ~4 s
+    assert noisy * per_layer > 0.2 and noisy * full < 2.5 * steady * full
