@@ -39,13 +39,22 @@ class Int4Panel {
     prefetch_scales(p_, tile0, tiles);
   }
 
-  // Dequantize the next `words` words (input-major: the block's tiles advance together).
+  // Dequantize the next `words` words (input-major: the block's tiles advance together). The loop runs on
+  // copies of the members: a panel store (__m512i may alias anything) would otherwise make the compiler reload
+  // each of them after every store.
   void run(int64_t words) {
-    for (words = std::min(words, left_); words > 0; --words, --left_) {
-      if (t_ == 0 && qd_ == group_end_) load_group();
-      word(qd_, t_);
-      if (++t_ == tiles_) t_ = 0, ++qd_;
+    words = std::min(words, left_);
+    left_ -= words;
+    const __m512i table = table_, interleave = interleave_;
+    const int tiles = tiles_;
+    int64_t qd = qd_;
+    int t = t_;
+    for (; words > 0; --words) {
+      if (t == 0 && qd == group_end_) qd_ = qd, load_group();
+      word(qd, t, table, interleave, scale_[t], zero_[t]);
+      if (++t == tiles) t = 0, ++qd;
     }
+    qd_ = qd, t_ = t;
   }
 
   void finish() { run(left_); }
@@ -64,17 +73,20 @@ class Int4Panel {
     }
   }
 
-  void word(int64_t qd, int t) {
+  void word(int64_t qd, int t, __m512i table, __m512i interleave, __m512 scale, __m512 zero) const {
     const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
     const uint16_t* at = static_cast<const uint16_t*>(p_.weight) + ((tile0_ + t) * (p_.k / 8) + qd) * 32;
     prefetch_ahead(at);
     const __m512i codes = _mm512_loadu_si512(at);
+    __m512i out[4];
     for (int i = 0; i < 4; ++i) {
-      const __m512i q = _mm512_permutexvar_epi16(_mm512_srli_epi16(codes, 4 * i), table_);
-      const __m512 lo = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_slli_epi32(q, 16)), scale_[t], zero_[t]);
-      const __m512 hi = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_and_si512(q, high)), scale_[t], zero_[t]);
-      panel_[(qd * 4 + i) * tiles_ + t] = _mm512_permutexvar_epi16(interleave_, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+      const __m512i q = _mm512_permutexvar_epi16(_mm512_srli_epi16(codes, 4 * i), table);
+      const __m512 lo = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_slli_epi32(q, 16)), scale, zero);
+      const __m512 hi = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_and_si512(q, high)), scale, zero);
+      out[i] = _mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
     }
+    __m512i* panel = panel_ + qd * 4 * tiles_ + t;
+    for (int i = 0; i < 4; ++i) _mm512_store_si512(panel + i * tiles_, out[i]);
   }
 
   const Problem& p_;
