@@ -51,8 +51,9 @@ class Timing:
     round_s: float | None = None
     prefill_tps: float | None = None
     load_s: float | None = None  # the engine's load of the model
-    first_load_s: float = 0.0  # what a process's first load pays beyond it: this machine's kernels built where
-    # QUANTGATE_HOME has none yet (45 s of a 49 s first load of SmolLM2-135M in a fresh home), first calls
+    first_load_s: float = 0.0  # what a fresh process's first load pays beyond a warm one: the kernels loaded, the
+    # model's classes imported, first calls (never the kernels' build: the pilot's own first load makes what a fresh
+    # home lacks, 45 s of SmolLM2-135M's 49 s there, and a release after the plan finds them)
     decode_s: dict[int, float] = field(default_factory=dict)  # batch -> seconds of its decode point (context + steps)
     source: str = ""
     round_source: str = ""
@@ -159,9 +160,9 @@ def pilot(model: str, tasks: list[str], policy: Policy, need_items: bool = True,
     with tempfile.TemporaryDirectory(prefix="quantgate-pilot-") as kept:
         built = {label: quantize_timing(Path(source), method, options, keep=Path(kept) / label)
                  for label, method, options in (release.quantize if release else ())}
-        first_s = _fresh_load_seconds(source)
         LLMEngine.from_pretrained(source)  # this process's first load, dropped at once: two never resident
         release_engine_memory()
+        first_s = _fresh_load_seconds(source)  # after it: this plan has built the kernels a fresh home lacked
         start = time.perf_counter()
         engine = LLMEngine.from_pretrained(source)
         load_s = time.perf_counter() - start
@@ -189,8 +190,8 @@ def pilot(model: str, tasks: list[str], policy: Policy, need_items: bool = True,
 
 def _fresh_load_seconds(source: str) -> float:
     """The engine's load as a fresh process's first (the release's baseline measure: its quantizations ran in
-    children), serving already imported as the flow has it: this machine's kernels loaded (or built where
-    QUANTGATE_HOME has none yet), the model's classes imported, first calls. Qwen2.5-Coder-0.5B: 5.5-6.4 s in
+    children), serving already imported as the flow has it: this machine's kernels loaded, the model's classes
+    imported, first calls. Qwen2.5-Coder-0.5B: 5.5-6.4 s in
     the release where the pilot's own first load, after its quantize builds, took 2.0 s."""
     import subprocess
     import sys

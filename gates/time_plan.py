@@ -168,9 +168,9 @@ def stage_times(policy: Policy, release: ReleaseShape, timing) -> list[StageTime
         return before + rest + ([StageTime("canary", None, "no pilot")] if release.canary else [])
     step = step_seconds(timing.decode_s, policy.speed.decode_steps, shape.bench_concurrency)
     rows = [_measure_row(m, shape, timing, step, timing.variants.get(release.weights.get(m, ""))) for m in models]
-    if rows and timing.first_load_s >= 0.5:  # the flow's first load builds the kernels (where none are cached)
+    if rows and timing.first_load_s >= 0.5:  # the flow's first load pays a fresh process's first calls
         rows[0] = replace(rows[0], seconds=rows[0].seconds + timing.first_load_s,
-                          counted=f"first load's kernels and first calls {timing.first_load_s:.0f} + " + rows[0].counted)
+                          counted=f"first load's first calls {timing.first_load_s:.0f} + " + rows[0].counted)
     if rows and timing.first_wave_s >= 0.5:  # and its first serving benchmark starts the first server
         rows[0] = replace(rows[0], seconds=rows[0].seconds + timing.first_wave_s,
                           counted=f"first server's wave {timing.first_wave_s:.0f} + " + rows[0].counted)
