@@ -24,6 +24,7 @@ from gates.records.registry import aliases as read_aliases
 from gates.records.tracking import get_client, log_evidence, log_metrics, register_variant, version_weights
 from quantgate import settings
 from quantgate.env import home
+from quantgate.files import sync_and_drop
 
 if TYPE_CHECKING:
     from flows.data import ReleaseSummary, Source
@@ -126,9 +127,7 @@ def _copy_synced(src: str, dst: str) -> str:
     shutil.copy2(src, dst)
     handle = os.open(dst, os.O_RDONLY)
     try:
-        os.fsync(handle)
-        if hasattr(os, "posix_fadvise"):
-            os.posix_fadvise(handle, 0, 0, os.POSIX_FADV_DONTNEED)
+        sync_and_drop(handle)
     finally:
         os.close(handle)
     return dst

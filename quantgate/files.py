@@ -1,7 +1,9 @@
-"""Reading the YAML files users hand to quantgate (API keys, router configs): a ValueError naming the file."""
+"""Files: the YAML users hand to quantgate (API keys, router configs), read with a ValueError naming the file;
+a file written back to disk and out of the page cache."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -17,3 +19,11 @@ def read_yaml(path: str | Path, what: str) -> Any:
         return yaml.safe_load(path.read_text())
     except yaml.YAMLError as exc:
         raise ValueError(f"{what} {path} is not valid YAML: {exc}") from exc
+
+
+def sync_and_drop(fd: int) -> None:
+    """Write the open file `fd` back to disk and drop its pages from the page cache (where the OS can): a copy
+    nobody reads soon then evicts nothing the process still reads (flows/records.py's snapshot)."""
+    os.fsync(fd)
+    if hasattr(os, "posix_fadvise"):
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)

@@ -175,6 +175,8 @@ def source_copy_seconds(source: Path, target_dir: Path, samples: int = 3) -> flo
     import statistics
     import tempfile
 
+    from quantgate.files import sync_and_drop
+
     total, largest = _total_and_largest(Path(source))
     target_dir.mkdir(parents=True, exist_ok=True)
     rates = []
@@ -185,8 +187,6 @@ def source_copy_seconds(source: Path, target_dir: Path, samples: int = 3) -> flo
             while copied < HASH_SAMPLE_BYTES and (sent := os.sendfile(out.fileno(), handle.fileno(), copied,
                                                                         min(1 << 23, HASH_SAMPLE_BYTES - copied))):
                 copied += sent
-            os.fsync(out.fileno())
-            if hasattr(os, "posix_fadvise"):
-                os.posix_fadvise(out.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+            sync_and_drop(out.fileno())
             rates.append(max(copied, 1) / (time.perf_counter() - start))
     return total / statistics.median(rates)
