@@ -181,6 +181,25 @@ def test_prefill_sized_calls_give_each_row_its_decode_result(n, k, rows):
         assert_close(y4, x.float() @ exact.t(), 1e-4, "int4")
 
 
+@pytest.mark.parametrize(("n", "rows"), [(96, 600), (240, 1100)])
+def test_a_long_int4_call_in_row_chunks_gives_each_row_its_own_result(n, rows):
+    """x too big for L2 (K = 1024): the int4 panel goes chunk by chunk of rows, each block dequantized again per
+    chunk; every row, in the first chunk, across a chunk's edge or in the zero-padded last rows, comes out to the
+    bit as in a call of a few rows (the panel path, all rows at once)."""
+    torch.manual_seed(rows)
+    k = 1024
+    codes, sz = quantize_groups(torch.randn(n, k), 32)
+    int4 = wo_bf16.pack_int4(unpack_nibbles(codes))
+    x = torch.randn(rows, k).bfloat16()
+    together = wo_bf16.int4_linear(x, int4, sz, 32, n, torch.float32)
+    exact = dequantize_rows(codes, sz, 32, torch.float32)
+    if rows >= panel_rows(True, k):
+        assert_close(together, x.float() @ exact.bfloat16().float().t(), 1e-5, "int4")
+    for row in (0, 255, 256, 511, rows - 1):
+        few = x[row:row + 1].expand(24, -1).contiguous()
+        assert torch.equal(wo_bf16.int4_linear(few, int4, sz, 32, n, torch.float32)[0], together[row]), row
+
+
 def test_bad_inputs_are_refused_with_the_reason():
     q, scales = quantize_per_channel(torch.randn(32, 64))
     packed = wo_bf16.pack_int8(q)

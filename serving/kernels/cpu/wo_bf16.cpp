@@ -25,6 +25,7 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cmath>
@@ -160,30 +161,54 @@ int64_t panel_rows_from(bool int4, int64_t k) {
   return int16_rows_below(int4);
 }
 
-// Tile steps a block makes over every row on AMX (16 rows x 16 k-pairs each, K a multiple of 32 there).
-int64_t tile_steps(const Problem& p) { return (p.m + 15) / 16 * std::max<int64_t>(1, p.k / 32); }
+// Half the L2 of the core a thread runs on (sysconf; 1 MB where it cannot tell): what a chunk of x may take
+// beside the panels and the output.
+int64_t x_budget_bytes() {
+  static const int64_t budget = [] {
+    const long l2 = sysconf(_SC_LEVEL2_CACHE_SIZE);
+    return l2 > 0 ? static_cast<int64_t>(l2) / 2 : int64_t{1} << 20;
+  }();
+  return budget;
+}
+
+// Rows per chunk of an int4 call: all of them where x fits the budget (each block dequantized once), else
+// kChunkRows where such a chunk fits it (a block dequantized again for every chunk, under the chunk's tile
+// steps), else all of them again (K too wide for a chunk: re-reading x per block costs less than the words).
+int64_t int4_chunk_rows(const Problem& p) {
+  const int64_t budget = x_budget_bytes(), row_bytes = p.k * 2;
+  if (p.m * row_bytes <= budget || kChunkRows * row_bytes > budget) return p.m;
+  return kChunkRows;
+}
 
 // int4 for many rows where the panel wins: the panel path of int8, the panel holding bf16((q - 8) * scale + zero)
 // (Int4Panel): its 8 x 48 register block reuses each weight load for 8 rows, where the per-group sums above need
-// twice the accumulators. Two panels per thread: while block b's runs through the tiles, block b + 1's is
-// dequantized between its tile steps (on AMX; elsewhere after them), a share of the words at each step.
+// twice the accumulators. Two panels per thread: while item i's runs through the tiles, item i + 1's is
+// dequantized between its tile steps (on AMX; elsewhere after them), a share of the words at each step. An item
+// is one block over one chunk of rows, chunk by chunk as run_bf16 goes (int4_chunk_rows), so a long prefill's x
+// stays in L2 across the blocks: each block over all 2048 rows re-read x per block, 0.68-0.84x bf16 at
+// SmolLM2's shapes (docs/results/2026-12-06-engine-under-load.md).
 void run_int4(const Problem& p) {
   if (p.m < panel_rows_from(true, p.k)) return run_small<true>(p);
   const int64_t tiles = p.n / kTile, blocks = (tiles + kTilesPerBlock - 1) / kTilesPerBlock;
-  const int64_t panel_size = p.k / 2 * kTilesPerBlock;
+  const int64_t panel_size = p.k / 2 * kTilesPerBlock, chunk_rows = int4_chunk_rows(p);
+  const int64_t chunks = (p.m + chunk_rows - 1) / chunk_rows;
   const auto count = [&](int64_t b) { return static_cast<int>(std::min<int64_t>(kTilesPerBlock, tiles - b * kTilesPerBlock)); };
   const AmxCall amx(p);
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
     std::vector<__m512i> panels(2 * panel_size);
     const Tiles tile_state(amx);
+    const int64_t per_chunk = end - begin, items = chunks * per_chunk;
+    const auto block = [&](int64_t i) { return begin + i % per_chunk; };
     Int4Panel next(p);
-    next.start(begin * kTilesPerBlock, count(begin), panels.data());
+    next.start(block(0) * kTilesPerBlock, count(block(0)), panels.data());
     next.finish();
-    for (int64_t b = begin; b < end; ++b) {
-      __m512i* panel = panels.data() + (b - begin) % 2 * panel_size;
-      if (b + 1 < end) next.start((b + 1) * kTilesPerBlock, count(b + 1), panels.data() + (b + 1 - begin) % 2 * panel_size);
-      const int64_t share = (next.left() + tile_steps(p) - 1) / tile_steps(p);
-      panel_rows(p, b * kTilesPerBlock, count(b), Panel{panel, count(b), 1}, amx.used, amx.tail.data(), 0, p.m,
+    for (int64_t i = 0; i < items; ++i) {
+      const int64_t b = block(i), row0 = i / per_chunk * chunk_rows, row1 = std::min(p.m, row0 + chunk_rows);
+      __m512i* panel = panels.data() + i % 2 * panel_size;
+      if (i + 1 < items) next.start(block(i + 1) * kTilesPerBlock, count(block(i + 1)), panels.data() + (i + 1) % 2 * panel_size);
+      const int64_t steps = (row1 - row0 + 15) / 16 * std::max<int64_t>(1, p.k / 32);
+      const int64_t share = (next.left() + steps - 1) / steps;
+      panel_rows(p, b * kTilesPerBlock, count(b), Panel{panel, count(b), 1}, amx.used, amx.tail.data(), row0, row1,
                  [&] { next.run(share); });
       next.finish();
     }
