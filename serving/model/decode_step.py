@@ -45,6 +45,8 @@ class DecodeStep:
         plan = plan_class(ops.add_rms_norm.default._schema.name, ops.rotary_store.default._schema.name,
                           paged.default._schema.name, heads, kv_heads, forward.head_dim, eps.pop(),
                           forward.final_norm[0])
+        if forward.silu_mul is not None:
+            plan.set_silu_mul(forward.silu_mul.default._schema.name)
         for i, layer in enumerate(plans):
             for name, call in layer.kernels.items():
                 plan.add_projection(i, SLOTS.index(name), call.op_name, list(call.tensors), list(call.ints),

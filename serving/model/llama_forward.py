@@ -115,6 +115,12 @@ def _outputs(modules, fused: KernelCall | None) -> Outputs:
     return lambda x: fused(x).split(sizes, dim=-1)
 
 
+def silu_mul_op(ops, dtype: torch.dtype):
+    """bf16: fused_ops' silu_mul, F.silu(gate) * up to the bit in one pass (a table of torch's silu); fp32
+    keeps torch's two ops (its exp is the one HF's token identity is checked against)."""
+    return getattr(ops, "silu_mul", None) if dtype == torch.bfloat16 else None
+
+
 class LlamaForward:
     def __init__(self, model, ops, isa: str | None = None):
         self.model = model
@@ -123,6 +129,7 @@ class LlamaForward:
         self.final_norm = _norm(model.model.norm)
         self.head_dim = model.model.layers[0].self_attn.head_dim
         self.dtype = compute_dtype(model)
+        self.silu_mul = silu_mul_op(ops, self.dtype)
         self.step = DecodeStep.of(self, isa)
 
     @classmethod
@@ -144,7 +151,7 @@ class LlamaForward:
             out = plan.o_proj(self._attention(ctx, i, plan, x, cos, sin))
             x = ops.add_rms_norm(residual, out.contiguous(), *plan.post_norm)
             gate, up = plan.gate_up(x)
-            out = plan.down_proj(F.silu(gate) * up)
+            out = plan.down_proj(self.silu_mul(gate, up) if self.silu_mul is not None else F.silu(gate) * up)
             norm = plans[i + 1].input_norm if i + 1 < len(plans) else self.final_norm
             x = ops.add_rms_norm(residual, out.contiguous(), *norm)
         return model.lm_head(x.index_select(0, keep_rows))

@@ -4,7 +4,8 @@
 // (figures: benchmarks/decode_step.py); here each op costs one boxed dispatcher call. The plan holds, per layer, the projection ops (whichever
 // kernel build serves each: woq_linear, wo_linear; looked up by name once) with their weights, the norms and
 // the KV caches; `run` takes what changes per step. Results are bit-identical to the Python loop: the ops
-// are the same ones, and silu * up is ATen's, as F.silu(gate) * up is.
+// are the same ones, and silu * up is the same call (fused_ops' silu_mul for bf16 rows where the plan was given
+// it, else ATen's, as F.silu(gate) * up is).
 
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -104,6 +105,9 @@ class DecodePlan : public torch::CustomClassHolder {
     l.window = window;
   }
 
+  // silu(gate) * up for bf16 rows (fused_ops' silu_mul: torch's result in one pass); unset, ATen's ops.
+  void set_silu_mul(std::string op_name) { silu_mul_ = find_op(op_name); }
+
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
 
   // Every layer has o, down, and q/k/v and gate/up fused or apart.
@@ -149,7 +153,8 @@ class DecodePlan : public torch::CustomClassHolder {
       } else {
         gate = (*l.proj[kGate])(x), up = (*l.proj[kUp])(x);
       }
-      out = (*l.proj[kDown])(at::silu(gate) * up);
+      const bool fused = silu_mul_ && gate.scalar_type() == at::kBFloat16;
+      out = (*l.proj[kDown])(fused ? call_first(*silu_mul_, Stack{gate, up}) : at::silu(gate) * up);
       const at::Tensor& next = i + 1 < layers_.size() ? layers_[i + 1].input_norm : final_norm_;
       x = call_first(add_rms_norm_, Stack{residual, out.contiguous(), next, eps_});
     }
@@ -158,6 +163,7 @@ class DecodePlan : public torch::CustomClassHolder {
 
  private:
   c10::OperatorHandle add_rms_norm_, rotary_store_, paged_decode_;
+  std::optional<c10::OperatorHandle> silu_mul_;
   int64_t heads_, kv_heads_, head_dim_;
   double eps_;
   at::Tensor final_norm_;
@@ -171,6 +177,7 @@ TORCH_LIBRARY(quantgate_step, m) {
       .def(torch::init<std::string, std::string, std::string, int64_t, int64_t, int64_t, double, at::Tensor>())
       .def("add_projection", &DecodePlan::add_projection)
       .def("set_layer", &DecodePlan::set_layer)
+      .def("set_silu_mul", &DecodePlan::set_silu_mul)
       .def("num_layers", &DecodePlan::num_layers)
       .def("complete", &DecodePlan::complete)
       .def("run", &DecodePlan::run);

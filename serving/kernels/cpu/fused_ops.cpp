@@ -1,7 +1,7 @@
 // The small per-layer ops of a Llama-family decoder, each one pass over its rows instead of the 7-12 torch
 // ops (and their temporaries) the model's Python forward makes of it: RMSNorm, residual add + RMSNorm, and
 // rotary embedding of q and k in place (`rotary_store` also writes K and V to their cache slots); and the
-// greedy pick of each sampled row (`greedy_pick`, serving/model/sampler.py).
+// greedy pick of each sampled row (`greedy_pick`, serving/model/sampler.py), and the MLP's silu(gate) * up in bf16.
 //
 // Each op rounds where the model's forward rounds, so results match it: in bfloat16 the residual sum, the
 // normalized row and its product with the weight are each rounded to bf16 (HF's RMSNorm computes in fp32,
@@ -13,6 +13,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -226,6 +227,48 @@ at::Tensor greedy_pick(const at::Tensor& logits) {
   return out;
 }
 
+// silu(x) rounded to bf16 for every bf16 x, computed once by torch's own silu: a bf16 activation has 65 536
+// values, so a lookup gives torch's result to the bit at the cost of one load (128 KB, it stays in L2).
+const std::vector<uint16_t>& silu_table() {
+  static const std::vector<uint16_t> table = [] {
+    const at::Tensor all = at::arange(0, 65536, at::kInt).to(at::kShort).view(at::kBFloat16);
+    const at::Tensor silu = at::silu(all).contiguous();
+    const uint16_t* bits = reinterpret_cast<const uint16_t*>(silu.data_ptr<at::BFloat16>());
+    return std::vector<uint16_t>(bits, bits + 65536);
+  }();
+  return table;
+}
+
+// silu(gate) * up over bf16 rows, to the bit what `F.silu(gate) * up` gives (silu rounded to bf16 by the table,
+// the product rounded again) in one pass, where torch makes two ops and a temporary (1.4-1.8 ms a layer at
+// 2,048 x 1,536 on 2 threads). fp32 models keep torch's ops.
+at::Tensor silu_mul(const at::Tensor& gate, const at::Tensor& up) {
+  TORCH_CHECK(gate.dim() == 2 && gate.sizes() == up.sizes(), "silu_mul: gate and up [rows, n] alike, got ",
+              gate.sizes(), " and ", up.sizes());
+  TORCH_CHECK(gate.scalar_type() == at::kBFloat16 && up.scalar_type() == at::kBFloat16, "silu_mul: bfloat16 rows");
+  TORCH_CHECK(gate.stride(1) == 1 && up.stride(1) == 1, "silu_mul: each row contiguous");
+  const int64_t rows = gate.size(0), n = gate.size(1), gs = gate.stride(0), us = up.stride(0);
+  auto out = at::empty({rows, n}, gate.options());
+  const uint16_t* table = silu_table().data();
+  const uint16_t* g = reinterpret_cast<const uint16_t*>(gate.data_ptr<at::BFloat16>());
+  const at::BFloat16* u = up.data_ptr<at::BFloat16>();
+  at::BFloat16* o = out.data_ptr<at::BFloat16>();
+  at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / std::max<int64_t>(n, 1)), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const uint16_t* gr = g + r * gs;
+      const at::BFloat16* ur = u + r * us;
+      at::BFloat16* orow = o + r * n;
+#pragma omp simd
+      for (int64_t i = 0; i < n; ++i) {
+        at::BFloat16 silu;
+        silu.x = table[gr[i]];
+        orow[i] = narrow<at::BFloat16>(widen(silu) * widen(ur[i]));
+      }
+    }
+  });
+  return out;
+}
+
 }  // namespace
 
 #ifndef QG_NAMESPACE
@@ -241,6 +284,7 @@ QG_LIBRARY(QG_NAMESPACE, m) {
   m.def("rotary_store(Tensor(a!) q, Tensor(b!) k, Tensor v, Tensor cos, Tensor sin, int head_dim, "
         "Tensor(c!) k_cache, Tensor(d!) v_cache, Tensor slots) -> ()");
   m.def("greedy_pick(Tensor logits) -> Tensor");
+  m.def("silu_mul(Tensor gate, Tensor up) -> Tensor");
 }
 
 QG_LIBRARY_IMPL(QG_NAMESPACE, CPU, m) {
@@ -249,4 +293,5 @@ QG_LIBRARY_IMPL(QG_NAMESPACE, CPU, m) {
   m.impl("rotary", &rotary);
   m.impl("rotary_store", &rotary_store);
   m.impl("greedy_pick", &greedy_pick);
+  m.impl("silu_mul", &silu_mul);
 }
