@@ -3,7 +3,12 @@ each tensor, or a block of its rows, at its offset. Both streamed builders write
 (quantize/streaming.py for int8wo / int4wo, quantize/calibrated_stream.py for int4-awq / int4-gptq).
 
 A writer never holds more than the tensor or block it is given; the file is synced when its `with` ends, and
-the caller removes a half-written file on error (quantize/variant.py builds into a temporary directory).
+the caller removes a half-written file on error (quantize/variant.py builds into a temporary directory). Every
+`WRITE_BACK_BYTES` it syncs what it wrote and drops those pages from the page cache: the build then reuses the
+same few pages instead of taking fresh ones for every byte of its output (fresh memory is what a VM's host may
+have to back anew: on a KVM Xeon, 1.5 GB of plain writes took 0.4 s into memory freed a moment before and 15-16 s
+into memory free for 20 s; written so, 1.8-2.0 s, and read back from disk 4.2 s), and the source it reads stays
+cached for the release's next stages.
 """
 
 from __future__ import annotations
@@ -16,12 +21,15 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from quantgate.files import sync_and_drop
+
 if TYPE_CHECKING:
     import torch
 
 # safetensors' own order for the data: wider dtypes first, then by name (save_file does the same).
 ORDER = ("F64", "F32", "BF16", "F16", "I32", "I16", "I8", "U8", "BOOL")
 ITEM_BYTES = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
+WRITE_BACK_BYTES = 64 << 20  # written, then synced and dropped from the page cache
 
 
 def st_dtype(dtype: torch.dtype) -> str:
@@ -43,6 +51,7 @@ class VariantWriter:
     def __init__(self, fd: int, base: int, specs: dict[str, tuple[str, tuple[int, ...]]],
                  offsets: dict[str, tuple[int, int]]):
         self.fd, self.base, self.specs, self.offsets = fd, base, specs, offsets
+        self.unsynced = 0
 
     def write(self, key: str, tensor: torch.Tensor) -> int:
         """The whole tensor `key`, cast to the layout's dtype; its shape must be the layout's."""
@@ -58,7 +67,15 @@ class VariantWriter:
         size = tensor.numel() * tensor.element_size()
         if at + size > end - start:
             raise ValueError(f"{key}: {size} bytes at {at} run past its {end - start}")
-        return _pwrite(self.fd, tensor, self.base + start + at)
+        written = _pwrite(self.fd, tensor, self.base + start + at)
+        self.unsynced += written
+        if self.unsynced >= WRITE_BACK_BYTES:
+            self.write_back()
+        return written
+
+    def write_back(self) -> None:
+        sync_and_drop(self.fd)
+        self.unsynced = 0
 
 
 def layout(specs: dict[str, tuple[str, tuple[int, ...]]], metadata: dict[str, str]) -> tuple[bytes, int, dict]:
@@ -89,8 +106,9 @@ def open_variant_file(path: Path, specs: dict[str, tuple[str, tuple[int, ...]]],
     with open(path, "wb") as handle:
         handle.write(header)
         handle.truncate(len(header) + total)
-        yield VariantWriter(handle.fileno(), len(header), specs, places)
-        os.fsync(handle.fileno())
+        writer = VariantWriter(handle.fileno(), len(header), specs, places)
+        yield writer
+        writer.write_back()
 
 
 def _pwrite(fd: int, tensor: torch.Tensor, offset: int) -> int:

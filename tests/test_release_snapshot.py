@@ -6,6 +6,8 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
+from page_cache import resident_fraction, skip_where_synced_pages_stay
+
 from flows import records
 from flows.data import Source
 from flows.time_shape import first_release_snapshot
@@ -40,38 +42,14 @@ def test_a_source_under_the_home_is_not_copied(store):
     assert not (home() / "flows" / "snapshots").exists()
 
 
-def _resident_fraction(path: Path) -> float:
-    """The share of `path`'s pages in the page cache (mincore over a private mapping of it)."""
-    import ctypes
-    import mmap
-
-    size = path.stat().st_size
-    with open(path, "rb") as handle, mmap.mmap(handle.fileno(), size, access=mmap.ACCESS_COPY) as mapped:
-        pages = (size + mmap.PAGESIZE - 1) // mmap.PAGESIZE
-        vec = (ctypes.c_ubyte * pages)()
-        address = ctypes.addressof(ctypes.c_char.from_buffer(mapped))
-        libc = ctypes.CDLL(None, use_errno=True)
-        assert libc.mincore(ctypes.c_void_p(address), ctypes.c_size_t(size), vec) == 0, ctypes.get_errno()
-        return sum(v & 1 for v in vec) / pages
-
-
 def test_the_copy_leaves_the_page_cache_to_the_source(tmp_path):
     """The snapshot's copy is written back and dropped from the page cache, so it cannot evict the source the
     rest of the release reads; the source stays cached (a filesystem that keeps synced pages, tmpfs, skips)."""
     import os
 
-    import pytest
-
+    skip_where_synced_pages_stay(tmp_path)
     src = tmp_path / "weights.bin"
     src.write_bytes(os.urandom(8 << 20))
-    plain = tmp_path / "plain.bin"
-    plain.write_bytes(src.read_bytes())
-    assert _resident_fraction(plain) > 0.9  # a copy made the plain way stays cached
-    with open(plain, "rb") as handle:
-        os.fsync(handle.fileno())
-        os.posix_fadvise(handle.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
-    if _resident_fraction(plain) > 0.1:
-        pytest.skip("this filesystem keeps synced pages cached (tmpfs)")
     copy = records._copy_synced(str(src), str(tmp_path / "copy.bin"))
-    assert _resident_fraction(Path(copy)) < 0.1 and _resident_fraction(src) == 1.0
+    assert resident_fraction(Path(copy)) < 0.1 and resident_fraction(src) == 1.0
     assert hashlib.sha256(Path(copy).read_bytes()).digest() == hashlib.sha256(src.read_bytes()).digest()
