@@ -24,7 +24,7 @@ demo: setup
 
 test: setup
 	$(BIN)/ruff check --no-cache .
-	$(BIN)/python -m pytest -q -x --timeout=900 --durations=15
+	$(BIN)/python -m pytest -q -x --timeout=900 --durations=15 -n 2 --dist loadfile
 
 lint: setup
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .

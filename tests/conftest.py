@@ -14,8 +14,10 @@ import pytest
 _SESSION_HOME = Path(tempfile.mkdtemp(prefix="quantgate-test-home-"))
 atexit.register(shutil.rmtree, _SESSION_HOME, ignore_errors=True)
 os.environ["QUANTGATE_HOME"] = str(_SESSION_HOME)
-os.environ["QUANTGATE_KERNEL_DIR"] = str(_SESSION_HOME / "kernels")  # one build per session, also for tests
-# that give a subprocess its own QUANTGATE_HOME
+# One kernel build per session, also for tests that give a subprocess its own QUANTGATE_HOME, and for the
+# workers of `pytest -n` (make test): a worker keeps the directory its controller set (builds are locked).
+_KERNELS = os.environ.get("QUANTGATE_KERNEL_DIR") if os.environ.get("PYTEST_XDIST_WORKER") else None
+os.environ["QUANTGATE_KERNEL_DIR"] = _KERNELS or str(_SESSION_HOME / "kernels")
 os.environ["PREFECT_HOME"] = str(_SESSION_HOME / "prefect")
 os.environ["MLFLOW_TRACKING_URI"] = f"sqlite:///{_SESSION_HOME / 'mlflow.db'}"
 os.environ["HF_HOME"] = str(_SESSION_HOME / "hf")
