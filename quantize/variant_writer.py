@@ -5,10 +5,9 @@ each tensor, or a block of its rows, at its offset. Both streamed builders write
 A writer never holds more than the tensor or block it is given; the file is synced when its `with` ends, and
 the caller removes a half-written file on error (quantize/variant.py builds into a temporary directory). Every
 `WRITE_BACK_BYTES` it syncs what it wrote and drops those pages from the page cache: the build then reuses the
-same few pages instead of taking fresh ones for every byte of its output (fresh memory is what a VM's host may
-have to back anew: on a KVM Xeon, 1.5 GB of plain writes took 0.4 s into memory freed a moment before and 15-16 s
-into memory free for 20 s; written so, 1.8-2.0 s, and read back from disk 4.2 s), and the source it reads stays
-cached for the release's next stages.
+same few pages instead of taking a fresh one for every byte of its output (fresh memory is what a VM's host may
+have to back anew, at seconds a GB: docs/results/design-figures.md), and the source it reads stays cached for the
+release's next stages.
 """
 
 from __future__ import annotations
