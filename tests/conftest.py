@@ -19,6 +19,9 @@ os.environ["QUANTGATE_HOME"] = str(_SESSION_HOME)
 _KERNELS = os.environ.get("QUANTGATE_KERNEL_DIR") if os.environ.get("PYTEST_XDIST_WORKER") else None
 os.environ["QUANTGATE_KERNEL_DIR"] = _KERNELS or str(_SESSION_HOME / "kernels")
 os.environ["PREFECT_HOME"] = str(_SESSION_HOME / "prefect")
+# Set here, not left to prepare()'s default: a `pytest -n` worker inherits its controller's, and two workers
+# sharing one result storage took each other's cached quantize results (the same tiny model's cache key).
+os.environ["PREFECT_RESULTS_LOCAL_STORAGE_PATH"] = str(_SESSION_HOME / "flows" / "results")
 os.environ["MLFLOW_TRACKING_URI"] = f"sqlite:///{_SESSION_HOME / 'mlflow.db'}"
 os.environ["HF_HOME"] = str(_SESSION_HOME / "hf")
 # Tests start servers in subprocesses beside the test process: OpenMP threads that spin while waiting
