@@ -44,12 +44,25 @@ struct alignas(64) TileConfig {
   uint8_t rows[16] = {};
 };
 
+// GCC's AMX intrinsics (12.x) tell the optimizer that ldtilecfg reads 8 bytes of its config and that a tile load
+// reads no memory at all. So the stores that fill a config on the stack may be dropped as dead (a standalone
+// build of this loop faulted in ldtilecfg on a half-written config), and the stores that fill what the tiles
+// then load (a dequantized panel, x's padded tail, x's byte planes) may be sunk past the loads. The config goes
+// through an asm that reads all 64 bytes; every tile loop starts with tiles_read() over the buffers it loads.
+inline void load_tile_config(const TileConfig& config) {
+  asm volatile("ldtilecfg %0" : : "m"(config));
+}
+
+inline void tiles_read(const void* a, const void* b) {
+  asm volatile("" : : "r"(a), "r"(b) : "memory");
+}
+
 // Every tile 16 rows x 64 bytes. bf16: 0-2 accumulate up to 3 channel tiles, 3 holds x, 4-6 the weight;
 // int8 (wo_bf16_amx_int8.h): 0-3 accumulate, 4-5 hold x's bytes, 6-7 the weight.
 void configure_tiles() {
   TileConfig config;
   for (int t = 0; t < 8; ++t) config.colsb[t] = 64, config.rows[t] = kAmxRows;
-  _tile_loadconfig(&config);
+  load_tile_config(config);
 }
 
 // 16 rows of x at `x` (bf16, K a row) x channel tiles [tile0, tile0 + TILES), the first `valid` of them
@@ -59,6 +72,7 @@ void configure_tiles() {
 template <int TILES, class Between = NoWork>
 void amx_block(const Problem& p, const uint16_t* x, int64_t row0, int valid, int64_t tile0, const __m512i* w,
                int64_t kp_stride, int64_t tile_stride, Between&& between = {}) {
+  tiles_read(x, w);
   _tile_zero(0);
   if (TILES > 1) _tile_zero(1);
   if (TILES > 2) _tile_zero(2);

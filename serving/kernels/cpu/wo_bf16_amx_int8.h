@@ -121,6 +121,7 @@ void amx_int8_block(const Problem& p, const ByteRows& b, int64_t row0, int valid
                     Between&& between) {
   const int64_t quads = p.k / 4;
   const int8_t* w = static_cast<const int8_t*>(p.weight);
+  tiles_read(b.lo.get(), b.hi.get());
   _tile_zero(0);
   _tile_zero(2);
   if (TILES > 1) {
