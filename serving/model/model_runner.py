@@ -13,7 +13,7 @@ from quantgate.model_shape import kv_shape
 from serving.core.scheduler import ScheduledSeq
 from serving.core.sequence import Sequence, TokenLogprob
 from serving.kernels.cpu import isa as isas
-from serving.kernels.cpu.decoder_ops import fused_ops, paged_decode
+from serving.kernels.cpu.decoder_ops import fused_ops, paged_decode, prefill_attention, prefill_fits
 from serving.model import attention
 from serving.model.attention import SCALE_DTYPE, AttentionContext, DecodeBatch, DecodeGroup, PrefillChunk
 from serving.model.kv_memory import huge_pages_wanted, zeroed_tensors
@@ -125,6 +125,8 @@ class ModelRunner:
             self.k_scale, self.v_scale = cache[2 * layers:3 * layers], cache[3 * layers:]
         self.generators: dict[str, torch.Generator] = {}
         self.decode_kernel = paged_decode(device, isa)  # None: gathered groups and matmuls (CUDA, no compiler)
+        # None: torch's flash kernel (any path but amx; a head_dim the tiles do not take)
+        self.prefill_kernel = prefill_attention(device, isa) if prefill_fits(shape.head_dim) else None
         ops = fused_ops(device, isa)
         self.greedy_pick = getattr(ops, "greedy_pick", None)  # None: torch's argmax (sampler.sample)
         self.fast_forward = LlamaForward.of(model, torch.device(device), isa)  # None: the model's own forward
@@ -200,6 +202,7 @@ class ModelRunner:
             k_scale=self.k_scale,
             v_scale=self.v_scale,
             decode_batch=self._decode_batch(decode_seqs),
+            prefill_kernel=self.prefill_kernel,
         )
         if self.attention == "triton":
             from serving.kernels.cuda.step import PagedStep

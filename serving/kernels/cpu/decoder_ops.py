@@ -23,6 +23,7 @@ from serving.kernels.cpu import isa as isas
 SOURCE = Path(__file__).with_name("paged_attention.cpp")
 FUSED_SOURCE = Path(__file__).with_name("fused_ops.cpp")
 STEP_SOURCE = Path(__file__).with_name("decode_step.cpp")
+PREFILL_SOURCE = Path(__file__).with_name("prefill_attention.cpp")
 STEP_CFLAGS = ["-O2"]  # it only calls other ops: no instruction set of its own
 OWN_FLAG_PATHS = ("avx512", "avx2", "scalar")
 
@@ -59,6 +60,21 @@ def fused_ops(device: torch.device | str = "cpu", isa: str | None = None):
         return None
     ops = _namespace(FUSED_SOURCE, kernels.PRECISE_CFLAGS, "quantgate_ops", isa)
     return ops if ops is not None and hasattr(ops, "rotary") else None
+
+
+def prefill_fits(head_dim: int) -> bool:
+    """Whether prefill_attention.cpp takes this head size (whole 32-wide tile columns, up to 256)."""
+    return head_dim % 32 == 0 and 0 < head_dim <= 256
+
+
+def prefill_attention(device: torch.device | str = "cpu", isa: str | None = None):
+    """The AMX causal attention of a fresh prompt (prefill_attention.cpp) on the `amx` path, or None: torch's
+    flash kernel (every other path, `QUANTGATE_PREFILL_ATTENTION=0`, a kernel that refuses the process AMX)."""
+    if (torch.device(device).type != "cpu" or not settings.enabled(settings.PREFILL_ATTENTION)
+            or isas.resolve(isa) != "amx" or not kernels.load(PREFILL_SOURCE, kernels.CFLAGS)):
+        return None
+    ops = getattr(torch.ops, "quantgate_prefill", None)
+    return ops.prefill_attention if ops is not None and hasattr(ops, "prefill_attention") and ops.amx_ready() else None
 
 
 def decode_plan_class():
