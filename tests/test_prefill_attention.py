@@ -79,6 +79,9 @@ def test_refuses_what_it_cannot_compute(op):
         op(q48, k48, v48, 0.125)
     with pytest.raises(RuntimeError, match="kv_heads"):
         op(*engine_views(8, 3, 2, 64), 0.125)
+    odd_rows = torch.randn(8 * 129 + 64).to(torch.bfloat16).as_strided((2, 8, 64), (64, 129, 1))
+    with pytest.raises(RuntimeError, match="even"):
+        op(q, odd_rows, v, 0.125)
     assert not decoder_ops.prefill_fits(48) and decoder_ops.prefill_fits(64) and not decoder_ops.prefill_fits(512)
 
 

@@ -202,8 +202,8 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at:
   TORCH_CHECK(s.kv_heads > 0 && s.heads % s.kv_heads == 0, "prefill_attention: heads a multiple of kv_heads");
   TORCH_CHECK(k.size(1) == s.len && v.size(1) == s.len && k.size(2) == s.dim && v.size(2) == s.dim &&
                   v.size(0) == s.kv_heads, "prefill_attention: k and v must be [kv_heads, len, dim] of q's len and dim");
-  TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == s.dim && k.stride(2) == 1 && v.stride(2) == 1,
-              "prefill_attention: dims contiguous, q's heads side by side");
+  TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == s.dim && k.stride(2) == 1 && v.stride(2) == 1 && k.stride(1) % 2 == 0,
+              "prefill_attention: dims contiguous, q's heads side by side, K's rows an even number of values apart");
   TORCH_CHECK(amx_allowed(), "prefill_attention: this process may not use AMX tiles");
   auto out = at::empty({s.len, s.heads, s.dim}, q.options().memory_format(at::MemoryFormat::Contiguous));
   if (s.len == 0) return out;
