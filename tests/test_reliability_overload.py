@@ -216,7 +216,9 @@ def test_sigterm_drains_quantgate_serve(paced_model_dir, tmp_path):
     """SIGTERM: no new request is admitted, in-flight ones finish or end with a clear 503 error, and the
     process exits within a bound."""
     log = tmp_path / "serve.log"
-    with serve_process(paced_model_dir, log, "--num-kv-blocks", "128", "--max-num-seqs", "2") as (proc, url):
+    # one torch thread: beside the other pytest-xdist worker's test, a 2-thread server's OpenMP regions waited on
+    # a descheduled thread each op, and the 100-token request outlived the 3 s drain (a fresh-clone CI run)
+    with serve_process(paced_model_dir, log, "--num-kv-blocks", "128", "--max-num-seqs", "2", "--threads", "1") as (proc, url):
         long = {"prompt": "a b c d", "max_tokens": 1000, "temperature": 0, "ignore_eos": True}
         got: dict = {}
 
