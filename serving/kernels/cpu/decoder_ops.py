@@ -1,5 +1,6 @@
-"""The decoder's own CPU kernels: the paged-attention decode kernel (paged_attention.cpp) and the fused
-small ops (fused_ops.cpp), built by `serving.kernels.cpu.build`.
+"""The decoder's own CPU kernels: the paged-attention decode kernel (paged_attention.cpp), the fused
+small ops (fused_ops.cpp) and, on the `amx` path, a fresh prompt's causal attention on AMX tiles
+(prefill_attention.cpp), built by `serving.kernels.cpu.build`.
 
 Both are plain C++ that compilers vectorise (paged attention adds AVX-512-BF16 code where the build has
 it). On the `amx` and `avx512bf16` paths they are built with `-march=native` under their historical op namespaces;
