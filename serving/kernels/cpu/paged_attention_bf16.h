@@ -15,8 +15,6 @@
 #include <cmath>
 #include <cstdint>
 
-#include "exp_avx512.h"
-
 #ifndef QG_PA_PREFETCH
 #define QG_PA_PREFETCH 2  // blocks ahead (measured: 1, 2 and 4 alike on the AMX Xeon; T1/T2 hints no better)
 #endif
@@ -66,6 +64,23 @@ __attribute__((always_inline)) inline void transpose16(__m512i* r) {
   }
 }
 
+// exp(x) on 16 lanes: Cephes' expf (range reduction by ln 2 in two parts, degree-6 polynomial, ~1 ulp);
+// inputs are clamped to [-87, 88], so a masked-out lane's -FLT_MAX gives ~1e-38, zeroed by the caller.
+inline __m512 exp512(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  return _mm512_scalef_ps(p, n);
+}
 
 // Scores of the G queries against one block of 16 bf16 K rows: s[g] lane t = q_g . k_t. For a small group,
 // two accumulator sets (even and odd pair columns) halve the dependency chain of the dot products.
