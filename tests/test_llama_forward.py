@@ -175,6 +175,25 @@ def test_bf16_engine_on_the_default_model_agrees_with_the_models_own_forward(def
     assert sum(gaps) / len(gaps) < 0.05 and max(gaps) < 0.5
 
 
+@pytest.mark.skipif(not wo_bf16.cpu_has_avx512_bf16(), reason="quantgate's kernel needs AVX-512-BF16")
+def test_the_mlp_with_silu_in_the_gate_up_call_decodes_bit_for_bit_as_without(default_model_dir):
+    """A bf16 model's gate_up runs as one call with silu(gate) * up in its epilogue (half the bytes out, no
+    pass over them): the same logprobs as gate_up then fused_ops.silu_mul, prompts past the 96-row switch."""
+    engine = LLMEngine.from_pretrained(str(default_model_dir), device="cpu", dtype="bfloat16",
+                                       enable_prefix_caching=False)
+    plans = engine.runner.fast_forward.plans
+    fused = [plan.gate_up_silu for plan in plans]
+    assert all(call is not None for call in fused)
+    prompts = [[100 + (7 * i + 13 * j) % 3000 for j in range(5 + 60 * i)] for i in range(3)]
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=1)
+    with_silu = engine.generate(prompts, params)
+    for plan in plans:
+        plan.gate_up_silu = None
+    without = engine.generate(prompts, params)
+    assert [o.token_ids for o in with_silu] == [o.token_ids for o in without]
+    assert [lp.logprob for o in with_silu for lp in o.logprobs] == [lp.logprob for o in without for lp in o.logprobs]
+
+
 def _linears(kind: str, sizes: list[int], isa: str = OWN_PATHS[0], k: int = 64) -> list:
     torch.manual_seed(len(sizes))
     plain = [torch.nn.Linear(k, n, bias=False).to(torch.bfloat16) for n in sizes]

@@ -160,8 +160,8 @@ def test_amx_tiles_give_the_dpbf16_paths_results_to_rounding(rows, path):
 @pytest.mark.parametrize("out", [torch.float32, torch.bfloat16])
 def test_a_bf16_row_comes_out_alike_at_every_row_count(n, rows, out, path):
     """On AMX a bf16 call of any row count sums each row with the same tile products in the same order (blocks
-    of 48 channels, chunks of 256 rows, the last rows zero-padded to 16), bf16 or fp32 out: a row's bits
-    never depend on how many rows came with it. (A 32 x 32 block that shares weight tiles between two row
+    of 48 channels, of 32 from 96 rows, chunks of 256 rows, the last rows zero-padded to 16), bf16 or fp32 out:
+    a row's bits never depend on how many rows came with it. (A 32 x 32 block that shares weight tiles between two row
     tiles would keep that, and was measured: 0.93-1.09x at SmolLM2's shapes, 0.78-0.81x at the 8B up_proj.)"""
     if path != "amx":
         pytest.skip("the avx512bf16 path's rows: test_each_row_is_computed_alone")
@@ -174,6 +174,28 @@ def test_a_bf16_row_comes_out_alike_at_every_row_count(n, rows, out, path):
     assert_close(together.float(), exact, 1e-5 if out == torch.float32 else 1e-2, "bf16")
     for row in (0, 15, 16, 31, rows - 1):
         assert torch.equal(wo_bf16.bf16_linear(x[row:row + 1].contiguous(), pairs, out)[0], together[row]), row
+
+
+@pytest.mark.parametrize(("n", "k"), [(32, 32), (192, 576), (3072, 576)])
+@pytest.mark.parametrize("rows", [1, 5, 17, 95, 96, 300])
+def test_the_gate_up_call_with_silu_gives_silu_mul_of_its_outputs_to_the_bit(n, k, rows):
+    """woq_linear_bf16_silu over a gate_up weight (gate's channels, then up's) is `F.silu(gate) * up` over the
+    unfused call's bf16 outputs, bit for bit, on both sides of the 96-row switch and on each build."""
+    torch.manual_seed(rows)
+    packed = wo_bf16.pack_bf16((torch.randn(n, k) * 0.1).bfloat16())
+    x = (torch.randn(rows, k) * 3).bfloat16()
+    gate, up = wo_bf16.bf16_linear(x, packed, torch.bfloat16).split(n // 2, dim=-1)
+    fused = wo_bf16._kernel(None).bf16_silu(x, packed, torch.bfloat16)
+    assert torch.equal(fused.view(torch.int16), (torch.nn.functional.silu(gate) * up).view(torch.int16))
+
+
+def test_the_silu_call_refuses_what_it_cannot_pair():
+    silu = wo_bf16._kernel(None).bf16_silu
+    x = torch.randn(4, 32).bfloat16()
+    with pytest.raises(RuntimeError, match="whole gate and up tiles"):
+        silu(x, wo_bf16.pack_bf16(torch.randn(48, 32).bfloat16()), torch.bfloat16)
+    with pytest.raises(RuntimeError, match="bf16 out only"):
+        silu(x, wo_bf16.pack_bf16(torch.randn(64, 32).bfloat16()), torch.float32)
 
 
 @pytest.mark.parametrize(("n", "k", "rows"), [(160, 128, 300), (48, 4096, 40), (96, 576, 530)])

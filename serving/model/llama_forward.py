@@ -23,7 +23,7 @@ from serving.model import attention
 from serving.model.attention import AttentionContext
 from serving.model.decode_step import DecodeStep
 from serving.model.fused_linear import Projection, fuse
-from serving.model.quant.kernel_path import KernelCall
+from serving.model.quant.kernel_path import KernelCall, silu_pair_call
 
 FAST_FORWARD_ENV = settings.FAST_FORWARD.name
 # decoder layer class -> what its forward is: pre-norm attention + SwiGLU MLP, RMSNorm, rotary on q and k
@@ -63,6 +63,7 @@ class LayerPlan:
     qkv: Outputs  # x -> (q, k, v), each [tokens, heads * head_dim]
     o_proj: Projection
     gate_up: Outputs  # x -> (gate, up)
+    gate_up_silu: Projection | None  # x -> silu(gate) * up in one call (bf16 pairs), to the bit the same
     down_proj: Projection
     scaling: float
     window: int | None  # sliding-window layers: what the model's forward passes attention as `sliding_window`
@@ -77,6 +78,7 @@ class LayerPlan:
         return cls(_norm(layer.input_layernorm), _norm(layer.post_attention_layernorm),
                    _outputs([attn.q_proj, attn.k_proj, attn.v_proj], calls.get("qkv")),
                    calls.get("o") or attn.o_proj.forward, _outputs([mlp.gate_proj, mlp.up_proj], calls.get("gate_up")),
+                   silu_pair_call(calls.get("gate_up")),
                    calls.get("down") or mlp.down_proj.forward, attn.scaling, _sliding_window(attn), calls)
 
 
@@ -150,11 +152,16 @@ class LlamaForward:
         for i, plan in enumerate(plans):
             out = plan.o_proj(self._attention(ctx, i, plan, x, cos, sin))
             x = ops.add_rms_norm(residual, out.contiguous(), *plan.post_norm)
-            gate, up = plan.gate_up(x)
-            out = plan.down_proj(self.silu_mul(gate, up) if self.silu_mul is not None else F.silu(gate) * up)
+            out = plan.down_proj(self._mlp_in(plan, x))
             norm = plans[i + 1].input_norm if i + 1 < len(plans) else self.final_norm
             x = ops.add_rms_norm(residual, out.contiguous(), *norm)
         return model.lm_head(x.index_select(0, keep_rows))
+
+    def _mlp_in(self, plan: LayerPlan, x: torch.Tensor) -> torch.Tensor:
+        if self.silu_mul is not None and plan.gate_up_silu is not None:
+            return plan.gate_up_silu(x)
+        gate, up = plan.gate_up(x)
+        return self.silu_mul(gate, up) if self.silu_mul is not None else F.silu(gate) * up
 
     def _attention(self, ctx, layer_idx: int, plan: LayerPlan, x, cos, sin) -> torch.Tensor:
         tokens, dim = x.shape[0], self.head_dim

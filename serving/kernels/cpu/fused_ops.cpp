@@ -19,6 +19,8 @@
 #include <cstring>
 #include <vector>
 
+#include "silu_table.h"
+
 namespace {
 
 inline float widen(float x) { return x; }
@@ -225,18 +227,6 @@ at::Tensor greedy_pick(const at::Tensor& logits) {
     default: TORCH_CHECK(false, "greedy_pick: float32 or bfloat16 logits, got ", x.scalar_type());
   }
   return out;
-}
-
-// silu(x) rounded to bf16 for every bf16 x, computed once by torch's own silu: a bf16 activation has 65 536
-// values, so a lookup gives torch's result to the bit at the cost of one load (128 KB, it stays in L2).
-const std::vector<uint16_t>& silu_table() {
-  static const std::vector<uint16_t> table = [] {
-    const at::Tensor all = at::arange(0, 65536, at::kInt).to(at::kShort).view(at::kBFloat16);
-    const at::Tensor silu = at::silu(all).contiguous();
-    const uint16_t* bits = reinterpret_cast<const uint16_t*>(silu.data_ptr<at::BFloat16>());
-    return std::vector<uint16_t>(bits, bits + 65536);
-  }();
-  return table;
 }
 
 // silu(gate) * up over bf16 rows, to the bit what `F.silu(gate) * up` gives (silu rounded to bf16 by the table,

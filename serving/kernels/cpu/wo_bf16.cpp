@@ -39,6 +39,7 @@
 #include "wo_bf16_common.h"
 #include "wo_bf16_few_rows.h"
 #include "wo_bf16_int4_panel.h"
+#include "silu_table.h"
 
 namespace {
 
@@ -231,18 +232,29 @@ void run_int8(const Problem& p) {
   });
 }
 
-void run_bf16(const Problem& p) {
-  const int64_t tiles = p.n / kTile, blocks = (tiles + kTilesPerBlock - 1) / kTilesPerBlock, pairs = p.k / 2;
-  const __m512i* weight = static_cast<const __m512i*>(p.weight);
+// From kWideRows rows a bf16 call on AMX takes 2 channel tiles a block, x streamed past L1: the block's weight
+// (K/2 x 32 pairs, 36 KB at K = 576) then stays in L1 for all of a chunk's rows, where 3 tiles (54 KB) were
+// re-read from L2 for every 16 rows. 1.05-1.25x at 100-2,048 rows on SmolLM2's shapes, the same or slower
+// below (docs/results/2026-12-07-engine-prefill.md); a row's sums are the same at every row count.
+constexpr int64_t kWideRows = 96;
+
+// A silu call (p.silu) pairs gate tile b with up tile b + N/32: 2 tiles a block at every row count.
+void run_bf16(const Problem& call) {
+  Problem p = call;
   const AmxCall amx(p);
+  p.stream_x = amx.used && p.m >= kWideRows;
+  const int per = p.stream_x || p.silu ? 2 : kTilesPerBlock;
+  const int64_t tiles = p.silu ? p.n / kTile / 2 : p.n / kTile, pairs = p.k / 2;
+  const int64_t blocks = p.silu ? tiles : (tiles + per - 1) / per, tile_stride = p.silu ? tiles * pairs : pairs;
+  const __m512i* weight = static_cast<const __m512i*>(p.weight);
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
     const Tiles tile_state(amx);
     for (int64_t row0 = 0; row0 < p.m; row0 += kChunkRows) {
       for (int64_t b = begin; b < end; ++b) {
-        const int64_t tile0 = b * kTilesPerBlock;
-        const int count = static_cast<int>(std::min<int64_t>(kTilesPerBlock, tiles - tile0));
-        panel_rows(p, tile0, count, Panel{weight + tile0 * pairs, 1, pairs}, amx.used, amx.tail.data(), row0,
-                   std::min(p.m, row0 + kChunkRows));
+        const int64_t tile0 = p.silu ? b : b * per;
+        const int count = static_cast<int>(std::min<int64_t>(per, p.silu ? 2 : tiles - tile0));
+        panel_rows(p, tile0, count, Panel{weight + tile0 * pairs, 1, tile_stride}, amx.used, amx.tail.data(),
+                   row0, std::min(p.m, row0 + kChunkRows));
       }
     }
   });
@@ -319,6 +331,22 @@ at::Tensor woq_linear_bf16(const at::Tensor& x, const at::Tensor& packed, at::Sc
   return out;
 }
 
+// The MLP's first half over a gate_up weight (the gate's N/2 channels, then the up's): silu(gate) * up,
+// [M, N/2] bf16, to the bit what woq_linear_bf16 and `F.silu(gate) * up` give.
+at::Tensor woq_linear_bf16_silu(const at::Tensor& x, const at::Tensor& packed, at::ScalarType out_dtype) {
+  TORCH_CHECK(out_dtype == at::kBFloat16, "woq_linear_bf16_silu: bf16 out only");
+  TORCH_CHECK(packed.dim() == 4 && packed.size(0) % 2 == 0 && packed.size(2) == kTile && packed.size(3) == 2,
+              "woq_linear_bf16_silu: a gate_up weight [N/16, K/2, 16, 2] of whole gate and up tiles, got ",
+              packed.sizes());
+  Problem p{};
+  auto out = prepare(x, packed.size(0) * kTile / 2, out_dtype, p);
+  TORCH_CHECK(packed.scalar_type() == at::kBFloat16 && packed.is_contiguous() && packed.size(1) * 2 == p.k,
+              "woq_linear_bf16_silu: packed weight must be contiguous bf16 with K/2 = ", p.k / 2, " pairs");
+  p.n = packed.size(0) * kTile, p.weight = packed.data_ptr(), p.silu = silu_table().data();
+  if (p.m) run_bf16(p);
+  return out;
+}
+
 }  // namespace
 
 #ifndef QG_NAMESPACE
@@ -329,6 +357,7 @@ at::Tensor woq_linear_bf16(const at::Tensor& x, const at::Tensor& packed, at::Sc
 
 QG_LIBRARY(QG_NAMESPACE, m) {
   m.def("woq_linear_bf16(Tensor x, Tensor packed, ScalarType out_dtype) -> Tensor");
+  m.def("woq_linear_bf16_silu(Tensor x, Tensor packed, ScalarType out_dtype) -> Tensor");
   m.def("amx_int8_ready(int k) -> bool", &amx_int8_ready);
   m.def("panel_rows_from(bool int4, int k) -> int", &panel_rows_from);
   m.def("woq_linear_int8(Tensor x, Tensor packed, Tensor scales, ScalarType out_dtype) -> Tensor");
@@ -339,6 +368,7 @@ QG_LIBRARY(QG_NAMESPACE, m) {
 QG_LIBRARY_IMPL(QG_NAMESPACE, CPU, m) {
   m.impl("woq_linear_int8", &woq_linear_int8);
   m.impl("woq_linear_bf16", &woq_linear_bf16);
+  m.impl("woq_linear_bf16_silu", &woq_linear_bf16_silu);
   m.impl("woq_linear_int4", &woq_linear_int4);
 }
 

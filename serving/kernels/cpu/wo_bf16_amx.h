@@ -78,7 +78,8 @@ void amx_block(const Problem& p, const uint16_t* x, int64_t row0, int valid, int
   if (TILES > 2) _tile_zero(2);
   const int64_t pairs = p.k / 2, x_stride = p.k * 2, w_stride = kp_stride * 64;
   for (int64_t kp = 0; kp < pairs; kp += kAmxPairs) {
-    _tile_loadd(3, x + kp * 2, x_stride);
+    if (p.stream_x) _tile_stream_loadd(3, x + kp * 2, x_stride);
+    else _tile_loadd(3, x + kp * 2, x_stride);
     _tile_loadd(4, w + kp * kp_stride, w_stride);
     _tile_dpbf16ps(0, 3, 4);
     if (TILES > 1) {

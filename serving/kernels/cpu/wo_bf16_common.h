@@ -25,6 +25,9 @@ struct Problem {
   int64_t group_size;
   void* out;  // [M, N], fp32 or bf16
   bool out_bf16;
+  bool stream_x;  // AMX: x's tiles loaded with the no-reuse hint, so a block's weight tiles stay in L1 (wide calls)
+  const uint16_t* silu;  // set: out [M, N/2] = silu(gate) * up, a block's 2 tiles a gate tile and the up tile of
+                         // the same channels (silu_table.h; bf16 weights, no scales)
 };
 
 // 16 bf16 values of x widened to fp32 (exact).
@@ -74,9 +77,34 @@ inline void prefetch_scales(const Problem& p, int64_t tile0, int tiles) {
 
 // Write ROWS x TILES accumulators to out, times the per-channel scales (int8) and the per-row scales
 // (x rounded to int16) where given.
+// An accumulator rounded to bf16 as the unfused call writes it, and widened back (exact).
+inline __m512 round_bf16(__m512 v) {
+  const __m512i bits = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(bits, 16));
+}
+
+// silu(gate) * up for ROWS rows of a gate tile (acc[r][0]) and its up tile (acc[r][1]) into out [M, N/2]: the
+// bits `F.silu(gate) * up` gives over the bf16 outputs of the unfused call (gate, up and silu each rounded to
+// bf16, silu by torch's own table, the product rounded again), without writing gate and up out.
+template <int ROWS>
+void store_silu_rows(const Problem& p, int64_t row0, int64_t tile0, const __m512 (&acc)[ROWS][2]) {
+  const int64_t half = p.n / 2;
+  for (int r = 0; r < ROWS; ++r) {
+    const __m512i gate = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(acc[r][0]));
+    const __m512i silu = _mm512_and_si512(_mm512_i32gather_epi32(gate, p.silu, 2), _mm512_set1_epi32(0xFFFF));
+    const __m512 y = _mm512_mul_round_ps(_mm512_castsi512_ps(_mm512_slli_epi32(silu, 16)), round_bf16(acc[r][1]),
+                                         kRound);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(p.out) + (row0 + r) * half + tile0 * kTile),
+                        (__m256i)_mm512_cvtneps_pbh(y));
+  }
+}
+
 template <int ROWS, int TILES>
 void store_rows(const Problem& p, int64_t row0, int64_t tile0, const __m512 (&acc)[ROWS][TILES],
                 const float* scales, const float* row_scales = nullptr) {
+  if constexpr (TILES == 2) {
+    if (p.silu) return store_silu_rows<ROWS>(p, row0, tile0, acc);
+  }
   for (int t = 0; t < TILES; ++t) {
     const int64_t n0 = (tile0 + t) * kTile;
     const __m512 scale = scales ? _mm512_loadu_ps(scales + n0) : _mm512_set1_ps(1.0f);

@@ -42,8 +42,19 @@ class KernelCall:
 
 
 def bf16_op(isa: str | None, kind: str) -> torch._ops.OpOverload:
-    """The wo_bf16 op for weights of `kind` ("int8", "int4", "bf16") on path `isa`."""
+    """The wo_bf16 op for weights of `kind` ("int8", "int4", "bf16", "bf16_silu") on path `isa`."""
     return getattr(wo_bf16._kernel(isa), kind)
+
+
+def silu_pair_call(gate_up: KernelCall | None) -> KernelCall | None:
+    """`gate_up` (one call over the gate's then the up's channels) with silu(gate) * up in its epilogue, where
+    its kernel has one: bf16 pairs, whose call then writes half the bytes and skips a pass over them."""
+    if gate_up is None or not gate_up.bf16_rows or gate_up.op_name.split("::")[-1] != "woq_linear_bf16":
+        return None
+    if gate_up.tensors[0].shape[0] % 2:
+        return None
+    namespace = getattr(torch.ops, gate_up.op_name.split("::")[0])
+    return KernelCall(namespace.woq_linear_bf16_silu.default, gate_up.tensors, (), True)
 
 
 @dataclass(frozen=True)
