@@ -189,6 +189,34 @@ def test_the_gate_up_call_with_silu_gives_silu_mul_of_its_outputs_to_the_bit(n, 
     assert torch.equal(fused.view(torch.int16), (torch.nn.functional.silu(gate) * up).view(torch.int16))
 
 
+@pytest.mark.parametrize(("n", "k"), [(64, 64), (3072, 576)])
+@pytest.mark.parametrize("rows", [1, 2, 3, 17, 100])
+def test_the_int8_gate_up_call_with_silu_gives_silu_mul_of_its_outputs_to_the_bit(n, k, rows):
+    """woq_linear_int8_silu: in the epilogue where the weight is in quads (each row scale and channel scale as the
+    unfused call applies them, VPDPBUSD's 1-2 rows and AMX's 3 on), else the unfused call and torch's ops."""
+    torch.manual_seed(rows + n)
+    q, scales = quantize_per_channel(torch.randn(n, k))
+    packed = wo_bf16.pack_int8(q)
+    x = (torch.randn(rows, k) * 3).bfloat16()
+    gate, up = wo_bf16.int8_linear(x, packed, scales, torch.bfloat16).split(n // 2, dim=-1)
+    fused = wo_bf16._kernel(None).int8_silu(x, packed, scales, torch.bfloat16)
+    assert torch.equal(fused.view(torch.int16), (torch.nn.functional.silu(gate) * up).view(torch.int16))
+
+
+@pytest.mark.parametrize("rows", [1, 7, 8, 100, 600])
+def test_the_int4_gate_up_call_with_silu_gives_silu_mul_of_its_outputs_to_the_bit(rows):
+    """woq_linear_int4_silu: in the epilogue on the panel paths (each block's panel a gate tile and its up tile,
+    row chunks past 512 rows), below them the unfused call and torch's ops."""
+    torch.manual_seed(rows)
+    n, k = 192, 576
+    codes, sz = quantize_groups(torch.randn(n, k), 32)
+    packed = wo_bf16.pack_int4(unpack_nibbles(codes))
+    x = (torch.randn(rows, k) * 3).bfloat16()
+    gate, up = wo_bf16.int4_linear(x, packed, sz, 32, n, torch.bfloat16).split(n // 2, dim=-1)
+    fused = wo_bf16._kernel(None).int4_silu(x, packed, sz, 32, n, torch.bfloat16)
+    assert torch.equal(fused.view(torch.int16), (torch.nn.functional.silu(gate) * up).view(torch.int16))
+
+
 def test_the_silu_call_refuses_what_it_cannot_pair():
     silu = wo_bf16._kernel(None).bf16_silu
     x = torch.randn(4, 32).bfloat16()
@@ -196,6 +224,9 @@ def test_the_silu_call_refuses_what_it_cannot_pair():
         silu(x, wo_bf16.pack_bf16(torch.randn(48, 32).bfloat16()), torch.bfloat16)
     with pytest.raises(RuntimeError, match="bf16 out only"):
         silu(x, wo_bf16.pack_bf16(torch.randn(64, 32).bfloat16()), torch.float32)
+    q, scales = quantize_per_channel(torch.randn(48, 64))
+    with pytest.raises(RuntimeError, match="whole gate and up tiles"):
+        wo_bf16._kernel(None).int8_silu(torch.randn(4, 64).bfloat16(), wo_bf16.pack_int8(q), scales, torch.bfloat16)
 
 
 @pytest.mark.parametrize(("n", "k", "rows"), [(160, 128, 300), (48, 4096, 40), (96, 576, 530)])

@@ -39,7 +39,6 @@
 #include "wo_bf16_common.h"
 #include "wo_bf16_few_rows.h"
 #include "wo_bf16_int4_panel.h"
-#include "silu_table.h"
 
 namespace {
 
@@ -190,10 +189,11 @@ int64_t int4_chunk_rows(const Problem& p) {
 // SmolLM2's shapes (docs/results/2026-12-06-engine-under-load.md).
 void run_int4(const Problem& p) {
   if (p.m < panel_rows_from(true, p.k)) return run_small<true>(p);
-  const int64_t tiles = p.n / kTile, blocks = (tiles + kTilesPerBlock - 1) / kTilesPerBlock;
+  const int64_t tiles = p.n / kTile, per = p.silu ? 1 : kTilesPerBlock;  // silu: block b, gate tile b and its up tile
+  const int64_t blocks = p.silu ? tiles / 2 : (tiles + per - 1) / per;
   const int64_t panel_size = p.k / 2 * kTilesPerBlock, chunk_rows = int4_chunk_rows(p);
   const int64_t chunks = (p.m + chunk_rows - 1) / chunk_rows;
-  const auto count = [&](int64_t b) { return static_cast<int>(std::min<int64_t>(kTilesPerBlock, tiles - b * kTilesPerBlock)); };
+  const auto count = [&](int64_t b) { return p.silu ? 2 : static_cast<int>(std::min<int64_t>(per, tiles - b * per)); };
   const AmxCall amx(p);
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
     std::vector<__m512i> panels(2 * panel_size);
@@ -201,15 +201,15 @@ void run_int4(const Problem& p) {
     const int64_t per_chunk = end - begin, items = chunks * per_chunk;
     const auto block = [&](int64_t i) { return begin + i % per_chunk; };
     Int4Panel next(p);
-    next.start(block(0) * kTilesPerBlock, count(block(0)), panels.data());
+    next.start(block(0) * per, count(block(0)), panels.data());
     next.finish();
     for (int64_t i = 0; i < items; ++i) {
       const int64_t b = block(i), row0 = i / per_chunk * chunk_rows, row1 = std::min(p.m, row0 + chunk_rows);
       __m512i* panel = panels.data() + i % 2 * panel_size;
-      if (i + 1 < items) next.start(block(i + 1) * kTilesPerBlock, count(block(i + 1)), panels.data() + (i + 1) % 2 * panel_size);
+      if (i + 1 < items) next.start(block(i + 1) * per, count(block(i + 1)), panels.data() + (i + 1) % 2 * panel_size);
       const int64_t steps = (row1 - row0 + 15) / 16 * std::max<int64_t>(1, p.k / 32);
       const int64_t share = (next.left() + steps - 1) / steps;
-      panel_rows(p, b * kTilesPerBlock, count(b), Panel{panel, count(b), 1}, amx.used, amx.tail.data(), row0, row1,
+      panel_rows(p, b * per, count(b), Panel{panel, count(b), 1}, amx.used, amx.tail.data(), row0, row1,
                  [&] { next.run(share); });
       next.finish();
     }
@@ -283,10 +283,11 @@ at::Tensor prepare(const at::Tensor& x, int64_t n, at::ScalarType out_dtype, Pro
   return out;
 }
 
-at::Tensor woq_linear_int8(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
-                           at::ScalarType out_dtype) {
-  Problem p{};
-  auto out = prepare(x, scales.numel(), out_dtype, p);
+// out [M, n_out] and p for an int8 call over `packed` (N = scales' length); whether it is in quads.
+bool int8_problem(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, int64_t n_out,
+                  at::ScalarType out_dtype, Problem& p, at::Tensor& out) {
+  out = prepare(x, n_out, out_dtype, p);
+  p.n = scales.numel();
   TORCH_CHECK(packed.scalar_type() == at::kChar && packed.is_contiguous() && packed.numel() == p.n * p.k,
               "woq_linear_int8: packed weight must be contiguous int8 with N*K elements");
   TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous(), "woq_linear_int8: fp32 scales");
@@ -294,6 +295,14 @@ at::Tensor woq_linear_int8(const at::Tensor& x, const at::Tensor& packed, const 
   const bool quads = packed.dim() == 4 && packed.size(3) == 4;
   TORCH_CHECK(!quads || amx_int8_ready(p.k), "woq_linear_int8: a weight packed in quads needs AMX-INT8 (the "
               "amx build) and K a multiple of 64 up to 65536; got K=", p.k);
+  return quads;
+}
+
+at::Tensor woq_linear_int8(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
+                           at::ScalarType out_dtype) {
+  Problem p{};
+  at::Tensor out;
+  const bool quads = int8_problem(x, packed, scales, scales.numel(), out_dtype, p, out);
   if (!p.m) return out;
 #ifdef QUANTGATE_AMX_INT8
   if (quads) return run_int8_amx(p), out;
@@ -302,10 +311,10 @@ at::Tensor woq_linear_int8(const at::Tensor& x, const at::Tensor& packed, const 
   return out;
 }
 
-at::Tensor woq_linear_int4(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales_zeros,
-                           int64_t group_size, int64_t n, at::ScalarType out_dtype) {
-  Problem p{};
-  auto out = prepare(x, n, out_dtype, p);
+at::Tensor int4_problem(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales_zeros,
+                        int64_t group_size, int64_t n, int64_t n_out, at::ScalarType out_dtype, Problem& p) {
+  auto out = prepare(x, n_out, out_dtype, p);
+  p.n = n;
   TORCH_CHECK(group_size > 0 && group_size % 8 == 0 && p.k % group_size == 0,
               "woq_linear_int4: group size ", group_size, " must be a multiple of 8 dividing K=", p.k);
   TORCH_CHECK(packed.scalar_type() == at::kShort && packed.is_contiguous() && packed.numel() == p.n * p.k / 4,
@@ -315,6 +324,13 @@ at::Tensor woq_linear_int4(const at::Tensor& x, const at::Tensor& packed, const 
               "woq_linear_int4: scales and zeros must be contiguous bf16 [K/g, N, 2]");
   p.weight = packed.data_ptr(), p.group_size = group_size;
   p.scale_zero = reinterpret_cast<const uint32_t*>(scales_zeros.data_ptr<at::BFloat16>());
+  return out;
+}
+
+at::Tensor woq_linear_int4(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales_zeros,
+                           int64_t group_size, int64_t n, at::ScalarType out_dtype) {
+  Problem p{};
+  auto out = int4_problem(x, packed, scales_zeros, group_size, n, n, out_dtype, p);
   if (p.m) run_int4(p);
   return out;
 }
@@ -331,23 +347,9 @@ at::Tensor woq_linear_bf16(const at::Tensor& x, const at::Tensor& packed, at::Sc
   return out;
 }
 
-// The MLP's first half over a gate_up weight (the gate's N/2 channels, then the up's): silu(gate) * up,
-// [M, N/2] bf16, to the bit what woq_linear_bf16 and `F.silu(gate) * up` give.
-at::Tensor woq_linear_bf16_silu(const at::Tensor& x, const at::Tensor& packed, at::ScalarType out_dtype) {
-  TORCH_CHECK(out_dtype == at::kBFloat16, "woq_linear_bf16_silu: bf16 out only");
-  TORCH_CHECK(packed.dim() == 4 && packed.size(0) % 2 == 0 && packed.size(2) == kTile && packed.size(3) == 2,
-              "woq_linear_bf16_silu: a gate_up weight [N/16, K/2, 16, 2] of whole gate and up tiles, got ",
-              packed.sizes());
-  Problem p{};
-  auto out = prepare(x, packed.size(0) * kTile / 2, out_dtype, p);
-  TORCH_CHECK(packed.scalar_type() == at::kBFloat16 && packed.is_contiguous() && packed.size(1) * 2 == p.k,
-              "woq_linear_bf16_silu: packed weight must be contiguous bf16 with K/2 = ", p.k / 2, " pairs");
-  p.n = packed.size(0) * kTile, p.weight = packed.data_ptr(), p.silu = silu_table().data();
-  if (p.m) run_bf16(p);
-  return out;
-}
-
 }  // namespace
+
+#include "wo_bf16_silu.h"  // the same calls with silu(gate) * up in their epilogue
 
 #ifndef QG_NAMESPACE
 #define QG_NAMESPACE quantgate_woq_amx
@@ -361,12 +363,17 @@ QG_LIBRARY(QG_NAMESPACE, m) {
   m.def("amx_int8_ready(int k) -> bool", &amx_int8_ready);
   m.def("panel_rows_from(bool int4, int k) -> int", &panel_rows_from);
   m.def("woq_linear_int8(Tensor x, Tensor packed, Tensor scales, ScalarType out_dtype) -> Tensor");
+  m.def("woq_linear_int8_silu(Tensor x, Tensor packed, Tensor scales, ScalarType out_dtype) -> Tensor");
+  m.def("woq_linear_int4_silu(Tensor x, Tensor packed, Tensor scales_zeros, int group_size, int n, "
+        "ScalarType out_dtype) -> Tensor");
   m.def("woq_linear_int4(Tensor x, Tensor packed, Tensor scales_zeros, int group_size, int n, "
         "ScalarType out_dtype) -> Tensor");
 }
 
 QG_LIBRARY_IMPL(QG_NAMESPACE, CPU, m) {
   m.impl("woq_linear_int8", &woq_linear_int8);
+  m.impl("woq_linear_int8_silu", &woq_linear_int8_silu);
+  m.impl("woq_linear_int4_silu", &woq_linear_int4_silu);
   m.impl("woq_linear_bf16", &woq_linear_bf16);
   m.impl("woq_linear_bf16_silu", &woq_linear_bf16_silu);
   m.impl("woq_linear_int4", &woq_linear_int4);

@@ -70,6 +70,8 @@ class _Linears:
     int4: object
     bf16: object
     bf16_silu: object  # silu(gate) * up over a gate_up weight (the MLP's first half in one call)
+    int8_silu: object
+    int4_silu: object
 
 
 _linears: dict[str | None, _Linears] = {}
@@ -82,7 +84,8 @@ def _kernel(isa: str | None) -> _Linears:
         if kernel is None:
             raise RuntimeError(f"quantgate's bf16 kernel does not run on path {isas.resolve(isa)} here")
         found = _Linears(kernel.woq_linear_int8.default, kernel.woq_linear_int4.default,
-                         kernel.woq_linear_bf16.default, kernel.woq_linear_bf16_silu.default)
+                         kernel.woq_linear_bf16.default, kernel.woq_linear_bf16_silu.default,
+                         kernel.woq_linear_int8_silu.default, kernel.woq_linear_int4_silu.default)
         if isa is not None:
             _linears[isa] = found
     return found

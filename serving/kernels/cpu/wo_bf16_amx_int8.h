@@ -135,7 +135,7 @@ void amx_int8_block(const Problem& p, const ByteRows& b, int64_t row0, int valid
     _tile_dpbusd(0, 4, 6);
     _tile_dpbssd(2, 5, 6);
     if (TILES > 1) {
-      _tile_loadd(7, w + ((tile0 + 1) * quads + q0) * 64, 64);
+      _tile_loadd(7, w + ((tile0 + second_tile(p)) * quads + q0) * 64, 64);
       _tile_dpbusd(1, 4, 7);
       _tile_dpbssd(3, 5, 7);
     }
@@ -166,8 +166,9 @@ void vnni_block(const Problem& p, const ByteRows& b, const float* row_scale, int
   for (int64_t j = 0; j < quads; ++j) {
     __m512i wq[TILES];
     for (int t = 0; t < TILES; ++t) {
-      prefetch_ahead(w + ((tile0 + t) * quads + j) * 64);
-      wq[t] = _mm512_loadu_si512(w + ((tile0 + t) * quads + j) * 64);
+      const int64_t tile = tile0 + t * second_tile(p);
+      prefetch_ahead(w + (tile * quads + j) * 64);
+      wq[t] = _mm512_loadu_si512(w + (tile * quads + j) * 64);
       w_sum[t] = _mm512_dpbusd_epi32(w_sum[t], ones, wq[t]);
     }
     for (int r = 0; r < ROWS; ++r) {
@@ -187,12 +188,16 @@ void vnni_block(const Problem& p, const ByteRows& b, const float* row_scale, int
   store_rows<ROWS, TILES>(p, 0, tile0, acc, p.scales, row_scale);
 }
 
+// Blocks of 2 channel tiles (a silu call's: a gate tile and its up tile).
+inline int64_t int8_blocks(const Problem& p) { return p.silu ? p.n / kTile / 2 : (p.n / kTile + 1) / 2; }
+
 template <int ROWS>
 void vnni_rows(const Problem& p, const ByteRows& b, const float* row_scale) {
-  const int64_t tiles = p.n / kTile, blocks = (tiles + 1) / 2;
+  const int64_t tiles = p.n / kTile, blocks = int8_blocks(p);
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t blk = begin; blk < end; ++blk) {
-      if (2 * blk + 1 < tiles) vnni_block<ROWS, 2>(p, b, row_scale, 2 * blk);
+      if (p.silu) vnni_block<ROWS, 2>(p, b, row_scale, blk);
+      else if (2 * blk + 1 < tiles) vnni_block<ROWS, 2>(p, b, row_scale, 2 * blk);
       else vnni_block<ROWS, 1>(p, b, row_scale, 2 * blk);
     }
   });
@@ -207,13 +212,13 @@ void amx_int8_blocks(const Problem& p, const ByteRows& b, int64_t begin, int64_t
   int64_t count = 0;
   for (int64_t chunk = 0; chunk < p.m; chunk += kInt8ChunkRows) {  // x's bytes stay in L2 across blocks
     for (int64_t blk = begin; blk < end; ++blk) {
-      const int64_t tile0 = blk * 2;
+      const int64_t tile0 = p.silu ? blk : blk * 2;
       for (int64_t row0 = chunk; row0 < std::min(p.m, chunk + kInt8ChunkRows); row0 += kAmxRows) {
         const int valid = static_cast<int>(std::min<int64_t>(kAmxRows, p.m - row0));
         Int8Sums& out = sums[count++ % 2];
         const int share = static_cast<int>((pending.left() + steps - 1) / steps);
         const auto convert = [&] { pending.run(share); };
-        if (tile0 + 1 < tiles) amx_int8_block<2>(p, b, row0, valid, tile0, out, convert);
+        if (p.silu || tile0 + 1 < tiles) amx_int8_block<2>(p, b, row0, valid, tile0, out, convert);
         else amx_int8_block<1>(p, b, row0, valid, tile0, out, convert);
         pending.finish();
         pending.start(&out);
@@ -230,8 +235,7 @@ void run_int8_amx(const Problem& p) {
     case 2: return vnni_rows<2>(p, b, b.scale.data());
     default: break;
   }
-  const int64_t blocks = (p.n / kTile + 1) / 2;
-  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, int8_blocks(p), 1, [&](int64_t begin, int64_t end) {
     configure_tiles();
     amx_int8_blocks(p, b, begin, end);
     _tile_release();

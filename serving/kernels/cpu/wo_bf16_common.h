@@ -75,44 +75,55 @@ inline void prefetch_scales(const Problem& p, int64_t tile0, int tiles) {
   for (int64_t g = 0; g < groups; ++g) prefetch_group_scales(p, tile0, tiles, g);
 }
 
-// Write ROWS x TILES accumulators to out, times the per-channel scales (int8) and the per-row scales
-// (x rounded to int16) where given.
-// An accumulator rounded to bf16 as the unfused call writes it, and widened back (exact).
+// Tiles between a block's first and second channel tile: the next one, or a silu call's up tile.
+inline int64_t second_tile(const Problem& p) { return p.silu ? p.n / kTile / 2 : 1; }
+
+// 16 channels from n0 of one output row as the call writes them: times the per-channel scales (int8) and the
+// row's scale (x rounded to int16) where given, each product rounded explicitly (-ffast-math may not
+// reassociate them differently in each instantiation), so a row's result is the row's alone.
+inline __m512 scaled(__m512 acc, const float* scales, int64_t n0, const float* row_scale) {
+  const __m512 scale = scales ? _mm512_loadu_ps(scales + n0) : _mm512_set1_ps(1.0f);
+  const __m512 s = row_scale ? _mm512_mul_round_ps(scale, _mm512_set1_ps(*row_scale), kRound) : scale;
+  return _mm512_mul_round_ps(acc, s, kRound);
+}
+
+// An output rounded to bf16 as the unfused call writes it, and widened back (exact).
 inline __m512 round_bf16(__m512 v) {
   const __m512i bits = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v));
   return _mm512_castsi512_ps(_mm512_slli_epi32(bits, 16));
 }
 
-// silu(gate) * up for ROWS rows of a gate tile (acc[r][0]) and its up tile (acc[r][1]) into out [M, N/2]: the
-// bits `F.silu(gate) * up` gives over the bf16 outputs of the unfused call (gate, up and silu each rounded to
-// bf16, silu by torch's own table, the product rounded again), without writing gate and up out.
+// silu(gate) * up for ROWS rows of a gate tile (acc[r][0], channels from tile0 * 16) and its up tile (acc[r][1],
+// N/2 channels on) into out [M, N/2]: the bits `F.silu(gate) * up` gives over the bf16 outputs of the unfused
+// call (gate, up and silu each rounded to bf16, silu by torch's own table, the product rounded again).
 template <int ROWS>
-void store_silu_rows(const Problem& p, int64_t row0, int64_t tile0, const __m512 (&acc)[ROWS][2]) {
+void store_silu_rows(const Problem& p, int64_t row0, int64_t tile0, const __m512 (&acc)[ROWS][2],
+                     const float* scales, const float* row_scales) {
   const int64_t half = p.n / 2;
   for (int r = 0; r < ROWS; ++r) {
-    const __m512i gate = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(acc[r][0]));
-    const __m512i silu = _mm512_and_si512(_mm512_i32gather_epi32(gate, p.silu, 2), _mm512_set1_epi32(0xFFFF));
-    const __m512 y = _mm512_mul_round_ps(_mm512_castsi512_ps(_mm512_slli_epi32(silu, 16)), round_bf16(acc[r][1]),
-                                         kRound);
+    const float* row_scale = row_scales ? row_scales + row0 + r : nullptr;
+    const __m512 gate = scaled(acc[r][0], scales, tile0 * kTile, row_scale);
+    const __m512 up = scaled(acc[r][1], scales, half + tile0 * kTile, row_scale);
+    const __m512i codes = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(gate));
+    const __m512i silu = _mm512_and_si512(_mm512_i32gather_epi32(codes, p.silu, 2), _mm512_set1_epi32(0xFFFF));
+    const __m512 y = _mm512_mul_round_ps(_mm512_castsi512_ps(_mm512_slli_epi32(silu, 16)), round_bf16(up), kRound);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(p.out) + (row0 + r) * half + tile0 * kTile),
                         (__m256i)_mm512_cvtneps_pbh(y));
   }
 }
 
+// Write ROWS x TILES accumulators to out, times the per-channel scales (int8) and the per-row scales
+// (x rounded to int16) where given; a silu call (p.silu) writes silu(gate) * up instead.
 template <int ROWS, int TILES>
 void store_rows(const Problem& p, int64_t row0, int64_t tile0, const __m512 (&acc)[ROWS][TILES],
                 const float* scales, const float* row_scales = nullptr) {
   if constexpr (TILES == 2) {
-    if (p.silu) return store_silu_rows<ROWS>(p, row0, tile0, acc);
+    if (p.silu) return store_silu_rows<ROWS>(p, row0, tile0, acc, scales, row_scales);
   }
   for (int t = 0; t < TILES; ++t) {
     const int64_t n0 = (tile0 + t) * kTile;
-    const __m512 scale = scales ? _mm512_loadu_ps(scales + n0) : _mm512_set1_ps(1.0f);
     for (int r = 0; r < ROWS; ++r) {
-      // one product per output, the same in every instantiation: a row's result is the row's alone
-      // explicit rounding: -ffast-math may not reassociate these differently in each instantiation
-      const __m512 s = row_scales ? _mm512_mul_round_ps(scale, _mm512_set1_ps(row_scales[row0 + r]), kRound) : scale;
-      const __m512 y = _mm512_mul_round_ps(acc[r][t], s, kRound);
+      const __m512 y = scaled(acc[r][t], scales, n0, row_scales ? row_scales + row0 + r : nullptr);
       const int64_t at = (row0 + r) * p.n + n0;
       if (p.out_bf16) {
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(p.out) + at),

@@ -32,9 +32,10 @@ class Int4Panel {
     interleave_ = _mm512_load_si512(order);
   }
 
-  // Begin the panel of channel tiles [tile0, tile0 + tiles) in `panel`; nothing is dequantized yet.
+  // Begin the panel of channel tiles [tile0, tile0 + tiles) in `panel` (a silu call's: gate tile tile0 and its up
+  // tile); nothing is dequantized yet.
   void start(int64_t tile0, int tiles, __m512i* panel) {
-    tile0_ = tile0, tiles_ = tiles, panel_ = panel, qd_ = 0, t_ = 0, group_end_ = 0;
+    tile0_ = tile0, tiles_ = tiles, panel_ = panel, qd_ = 0, t_ = 0, group_end_ = 0, stride_ = second_tile(p_);
     left_ = tiles * (p_.k / 8);
     prefetch_scales(p_, tile0, tiles);
   }
@@ -67,7 +68,7 @@ class Int4Panel {
     group_end_ = qd_ + p_.group_size / 8;
     prefetch_scales_ahead(p_, tile0_, tiles_, g);
     for (int t = 0; t < tiles_; ++t) {
-      const __m512i pair = _mm512_loadu_si512(p_.scale_zero + g * p_.n + (tile0_ + t) * kTile);
+      const __m512i pair = _mm512_loadu_si512(p_.scale_zero + g * p_.n + (tile0_ + t * stride_) * kTile);
       scale_[t] = _mm512_castsi512_ps(_mm512_slli_epi32(pair, 16));
       zero_[t] = _mm512_castsi512_ps(_mm512_and_si512(pair, high));
     }
@@ -75,7 +76,7 @@ class Int4Panel {
 
   void word(int64_t qd, int t, __m512i table, __m512i interleave, __m512 scale, __m512 zero) const {
     const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
-    const uint16_t* at = static_cast<const uint16_t*>(p_.weight) + ((tile0_ + t) * (p_.k / 8) + qd) * 32;
+    const uint16_t* at = static_cast<const uint16_t*>(p_.weight) + ((tile0_ + t * stride_) * (p_.k / 8) + qd) * 32;
     prefetch_ahead(at);
     const __m512i codes = _mm512_loadu_si512(at);
     __m512i out[4];
@@ -93,6 +94,7 @@ class Int4Panel {
   __m512i table_, interleave_;
   __m512 scale_[kTilesPerBlock], zero_[kTilesPerBlock];
   int64_t tile0_ = 0, qd_ = 0, left_ = 0, group_end_ = 0;  // group_end_: the input-quad the next group starts at
+  int64_t stride_ = 1;  // tiles from one panel tile's channels to the next's (a silu call's: gate to up)
   int tiles_ = 0, t_ = 0;
   __m512i* panel_ = nullptr;
 };

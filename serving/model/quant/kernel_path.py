@@ -46,15 +46,18 @@ def bf16_op(isa: str | None, kind: str) -> torch._ops.OpOverload:
     return getattr(wo_bf16._kernel(isa), kind)
 
 
+SILU_OPS = {f"woq_linear_{kind}": f"woq_linear_{kind}_silu" for kind in ("bf16", "int8", "int4")}
+
+
 def silu_pair_call(gate_up: KernelCall | None) -> KernelCall | None:
     """`gate_up` (one call over the gate's then the up's channels) with silu(gate) * up in its epilogue, where
-    its kernel has one: bf16 pairs, whose call then writes half the bytes and skips a pass over them."""
-    if gate_up is None or not gate_up.bf16_rows or gate_up.op_name.split("::")[-1] != "woq_linear_bf16":
+    its kernel has one (wo_bf16's bf16, int8, int4): the call then writes half the bytes and skips a pass over them."""
+    if gate_up is None or not gate_up.bf16_rows:
         return None
-    if gate_up.tensors[0].shape[0] % 2:
+    namespace, name = gate_up.op_name.split("::")
+    if name not in SILU_OPS or gate_up.tensors[0].shape[0] % 2:
         return None
-    namespace = getattr(torch.ops, gate_up.op_name.split("::")[0])
-    return KernelCall(namespace.woq_linear_bf16_silu.default, gate_up.tensors, (), True)
+    return KernelCall(getattr(getattr(torch.ops, namespace), SILU_OPS[name]).default, gate_up.tensors, gate_up.ints, True)
 
 
 @dataclass(frozen=True)
