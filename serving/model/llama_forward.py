@@ -4,7 +4,8 @@ transformers' forward makes several times more torch ops and Python module calls
 needs, and at batch 1 that Python costs as much as the matmuls. Here a layer is ~12 ops: the
 fused RMSNorm, residual-add + RMSNorm and in-place rotary of serving/kernels/cpu (which also writes K and V to
 their cache slots when the cache holds the model's dtype), the model's own projection modules (so quantized
-layers — ours, bitsandbytes, torchao — run unchanged), and paged attention called directly. The math is the model's, rounded where it rounds (fused_ops.cpp; only RMSNorm's variance is
+layers — ours, bitsandbytes, torchao — run unchanged; in bf16 our kernels' gate_up call writes
+silu(gate) * up itself), and paged attention called directly. The math is the model's, rounded where it rounds (fused_ops.cpp; only RMSNorm's variance is
 summed in another order), so greedy outputs stay token-identical to HF in fp32. Anything else (another architecture, a pipeline stage's stub layers,
 `QUANTGATE_FAST_FORWARD=0`, no compiled ops) runs through the model's own forward.
 """
@@ -63,7 +64,7 @@ class LayerPlan:
     qkv: Outputs  # x -> (q, k, v), each [tokens, heads * head_dim]
     o_proj: Projection
     gate_up: Outputs  # x -> (gate, up)
-    gate_up_silu: Projection | None  # x -> silu(gate) * up in one call (bf16 pairs), to the bit the same
+    gate_up_silu: Projection | None  # x -> silu(gate) * up in one call (wo_bf16's formats), bit for bit the same
     down_proj: Projection
     scaling: float
     window: int | None  # sliding-window layers: what the model's forward passes attention as `sliding_window`

@@ -42,7 +42,7 @@ class KernelCall:
 
 
 def bf16_op(isa: str | None, kind: str) -> torch._ops.OpOverload:
-    """The wo_bf16 op for weights of `kind` ("int8", "int4", "bf16", "bf16_silu") on path `isa`."""
+    """The wo_bf16 op for weights of `kind` ("int8", "int4", "bf16"; "<kind>_silu": silu_pair_call's) on path `isa`."""
     return getattr(wo_bf16._kernel(isa), kind)
 
 
@@ -57,7 +57,8 @@ def silu_pair_call(gate_up: KernelCall | None) -> KernelCall | None:
     namespace, name = gate_up.op_name.split("::")
     if name not in SILU_OPS or gate_up.tensors[0].shape[0] % 2:
         return None
-    return KernelCall(getattr(getattr(torch.ops, namespace), SILU_OPS[name]).default, gate_up.tensors, gate_up.ints, True)
+    op = getattr(getattr(torch.ops, namespace), SILU_OPS[name]).default
+    return KernelCall(op, gate_up.tensors, gate_up.ints, True)
 
 
 @dataclass(frozen=True)
