@@ -26,8 +26,8 @@ struct Problem {
   void* out;  // [M, N], fp32 or bf16
   bool out_bf16;
   bool stream_x;  // AMX: x's tiles loaded with the no-reuse hint, so a block's weight tiles stay in L1 (wide calls)
-  const uint16_t* silu;  // set: out [M, N/2] = silu(gate) * up, a block's 2 tiles a gate tile and the up tile of
-                         // the same channels (silu_table.h; bf16 weights, no scales)
+  const uint16_t* silu;  // set (torch's silu table, silu_table.h): out [M, N/2] = silu(gate) * up, a block's 2
+                         // tiles a gate tile and the up tile of the same channels (wo_bf16_silu.h)
 };
 
 // 16 bf16 values of x widened to fp32 (exact).
