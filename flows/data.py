@@ -94,6 +94,7 @@ class SpeedPlan:
     decode_tokens: int = 64  # timed decode steps per sequence
     decode_context: int = 384  # prompt tokens of each decoding sequence
     prefill_tokens: int = 512  # one prompt of this many tokens, timed to its first token
+    prefill_calls: int = 3  # prompts timed at the prefill point each round (fresh ones), their median kept
     long_context: int = 0  # KV-quantized variants: decode at this context (0: no long-context point)
     long_tokens: int = 32
     long_batch: int = 1
@@ -114,7 +115,8 @@ class SpeedPlan:
         """The plan a policy (gates.judging.policy.Policy) names: its points, looks, budget and minimums."""
         s = policy.speed
         return cls(decode_batches=tuple(policy.decode_batches), decode_tokens=s.decode_steps,
-                   decode_context=s.decode_context, prefill_tokens=s.prefill_tokens, long_context=s.long_context,
+                   decode_context=s.decode_context, prefill_tokens=s.prefill_tokens, prefill_calls=s.prefill_calls,
+                   long_context=s.long_context,
                    long_tokens=s.long_steps, long_batch=s.long_batch, rounds=s.max_rounds, look_every=s.look_every,
                    spending=s.spending, alpha=s.alpha, time_budget_s=s.time_budget_s,
                    min_decode=policy.min_decode_speedup, min_prefill=policy.min_prefill_speedup, device=device)
@@ -127,7 +129,7 @@ class SpeedPlan:
     def shape(self, point: str) -> dict[str, int]:
         """A point's operating figures: prompt (context) tokens, timed steps, batch."""
         if point == "prefill":
-            return {"prompt_tokens": self.prefill_tokens, "steps": 1, "batch": 1}
+            return {"prompt_tokens": self.prefill_tokens, "steps": 1, "batch": 1, "calls": self.prefill_calls}
         if point.startswith("long_decode_b"):
             return {"prompt_tokens": self.long_context, "steps": self.long_tokens, "batch": self.long_batch}
         return {"prompt_tokens": self.decode_context, "steps": self.decode_tokens, "batch": int(point[len("decode_b"):])}

@@ -17,7 +17,7 @@ One module so both sides agree. Every name is a plain MLflow metric key; values 
 | `serve/prefill_speedup` (`_ci_low`, `_ci_high`) | the same for prefill tok/s | flows (speed) |
 | `serve/long_decode_speedup_b<N>` (`_ci_low`, `_ci_high`) | the same at the long-context point (KV-quantized variants) | flows (speed) |
 | `serve/speed_rounds` | the most paired rounds any of the variant's points took | flows (speed) |
-| `serve/point/<point>/prompt_tokens`, `.../steps`, `.../batch` | the operating point each speed metric was timed at (prompt or context tokens, timed steps, batch) | flows (speed) |
+| `serve/point/<point>/prompt_tokens`, `.../steps`, `.../batch`, `.../calls` | the operating point each speed metric was timed at (prompt or context tokens, timed steps, batch; prefill: prompts timed a round, their median kept) | flows (speed) |
 | `serve/point/<point>/rounds`, `.../ci_level` | the paired rounds that point took to its stop and the look-adjusted level of its CI | flows (speed) |
 | `serve/paired_decode_b<N>_tps`, `serve/paired_prefill_tps` | the model's own median tok/s over those rounds | flows (speed) |
 | `weights/loaded_bytes` | bytes of weights right after loading, before the engine packed anything | flows |
@@ -117,7 +117,7 @@ def long_decode_speedup(batch: int) -> str:
     return decode_speedup(batch).replace("serve/decode_", "serve/long_decode_")
 
 
-SPEED_POINT_FIELDS = ("prompt_tokens", "steps", "batch", "rounds", "ci_level")
+SPEED_POINT_FIELDS = ("prompt_tokens", "steps", "batch", "calls", "rounds", "ci_level")
 
 
 def speed_point(point: str, field: str) -> str:

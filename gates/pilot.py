@@ -111,7 +111,7 @@ def _round_seconds(engine, policy: Policy, seed: int) -> tuple[float, float, dic
     decode = {b: _time(lambda b=b: engine.generate(prompts(b, sp.decode_context), SamplingParams(
         max_tokens=sp.decode_steps + 1, temperature=0.0, ignore_eos=True)))
         for b in policy.decode_batches}  # the flow times every batch, gated or not (flows.data.SpeedPlan)
-    return prefill + sum(decode.values()), sp.prefill_tokens / prefill, decode
+    return sp.prefill_calls * prefill + sum(decode.values()), sp.prefill_tokens / prefill, decode
 
 
 def _canary_seconds(engine, canary) -> tuple[float, float]:

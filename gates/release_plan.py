@@ -120,7 +120,7 @@ def with_run_speed(timing: Timing, run_id: str) -> Timing:
     for point, values in base.items():
         shape, tps = record["points"].get(point, {}), statistics.median(values)
         if point == "prefill":
-            seconds += shape.get("prompt_tokens", 0) / tps
+            seconds += shape.get("calls", 1) * shape.get("prompt_tokens", 0) / tps
         else:  # the context's prefill, then the timed steps of the batch
             batch = shape.get("batch", 1)
             seconds += batch * shape.get("prompt_tokens", 0) / (prefill_tps or tps) + batch * shape.get("steps", 0) / tps

@@ -104,3 +104,28 @@ def test_the_measure_stage_holds_one_engine_and_leaves_none_behind(tiny_model_di
         assert parts["model"] == name and set(parts["seconds"]) == {"load", "serving", "evals facts_mc",
                                                                     "fidelity and probes"}
         assert all(v >= 0 for v in parts["seconds"].values()) and parts["seconds"]["load"] == measured.metrics["load_s"]
+
+
+def test_the_prefill_point_keeps_the_median_of_its_calls_on_the_real_engine(tiny_model_dir):
+    """A round's prefill figure is the median over `prefill_calls` fresh prompts, each timed alone through the
+    engine: one slow call (a scheduler hiccup) cannot move it. The plan records the calls beside the point."""
+    from flows import speed_rounds
+
+    engine = speed_rounds.load_engine(Variant(BASELINE, None, str(tiny_model_dir), "b"), PLAN)
+    calls: list[int] = []
+    real_generate = engine.generate
+
+    def generate(prompts, params):
+        calls.append(len(prompts))
+        if len(calls) == 2:  # the second call stalls: a hiccup the median must not see
+            import time
+
+            time.sleep(0.5)
+        return real_generate(prompts, params)
+
+    engine.generate = generate
+    prompts = [[1000 + i + j for j in range(8)] for i in range(3)]
+    tps = speed_rounds.time_prefill(engine, prompts)
+    assert calls == [1, 1, 1]
+    assert tps > 8 / 0.5  # the stalled call's rate (below 16 tok/s) is not the median
+    assert PLAN.shape("prefill")["calls"] == 3 and M.speed_point("prefill", "calls") == "serve/point/prefill/calls"

@@ -51,6 +51,7 @@ class SpeedPoints:
     spending: str = "pocock"  # Lan-DeMets alpha spending: pocock | obrien-fleming
     alpha: float = 0.05  # two-sided: the adjusted CIs together cover with 1 - alpha
     time_budget_s: float | None = None  # wall clock of the timed rounds (after loading and warm-up; never before the first look); None: no cap
+    prefill_calls: int = 3  # prompts timed at the prefill point each round, their median kept (one call is ~0.15 s)
 
     def pair_rounds(self, variants: int, pair_round_s: float) -> int:
         """The timed rounds a pair runs when each takes `pair_round_s`: up to its budget (no round is started
@@ -238,6 +239,7 @@ class _Speed(StrictModel):
     spending: Annotated[str, BeforeValidator(_spending)] = "pocock"
     alpha: Annotated[float, _number("rate")] = 0.05
     time_budget_s: Positive = None
+    prefill_calls: Annotated[int, _count(1)] = 3
 
     def points(self) -> SpeedPoints:
         if self.max_rounds < self.look_every:
@@ -247,7 +249,8 @@ class _Speed(StrictModel):
         long = self.long_context
         return SpeedPoints(self.prefill_tokens, self.decode_context, self.decode_steps,
                            long.context if long else 0, long.steps if long else 32, long.batch if long else 1,
-                           self.look_every, self.max_rounds, self.spending, self.alpha, self.time_budget_s)
+                           self.look_every, self.max_rounds, self.spending, self.alpha, self.time_budget_s,
+                           self.prefill_calls)
 
 
 class _Canary(StrictModel):
