@@ -311,6 +311,7 @@ at::Tensor woq_linear_int8(const at::Tensor& x, const at::Tensor& packed, const 
   return out;
 }
 
+// out [M, n_out] and p for an int4 call of N = n channels.
 at::Tensor int4_problem(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales_zeros,
                         int64_t group_size, int64_t n, int64_t n_out, at::ScalarType out_dtype, Problem& p) {
   auto out = prepare(x, n_out, out_dtype, p);
@@ -335,14 +336,21 @@ at::Tensor woq_linear_int4(const at::Tensor& x, const at::Tensor& packed, const 
   return out;
 }
 
-at::Tensor woq_linear_bf16(const at::Tensor& x, const at::Tensor& packed, at::ScalarType out_dtype) {
-  Problem p{};
+// out [M, n_out] and p for a bf16 call over `packed` (N = its tiles x 16).
+at::Tensor bf16_problem(const at::Tensor& x, const at::Tensor& packed, int64_t n_out, at::ScalarType out_dtype,
+                        Problem& p) {
   TORCH_CHECK(packed.dim() == 4 && packed.size(2) == kTile && packed.size(3) == 2,
               "woq_linear_bf16: packed weight must be [N/16, K/2, 16, 2], got ", packed.sizes());
-  auto out = prepare(x, packed.size(0) * kTile, out_dtype, p);
+  auto out = prepare(x, n_out, out_dtype, p);
   TORCH_CHECK(packed.scalar_type() == at::kBFloat16 && packed.is_contiguous() && packed.size(1) * 2 == p.k,
               "woq_linear_bf16: packed weight must be contiguous bf16 with K/2 = ", p.k / 2, " pairs");
-  p.weight = packed.data_ptr();
+  p.n = packed.size(0) * kTile, p.weight = packed.data_ptr();
+  return out;
+}
+
+at::Tensor woq_linear_bf16(const at::Tensor& x, const at::Tensor& packed, at::ScalarType out_dtype) {
+  Problem p{};
+  auto out = bf16_problem(x, packed, packed.size(0) * kTile, out_dtype, p);
   if (p.m) run_bf16(p);
   return out;
 }

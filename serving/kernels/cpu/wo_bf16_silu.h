@@ -13,16 +13,19 @@ namespace {
 // [M, N/2] bf16, to the bit what woq_linear_bf16 and `F.silu(gate) * up` give.
 at::Tensor woq_linear_bf16_silu(const at::Tensor& x, const at::Tensor& packed, at::ScalarType out_dtype) {
   TORCH_CHECK(out_dtype == at::kBFloat16, "woq_linear_bf16_silu: bf16 out only");
-  TORCH_CHECK(packed.dim() == 4 && packed.size(0) % 2 == 0 && packed.size(2) == kTile && packed.size(3) == 2,
-              "woq_linear_bf16_silu: a gate_up weight [N/16, K/2, 16, 2] of whole gate and up tiles, got ",
-              packed.sizes());
+  TORCH_CHECK(packed.dim() == 4 && packed.size(0) % 2 == 0, "woq_linear_bf16_silu: a gate_up weight of whole gate "
+              "and up tiles, got ", packed.sizes());
   Problem p{};
-  auto out = prepare(x, packed.size(0) * kTile / 2, out_dtype, p);
-  TORCH_CHECK(packed.scalar_type() == at::kBFloat16 && packed.is_contiguous() && packed.size(1) * 2 == p.k,
-              "woq_linear_bf16_silu: packed weight must be contiguous bf16 with K/2 = ", p.k / 2, " pairs");
-  p.n = packed.size(0) * kTile, p.weight = packed.data_ptr(), p.silu = silu_table().data();
+  auto out = bf16_problem(x, packed, packed.size(0) * kTile / 2, out_dtype, p);
+  p.silu = silu_table().data();
   if (p.m) run_bf16(p);
   return out;
+}
+
+// Where no epilogue pairs the tiles: silu(gate) * up over the unfused call's [M, N] output, by torch's own ops.
+at::Tensor silu_mul_halves(const at::Tensor& gate_up) {
+  const int64_t half = gate_up.size(1) / 2;
+  return at::silu(gate_up.narrow(1, 0, half)) * gate_up.narrow(1, half, half);
 }
 
 // The MLP's first half over an int8 gate_up weight (the gate's N/2 channels, then the up's): silu(gate) * up,
@@ -36,9 +39,7 @@ at::Tensor woq_linear_int8_silu(const at::Tensor& x, const at::Tensor& packed, c
   Problem p{};
   at::Tensor out;
   if (!int8_problem(x, packed, scales, scales.numel() / 2, out_dtype, p, out)) {
-    const at::Tensor gate_up = woq_linear_int8(x, packed, scales, out_dtype);
-    const int64_t half = gate_up.size(1) / 2;
-    return at::silu(gate_up.narrow(1, 0, half)) * gate_up.narrow(1, half, half);
+    return silu_mul_halves(woq_linear_int8(x, packed, scales, out_dtype));
   }
 #ifdef QUANTGATE_AMX_INT8
   p.silu = silu_table().data();
@@ -46,8 +47,6 @@ at::Tensor woq_linear_int8_silu(const at::Tensor& x, const at::Tensor& packed, c
 #endif
   return out;
 }
-
-// out [M, n_out] and p for an int4 call of N = n channels.
 
 // The MLP's first half over an int4 gate_up weight: silu(gate) * up, [M, N/2] bf16, to the bit what
 // woq_linear_int4 then `F.silu(gate) * up` give. In the epilogue on the panel paths; below them (the int16 rows of
@@ -57,8 +56,7 @@ at::Tensor woq_linear_int4_silu(const at::Tensor& x, const at::Tensor& packed, c
   TORCH_CHECK(out_dtype == at::kBFloat16, "woq_linear_int4_silu: bf16 out only");
   TORCH_CHECK(n % (2 * kTile) == 0, "woq_linear_int4_silu: a gate_up weight of whole gate and up tiles, got N=", n);
   if (x.dim() == 2 && x.size(0) < panel_rows_from(true, x.size(1))) {
-    const at::Tensor gate_up = woq_linear_int4(x, packed, scales_zeros, group_size, n, out_dtype);
-    return at::silu(gate_up.narrow(1, 0, n / 2)) * gate_up.narrow(1, n / 2, n / 2);
+    return silu_mul_halves(woq_linear_int4(x, packed, scales_zeros, group_size, n, out_dtype));
   }
   Problem p{};
   auto out = int4_problem(x, packed, scales_zeros, group_size, n, n / 2, out_dtype, p);
