@@ -48,6 +48,7 @@ from benchmarks.common import (  # noqa: E402
 )
 from benchmarks.peers import cpu_info  # noqa: E402
 from quantgate import settings  # noqa: E402
+from serving.kernels.cpu import isa as isas  # noqa: E402
 from serving.kernels.cpu import wo_bf16  # noqa: E402
 from serving.kernels.cpu.isa import supported  # noqa: E402
 from serving.loadgen.report import write_json  # noqa: E402
@@ -191,7 +192,7 @@ def reference_ops(rev: str, path: str):
     bf16 = path in ("amx", "avx512bf16")
     namespace = f"quantgate_{'woq' if bf16 else 'wo'}_{path}_ref"
     if bf16:
-        cflags = build.CFLAGS + (wo_bf16.NO_AMX_CFLAGS if path == "avx512bf16" else [])
+        cflags = build.CFLAGS + (isas.NO_AMX_CFLAGS if path == "avx512bf16" else [])
     else:
         cflags = [f for f in wo_fp32.cflags(path) if not f.startswith("-DQG_NAMESPACE")]
     source = tmp / ("wo_bf16.cpp" if bf16 else "wo_fp32.cpp")

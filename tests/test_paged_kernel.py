@@ -61,9 +61,11 @@ def test_kernel_matches_the_gathered_reference(op, dtype, tol, shape):
     torch.testing.assert_close(out.float(), reference(q, k, v, tables, lengths, bs, dim**-0.5), atol=tol, rtol=tol)
 
 
-# the AVX-512-BF16 loop's instances (group 1-8; head_dim 32, 64, 96, 128, 256), and shapes it leaves to the
-# portable loop (group 9, head_dim 48)
-FUSED = [(g, 1, (32, 64, 96, 128, 256)[g % 5], 16) for g in range(1, 9)] + [(9, 1, 64, 16), (4, 2, 48, 16)]
+# the AVX-512-BF16 loop's instances (group 1-8; head_dim 32, 64, 96, 128, 256), the AMX loop's (group up to 16,
+# head_dim a multiple of 32 up to 256), and shapes they leave to the portable loop (group 9 without AMX,
+# group 17, head_dim 48)
+FUSED = ([(g, 1, (32, 64, 96, 128, 256)[g % 5], 16) for g in range(1, 9)]
+         + [(9, 1, 64, 16), (12, 1, 160, 16), (16, 2, 224, 16), (17, 1, 64, 16), (4, 2, 48, 16)])
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)], ids=["fp32", "bf16"])

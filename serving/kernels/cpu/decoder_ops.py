@@ -3,9 +3,10 @@ small ops (fused_ops.cpp) and, on the `amx` path, a fresh prompt's causal attent
 (prefill_attention.cpp), built by `serving.kernels.cpu.build`.
 
 Both are plain C++ that compilers vectorise (paged attention adds AVX-512-BF16 code where the build has
-it). On the `amx` and `avx512bf16` paths they are built with `-march=native` under their historical op namespaces;
-on `avx512`, `avx2` and `scalar` with that instruction set's flags only, under namespaces of their own
-(`torch.ops.quantgate_avx2`), so a forced lower path runs what a real lower CPU would. `paged_decode()`
+it, and AMX tile code on the `amx` path). On the `amx` and `avx512bf16` paths they are built with
+`-march=native` under their historical op namespaces (paged attention's `avx512bf16` build without AMX, as
+`quantgate_avx512bf16`); on `avx512`, `avx2` and `scalar` with that instruction set's flags only, under
+namespaces of their own (`torch.ops.quantgate_avx2`), so a forced lower path runs what a real lower CPU would. `paged_decode()`
 returns the decode op, `fused_ops()` the namespace holding rms_norm, add_rms_norm and rotary, or None where
 they cannot run: another device, the `torch` path, no compiler, or `QUANTGATE_PAGED_KERNEL=0` /
 `QUANTGATE_FUSED_OPS=0`; callers then take the torch path.
@@ -33,12 +34,17 @@ def enabled() -> bool:
     return settings.enabled(settings.PAGED_KERNEL)
 
 
-def _namespace(source: Path, cflags: list[str], namespace: str, isa: str | None):
-    """Build `source` for path `isa` and return its op namespace, or None (torch path, no compiler)."""
+def _namespace(source: Path, cflags: list[str], namespace: str, isa: str | None, tiles: bool = False):
+    """Build `source` for path `isa` and return its op namespace, or None (torch path, no compiler). A source
+    with tile code (`tiles`) has an `avx512bf16` build of its own, without AMX."""
     path = isas.resolve(isa)
     if path == "torch":
         return None
-    if path in OWN_FLAG_PATHS:
+    if tiles and path == "avx512bf16":
+        namespace = f"{namespace}_{path}"
+        loaded = kernels.load(source, [*cflags, *isas.NO_AMX_CFLAGS, f"-DQG_NAMESPACE={namespace}"],
+                              name=f"{source.stem}_{path}")
+    elif path in OWN_FLAG_PATHS:
         namespace = f"{namespace}_{path}"
         cflags = [f for f in cflags if f != "-march=native"] + isas.ISA_CFLAGS[path] + [f"-DQG_NAMESPACE={namespace}"]
         loaded = kernels.load(source, cflags, name=f"{source.stem}_{path}")
@@ -51,7 +57,7 @@ def paged_decode(device: torch.device | str = "cpu", isa: str | None = None):
     """The compiled decode op for this device and kernel path, or None."""
     if torch.device(device).type != "cpu" or not enabled():
         return None
-    ops = _namespace(SOURCE, kernels.CFLAGS, "quantgate", isa)
+    ops = _namespace(SOURCE, kernels.CFLAGS, "quantgate", isa, tiles=True)
     return ops.paged_decode if ops is not None and hasattr(ops, "paged_decode") else None
 
 

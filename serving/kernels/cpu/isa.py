@@ -33,6 +33,7 @@ REQUIRED_FLAGS: dict[str, frozenset[str]] = {
     "torch": frozenset(),
 }
 # the compiler flags each path is built with (in the build cache key)
+NO_AMX_CFLAGS = ["-mno-amx-tile", "-mno-amx-bf16", "-mno-amx-int8"]  # the avx512bf16 build of a source with tile code
 ISA_CFLAGS: dict[str, list[str]] = {
     "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c"],
     "avx2": ["-mavx2", "-mfma", "-mf16c"],

@@ -6,7 +6,8 @@
 // query heads sharing a KV head read each K/V row once. Each item is one pass over its context with an
 // online softmax (a running max and sum per query head, the V sums rescaled when the max rises): K and V
 // of a block are read back to back, no score row of the whole context is written and re-read, and (bf16
-// loop) the blocks ahead are prefetched (a context's blocks are scattered over the cache). Scores and sums are fp32;
+// loop) the blocks ahead are prefetched (a context's blocks are scattered over the cache). A build with AMX
+// (the `amx` path) runs the bf16 loop's two products on tiles (paged_attention_amx.h). Scores and sums are fp32;
 // int8 codes are scaled per token (the scale folds into the score for K and into the probability for V);
 // fp8 e4m3 codes are decoded through a 256-entry table. A sliding-window layer (`window` > 0) attends to
 // the last `window` tokens of each context: blocks before the window's first one are never read.
@@ -19,85 +20,25 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <type_traits>
 #include <vector>
+
+#include "paged_attention_rows.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #include <immintrin.h>
 #define QG_AVX512_BF16 1
 #include "paged_attention_bf16.h"
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define QG_AMX_DECODE 1
+#include "paged_attention_amx.h"
+#endif
 #endif
 
 namespace {
 
 enum KvFormat : int64_t { kAuto = 0, kInt8 = 1, kFp8 = 2 };
-
-float fp8_e4m3_to_float(uint8_t bits) {
-  const int sign = bits >> 7, exp = (bits >> 3) & 0xF, man = bits & 0x7;
-  float value;
-  if (exp == 0xF && man == 0x7) {
-    value = std::numeric_limits<float>::quiet_NaN();
-  } else if (exp == 0) {
-    value = std::ldexp(static_cast<float>(man) / 8.0f, -6);
-  } else {
-    value = std::ldexp(1.0f + static_cast<float>(man) / 8.0f, exp - 7);
-  }
-  return sign ? -value : value;
-}
-
-struct Fp8Table {
-  float values[256];
-  Fp8Table() {
-    for (int i = 0; i < 256; ++i) values[i] = fp8_e4m3_to_float(static_cast<uint8_t>(i));
-  }
-};
-
-const Fp8Table& fp8_table() {
-  static const Fp8Table table;
-  return table;
-}
-
-// Widen one row of `dim` elements to fp32.
-inline void load_row(const float* src, float* dst, int64_t dim) { std::memcpy(dst, src, dim * sizeof(float)); }
-
-inline void load_row(const at::BFloat16* src, float* dst, int64_t dim) {
-  const uint16_t* bits = reinterpret_cast<const uint16_t*>(src);
-#pragma omp simd
-  for (int64_t d = 0; d < dim; ++d) {
-    uint32_t wide = static_cast<uint32_t>(bits[d]) << 16;
-    float f;
-    std::memcpy(&f, &wide, sizeof(f));
-    dst[d] = f;
-  }
-}
-
-inline void load_row(const at::Half* src, float* dst, int64_t dim) {
-  for (int64_t d = 0; d < dim; ++d) dst[d] = static_cast<float>(src[d]);
-}
-
-inline void load_row(const int8_t* src, float* dst, int64_t dim) {
-#pragma omp simd
-  for (int64_t d = 0; d < dim; ++d) dst[d] = static_cast<float>(src[d]);
-}
-
-inline void load_row(const uint8_t* src, float* dst, int64_t dim) {  // fp8 e4m3 bits
-  const float* table = fp8_table().values;
-  for (int64_t d = 0; d < dim; ++d) dst[d] = table[src[d]];
-}
-
-inline float dot(const float* a, const float* b, int64_t dim) {
-  float acc = 0.0f;
-#pragma omp simd reduction(+ : acc)
-  for (int64_t d = 0; d < dim; ++d) acc += a[d] * b[d];
-  return acc;
-}
-
-inline void store_row(const float* src, float* dst, int64_t dim) { std::memcpy(dst, src, dim * sizeof(float)); }
-
-template <typename T>
-inline void store_row(const float* src, T* dst, int64_t dim) {
-  for (int64_t d = 0; d < dim; ++d) dst[d] = static_cast<T>(src[d]);
-}
 
 struct Problem {
   int64_t num_seqs, heads, kv_heads, head_dim, slots, block_size, max_blocks;
@@ -120,23 +61,6 @@ inline Span span_of(const Problem& p, int64_t seq) {
   const int64_t start = p.window > 0 && length > p.window ? length - p.window : 0;
   const int64_t skipped = start / p.block_size;
   return {p.tables + seq * p.max_blocks + skipped, start - skipped * p.block_size, length - skipped * p.block_size};
-}
-
-// A cache row as fp32: an fp32 cache is read in place, any other format widened into `buf`.
-template <typename C>
-inline const float* row_of(const C* src, float* buf, int64_t dim) {
-  if constexpr (std::is_same_v<C, float>) {
-    return src;
-  } else {
-    load_row(src, buf, dim);
-    return buf;
-  }
-}
-
-template <typename C>
-inline void prefetch_rows(const C* rows, int64_t elements) {
-  const char* at = reinterpret_cast<const char*>(rows);
-  for (int64_t off = 0; off < elements * static_cast<int64_t>(sizeof(C)); off += 64) __builtin_prefetch(at + off);
 }
 
 // The running softmax of the `group` query heads over the context (the portable path).
@@ -265,11 +189,20 @@ void attend_portable(const Problem& p, const Q* q, const C* k_cache, const C* v_
   }
 }
 
-// One (sequence, KV head): a bf16 cache in blocks of 16 through the AVX-512-BF16 loop where this build has
-// it and the shape has an instance, everything else through the portable loop.
+// Per thread: the AMX loop's buffers, where the call runs on tiles (else null).
+struct ThreadState {
+  std::vector<float> buf;
+#ifdef QG_AMX_DECODE
+  std::unique_ptr<AmxScratch> amx;
+#endif
+};
+
+// One (sequence, KV head): a bf16 cache in blocks of 16 through the AMX or AVX-512-BF16 loop where this build
+// has it and the shape has an instance, everything else through the portable loop. `next` is the item this
+// thread runs after it (-1: none), whose first blocks the bf16 loops fetch early.
 template <typename Q, typename C>
 void attend_one(const Problem& p, const Q* q, const C* k_cache, const C* v_cache, Q* out, int64_t seq,
-                int64_t kvh, std::vector<float>& buf) {
+                int64_t kvh, int64_t next, ThreadState& state) {
   if (p.lengths[seq] <= 0) return;
   const Span span = span_of(p, seq);
   const int64_t group = p.heads / p.kv_heads, dim = p.head_dim;
@@ -277,14 +210,33 @@ void attend_one(const Problem& p, const Q* q, const C* k_cache, const C* v_cache
   if constexpr (std::is_same_v<Q, at::BFloat16> && std::is_same_v<C, at::BFloat16>) {
     if (p.block_size == kBf16Block) {
       const auto bits = [](const at::BFloat16* x) { return reinterpret_cast<const uint16_t*>(x); };
-      const Bf16Item item{bits(k_cache), bits(v_cache), span.table, kvh * p.slots, span.first, span.length,
-                          reinterpret_cast<const uint32_t*>(q + (seq * p.heads + kvh * group) * dim), p.scale,
-                          reinterpret_cast<uint16_t*>(out + (seq * p.heads + kvh * group) * dim)};
+      Bf16Item item{bits(k_cache), bits(v_cache), span.table, kvh * p.slots, span.first, span.length,
+                    reinterpret_cast<const uint32_t*>(q + (seq * p.heads + kvh * group) * dim), p.scale,
+                    reinterpret_cast<uint16_t*>(out + (seq * p.heads + kvh * group) * dim)};
+      if (next >= 0 && p.lengths[next / p.kv_heads] > 0) {
+        const Span after = span_of(p, next / p.kv_heads);
+        item.next_table = after.table, item.next_head_base = (next % p.kv_heads) * p.slots;
+        item.next_blocks = (after.length + kBf16Block - 1) / kBf16Block;
+      }
+#ifdef QG_AMX_DECODE
+      if (state.amx) return attend_amx(item, group, dim, *state.amx);
+#endif
       if (attend_bf16(item, group, dim)) return;
     }
   }
 #endif
-  attend_portable<Q, C>(p, q, k_cache, v_cache, out, seq, kvh, span, buf);
+  attend_portable<Q, C>(p, q, k_cache, v_cache, out, seq, kvh, span, state.buf);
+}
+
+// Whether this call's bf16 items run on AMX tiles.
+template <typename Q, typename C>
+bool on_tiles(const Problem& p) {
+#ifdef QG_AMX_DECODE
+  if constexpr (std::is_same_v<Q, at::BFloat16> && std::is_same_v<C, at::BFloat16>) {
+    return p.block_size == kBf16Block && amx_decode_fits(p.heads / p.kv_heads, p.head_dim);
+  }
+#endif
+  return false;
 }
 
 // Work items (sequence, KV head) cut into `parts` contiguous runs of about equal cost (tokens attended
@@ -315,11 +267,22 @@ void run(const Problem& p, const at::Tensor& q, const at::Tensor& k_cache, const
   const C* vp = v_cache.data_ptr<C>();
   Q* op = out.data_ptr<Q>();
   const std::vector<int64_t> cuts = balanced_cuts(p, at::get_num_threads());
+  const bool tiles = on_tiles<Q, C>(p);
   at::parallel_for(0, static_cast<int64_t>(cuts.size()) - 1, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> buf;
-    for (int64_t item = cuts[begin]; item < cuts[end]; ++item) {
-      attend_one<Q, C>(p, qp, kp, vp, op, item / p.kv_heads, item % p.kv_heads, buf);
+    ThreadState state;
+#ifdef QG_AMX_DECODE
+    if (tiles) {
+      state.amx = std::make_unique<AmxScratch>();
+      configure_decode_tiles(static_cast<int>(p.heads / p.kv_heads));
     }
+#endif
+    for (int64_t item = cuts[begin]; item < cuts[end]; ++item) {
+      const int64_t next = item + 1 < cuts[end] ? item + 1 : -1;
+      attend_one<Q, C>(p, qp, kp, vp, op, item / p.kv_heads, item % p.kv_heads, next, state);
+    }
+#ifdef QG_AMX_DECODE
+    if (tiles) _tile_release();
+#endif
   });
 }
 

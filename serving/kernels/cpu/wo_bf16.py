@@ -24,7 +24,6 @@ from serving.kernels.cpu import isa as isas
 
 SOURCE = Path(__file__).with_name("wo_bf16.cpp")
 TILE = 16
-NO_AMX_CFLAGS = ["-mno-amx-tile", "-mno-amx-bf16", "-mno-amx-int8"]
 
 
 def cpu_has_avx512_bf16() -> bool:
@@ -44,7 +43,7 @@ def _path(isa: str | None) -> str:
 @cache
 def _ops(path: str):
     namespace = f"quantgate_woq_{path}"
-    cflags = build.CFLAGS + (NO_AMX_CFLAGS if path == "avx512bf16" else []) + [f"-DQG_NAMESPACE={namespace}"]
+    cflags = build.CFLAGS + (isas.NO_AMX_CFLAGS if path == "avx512bf16" else []) + [f"-DQG_NAMESPACE={namespace}"]
     if not build.load(SOURCE, cflags, name=f"woq_linear_{path}"):
         return None
     ops = getattr(torch.ops, namespace)

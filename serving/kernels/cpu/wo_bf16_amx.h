@@ -10,15 +10,13 @@
 #pragma once
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-#include <sys/syscall.h>
-#include <unistd.h>
-
 #include <algorithm>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <vector>
 
+#include "amx_tiles.h"
 #include "wo_bf16_common.h"
 
 #define QUANTGATE_AMX 1
@@ -26,36 +24,6 @@
 namespace {
 
 constexpr int kAmxRows = 16, kAmxPairs = 16;  // a tile: 16 rows x 64 bytes (16 k-pairs of bf16)
-
-// Linux hands a process the AMX tile state only when asked (the kernel's XFEATURE_XTILEDATA permission).
-// The dpbf16-only path is another build of this source (`avx512bf16`, compiled without AMX), never a switch
-// read per call.
-bool amx_allowed() {
-  static const bool granted = [] {
-    constexpr int kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-    return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
-  }();
-  return granted;
-}
-
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-// GCC's AMX intrinsics (12.x) tell the optimizer that ldtilecfg reads 8 bytes of its config and that a tile load
-// reads no memory at all. So the stores that fill a config on the stack may be dropped as dead (a standalone
-// build of this loop faulted in ldtilecfg on a half-written config), and the stores that fill what the tiles
-// then load (a dequantized panel, x's padded tail, x's byte planes) may be sunk past the loads. The config goes
-// through an asm that reads all 64 bytes; every tile loop starts with tiles_read() over the buffers it loads.
-inline void load_tile_config(const TileConfig& config) {
-  asm volatile("ldtilecfg %0" : : "m"(config));
-}
-
-inline void tiles_read(const void* a, const void* b) {
-  asm volatile("" : : "r"(a), "r"(b) : "memory");
-}
 
 // Every tile 16 rows x 64 bytes. bf16: 0-2 accumulate up to 3 channel tiles, 3 holds x, 4-6 the weight;
 // int8 (wo_bf16_amx_int8.h): 0-3 accumulate, 4-5 hold x's bytes, 6-7 the weight.
