@@ -196,17 +196,17 @@ void run_int4(const Problem& p) {
   const auto count = [&](int64_t b) { return p.silu ? 2 : static_cast<int>(std::min<int64_t>(per, tiles - b * per)); };
   const AmxCall amx(p);
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<__m512i> panels(2 * panel_size);
+    __m512i* panels = thread_panel(2 * panel_size);
     const Tiles tile_state(amx);
     const int64_t per_chunk = end - begin, items = chunks * per_chunk;
     const auto block = [&](int64_t i) { return begin + i % per_chunk; };
     Int4Panel next(p);
-    next.start(block(0) * per, count(block(0)), panels.data());
+    next.start(block(0) * per, count(block(0)), panels);
     next.finish();
     for (int64_t i = 0; i < items; ++i) {
       const int64_t b = block(i), row0 = i / per_chunk * chunk_rows, row1 = std::min(p.m, row0 + chunk_rows);
-      __m512i* panel = panels.data() + i % 2 * panel_size;
-      if (i + 1 < items) next.start(block(i + 1) * per, count(block(i + 1)), panels.data() + (i + 1) % 2 * panel_size);
+      __m512i* panel = panels + i % 2 * panel_size;
+      if (i + 1 < items) next.start(block(i + 1) * per, count(block(i + 1)), panels + (i + 1) % 2 * panel_size);
       const int64_t steps = (row1 - row0 + 15) / 16 * std::max<int64_t>(1, p.k / 32);
       const int64_t share = (next.left() + steps - 1) / steps;
       panel_rows(p, b * per, count(b), Panel{panel, count(b), 1}, amx.used, amx.tail.data(), row0, row1,
@@ -221,13 +221,13 @@ void run_int8(const Problem& p) {
   const int64_t tiles = p.n / kTile, blocks = (tiles + kTilesPerBlock - 1) / kTilesPerBlock;
   const AmxCall amx(p);
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<__m512i> panel(p.k / 2 * kTilesPerBlock);
+    __m512i* panel = thread_panel(p.k / 2 * kTilesPerBlock);
     const Tiles tile_state(amx);
     for (int64_t b = begin; b < end; ++b) {
       const int64_t tile0 = b * kTilesPerBlock;
       const int count = static_cast<int>(std::min<int64_t>(kTilesPerBlock, tiles - tile0));
-      dequant_int8(p, tile0, count, panel.data());
-      panel_rows(p, tile0, count, Panel{panel.data(), count, 1}, amx.used, amx.tail.data(), 0, p.m);
+      dequant_int8(p, tile0, count, panel);
+      panel_rows(p, tile0, count, Panel{panel, count, 1}, amx.used, amx.tail.data(), 0, p.m);
     }
   });
 }

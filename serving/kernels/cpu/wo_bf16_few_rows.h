@@ -200,14 +200,14 @@ void run_small(const Problem& p) {
   const int64_t tiles = p.n / kTile, blocks = (tiles + kTilesPerBlock - 1) / kTilesPerBlock;
   const bool widen = INT4 && p.m >= kInt4WidenRows;
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<__m512i> panel(widen ? p.k / 2 * kTilesPerBlock : 0);
-    const __m512i* widened = widen ? panel.data() : nullptr;
+    __m512i* panel = widen ? thread_panel(p.k / 2 * kTilesPerBlock) : nullptr;
+    const __m512i* widened = panel;
     for (int64_t row0 = 0; row0 < p.m; row0 += kChunkRows) {
       const int64_t rows_end = std::min(p.m, row0 + kChunkRows);
       for (int64_t b = begin; b < end; ++b) {
         const int64_t tile0 = b * kTilesPerBlock;
         const int count = static_cast<int>(std::min<int64_t>(kTilesPerBlock, tiles - tile0));
-        if (widen) widen_int4(p, tile0, count, panel.data());
+        if (widen) widen_int4(p, tile0, count, panel);
         if (count == 3) small_rows<INT4, 3>(p, xq, tile0, widened, row0, rows_end);
         else if (count == 2) small_rows<INT4, 2>(p, xq, tile0, widened, row0, rows_end);
         else small_rows<INT4, 1>(p, xq, tile0, widened, row0, rows_end);
