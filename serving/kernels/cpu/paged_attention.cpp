@@ -73,8 +73,7 @@ struct Online {
   float* k;    // [kChunk, dim] widened K rows, then V rows (unused for fp32)
 };
 
-constexpr int64_t kChunk = 16;
-constexpr int64_t kPortableFar = 6;  // blocks ahead fetched into L2  // tokens per step: a block of 16, or part of a larger block
+constexpr int64_t kChunk = 16;  // tokens per step: a block of 16, or part of a larger block
 
 // Fold the chunk's scores s[g, 0..n) into each head's running max and sum; leaves probabilities in s.
 inline void online_chunk(Online& o, int64_t group, int64_t dim, int64_t n) {
@@ -178,11 +177,6 @@ void attend_portable(const Problem& p, const Q* q, const C* k_cache, const C* v_
       const int64_t next = head_base + span.table[block + 1] * bs + in_block;  // so out-of-order reads stop at it
       prefetch_rows(k_cache + next * dim, n * dim);
       prefetch_rows(v_cache + next * dim, n * dim);
-    }
-    if ((block + kPortableFar) * bs < span.length) {  // and into L2 further ahead (the bf16 loop's reason)
-      const int64_t far = head_base + span.table[block + kPortableFar] * bs + in_block;
-      prefetch_rows<2>(k_cache + far * dim, n * dim);
-      prefetch_rows<2>(v_cache + far * dim, n * dim);
     }
     attend_chunk<C>(p, o, k_cache + slot * dim, v_cache + slot * dim, p.k_scale ? p.k_scale + slot : nullptr,
                     p.v_scale ? p.v_scale + slot : nullptr, n);
