@@ -193,7 +193,7 @@ void attend_portable(const Problem& p, const Q* q, const C* k_cache, const C* v_
 struct ThreadState {
   std::vector<float> buf;
 #ifdef QG_AMX_DECODE
-  std::unique_ptr<AmxScratch> amx;
+  AmxScratch* amx = nullptr;
 #endif
 };
 
@@ -272,7 +272,7 @@ void run(const Problem& p, const at::Tensor& q, const at::Tensor& k_cache, const
     ThreadState state;
 #ifdef QG_AMX_DECODE
     if (tiles) {
-      state.amx = std::make_unique<AmxScratch>();
+      state.amx = &amx_scratch(static_cast<int>(p.heads / p.kv_heads));
       configure_decode_tiles(static_cast<int>(p.heads / p.kv_heads));
     }
 #endif
