@@ -20,7 +20,6 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
-#include <memory>
 #include <type_traits>
 #include <vector>
 
@@ -189,7 +188,7 @@ void attend_portable(const Problem& p, const Q* q, const C* k_cache, const C* v_
   }
 }
 
-// Per thread: the AMX loop's buffers, where the call runs on tiles (else null).
+// Per thread: the portable loop's buffer, and the AMX loop's where the call runs on tiles (else null).
 struct ThreadState {
   std::vector<float> buf;
 #ifdef QG_AMX_DECODE
