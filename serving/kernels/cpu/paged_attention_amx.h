@@ -56,16 +56,15 @@ inline AmxScratch& amx_scratch(int group) {
   return *scratch;
 }
 
-// Block b's V rows as the B tiles of its 16-dim slices: rows 2i and 2i + 1 interleaved (unpacklo / unpackhi,
-// the dpbf16 loop's order); rows past the context are zeros, never the slots' contents.
+// Block b's V rows as the B tiles of its 16-dim slices (value_pairs: the dpbf16 loop's pairs and order).
 template <int DIM>
 inline void pack_values(const uint16_t* v, int rows, AmxScratch& sc) {
   for (int i = 0; i < 8; ++i) {
     for (int c = 0; c < DIM / 32; ++c) {
-      const __m512i a = 2 * i < rows ? _mm512_loadu_si512(v + 2 * i * DIM + 32 * c) : _mm512_setzero_si512();
-      const __m512i b = 2 * i + 1 < rows ? _mm512_loadu_si512(v + (2 * i + 1) * DIM + 32 * c) : _mm512_setzero_si512();
-      _mm512_store_si512(sc.values[2 * c][i], _mm512_unpacklo_epi16(a, b));
-      _mm512_store_si512(sc.values[2 * c + 1][i], _mm512_unpackhi_epi16(a, b));
+      __m512i lo, hi;
+      value_pairs<DIM>(v, rows, i, c, lo, hi);
+      _mm512_store_si512(sc.values[2 * c][i], lo);
+      _mm512_store_si512(sc.values[2 * c + 1][i], hi);
     }
   }
 }

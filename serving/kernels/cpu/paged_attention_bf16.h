@@ -178,6 +178,17 @@ inline void online_step(int G, const __m512* s, __mmask16 valid, float scale, fl
   }
 }
 
+// V rows 2i and 2i + 1 of a block, 32 dims from 32c, interleaved as bf16 pairs (lo: dims 0-3, 8-11, 16-19,
+// 24-27 of the chunk; hi: 4-7, 12-15, 20-23, 28-31); a row at or past `rows` reads as zeros, never the slot's
+// contents (slots past the context may hold anything).
+template <int DIM>
+QG_INLINE void value_pairs(const uint16_t* v, int rows, int i, int c, __m512i& lo, __m512i& hi) {
+  const __m512i a = 2 * i < rows ? _mm512_loadu_si512(v + 2 * i * DIM + 32 * c) : _mm512_setzero_si512();
+  const __m512i b = 2 * i + 1 < rows ? _mm512_loadu_si512(v + (2 * i + 1) * DIM + 32 * c) : _mm512_setzero_si512();
+  lo = _mm512_unpacklo_epi16(a, b);
+  hi = _mm512_unpackhi_epi16(a, b);
+}
+
 // acc[g] += sum_t w[g][t] v[t] over one block's first `rows` V rows: the rows are interleaved as bf16
 // pairs once (a missing partner row of an odd count is zero, never read: slots past the context may hold
 // anything), then each head runs its dot products over them. Accumulator lanes come out in unpack order:
@@ -187,16 +198,8 @@ inline void block_values(const uint16_t* v, int rows, const uint32_t* w, float* 
   constexpr int kVecs = DIM / 16;  // accumulators per head: lo and hi of each 32-wide chunk
   __m512i pairs[8][kVecs];
   const int npairs = (rows + 1) / 2;
-  for (int i = 0; i < npairs; ++i) {
-    const uint16_t* v0 = v + 2 * i * DIM;
-    const bool partner = 2 * i + 1 < rows;
-    for (int c = 0; c < DIM / 32; ++c) {
-      const __m512i a = _mm512_loadu_si512(v0 + 32 * c);
-      const __m512i b = partner ? _mm512_loadu_si512(v0 + DIM + 32 * c) : _mm512_setzero_si512();
-      pairs[i][2 * c] = _mm512_unpacklo_epi16(a, b);
-      pairs[i][2 * c + 1] = _mm512_unpackhi_epi16(a, b);
-    }
-  }
+  for (int i = 0; i < npairs; ++i)
+    for (int c = 0; c < DIM / 32; ++c) value_pairs<DIM>(v, rows, i, c, pairs[i][2 * c], pairs[i][2 * c + 1]);
   for (int g = 0; g < G; ++g) {
     __m512 r0[kVecs], r1[kVecs];  // even and odd pairs: two chains per accumulator
     for (int j = 0; j < kVecs; ++j) {
