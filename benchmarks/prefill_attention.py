@@ -1,4 +1,5 @@
-"""A fresh prompt's causal attention: prefill_attention.cpp (AMX tiles) beside torch's flash kernel, paired.
+"""A fresh prompt's causal attention: prefill_attention.cpp (AMX tiles on `amx`, VDPBF16PS on `avx512bf16`)
+beside torch's flash kernel, paired.
 
 Each (model shape, prompt length) is timed in interleaved rounds in one process, the order alternating; a
 round's ratio is torch's time over ours; the table gives each side's median ms a call and the ratio's
@@ -6,7 +7,7 @@ geometric mean with its 95 % t interval over the rounds. One layer's attention a
 engine slices them out of a step's projections. Writes prefill_attention.json (and .png).
 
     python benchmarks/prefill_attention.py [--lengths 16,64,136,256,512,1024,2048] [--rounds 7]
-        [--shapes smollm2,qwen2.5-0.5b,qwen2.5-1.5b,llama-8b] [--out-dir DIR] [--no-plots]
+        [--shapes smollm2,qwen2.5-0.5b,qwen2.5-1.5b,llama-8b] [--isa amx|avx512bf16] [--out-dir DIR] [--no-plots]
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import torch.nn.functional as F  # noqa: E402
 from benchmarks.common import fmt, pyplot, save_figure, write_rows_report  # noqa: E402
 from gates.judging.speed_verdicts import ratio_ci  # noqa: E402
 from serving.kernels.cpu import decoder_ops  # noqa: E402
+from serving.kernels.cpu import isa as isas  # noqa: E402
 
 SHAPES = {  # query heads, KV heads, head_dim
     "smollm2": (9, 3, 64),
@@ -100,13 +102,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shapes", default=",".join(SHAPES))
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--budget-s", type=float, default=0.1, help="seconds of calls per side per round")
+    p.add_argument("--isa", default=None, help="kernel path (default: the best this CPU has)")
     p.add_argument("--out-dir", default=None)
     p.add_argument("--no-plots", action="store_true")
     args = p.parse_args(argv)
-    op = decoder_ops.prefill_attention("cpu", "amx")
+    path = isas.resolve(args.isa)
+    op = decoder_ops.prefill_attention("cpu", path)
     if op is None:
-        print("prefill_attention.cpp runs on the amx path only (an AMX CPU, the kernel built); nothing to measure")
+        print(f"prefill_attention.cpp has no build for path {path} (amx and avx512bf16 only); nothing to measure")
         return 1
+    print(f"path {path}, {torch.get_num_threads()} threads")
     rows = []
     print(f"{'shape':<14}{'tokens':>7}{'ours ms':>10}{'torch ms':>10}  speedup [95 % CI]   ours GFLOP/s")
     for name in args.shapes.split(","):
@@ -115,9 +120,9 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(row)
             print(f"{name:<14}{length:>7}{row['ours_ms']:>10.3f}{row['torch_ms']:>10.3f}  {fmt(row['speedup'], 2)}x "
                   f"[{fmt(row['ci_low'], 2)}, {fmt(row['ci_high'], 2)}]  {row['ours_gflops']:>8.0f}")
-    path = write_rows_report(args.out_dir, "prefill_attention", rows, plot, not args.no_plots,
-                             threads=torch.get_num_threads(), rounds=args.rounds)
-    print(f"wrote {path}")
+    report = write_rows_report(args.out_dir, "prefill_attention", rows, plot, not args.no_plots,
+                               threads=torch.get_num_threads(), rounds=args.rounds, isa=path)
+    print(f"wrote {report}")
     return 0
 
 

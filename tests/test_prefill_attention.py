@@ -1,5 +1,6 @@
-"""The AMX attention of a fresh prompt (serving/kernels/cpu/prefill_attention.cpp) against an fp32 reference
-and torch's flash kernel, as the engine hands it its tensors; and a bf16 engine with it against one without."""
+"""The attention of a fresh prompt (serving/kernels/cpu/prefill_attention.cpp), on every bf16 path this CPU has
+(AMX tiles on `amx`, VDPBF16PS on `avx512bf16`), against an fp32 reference and torch's flash kernel, as the
+engine hands it its tensors; and a bf16 engine with it against one without."""
 
 from __future__ import annotations
 
@@ -11,15 +12,17 @@ from serving import LLMEngine, SamplingParams
 from serving.kernels.cpu import decoder_ops
 from serving.kernels.cpu import isa as isas
 
-AMX = "amx" in isas.supported()
-needs_amx = pytest.mark.skipif(not AMX, reason="prefill_attention.cpp is built for the amx path only")
+PATHS = [p for p in isas.BF16_PATHS if p in isas.supported()]
+needs_bf16 = pytest.mark.skipif(not PATHS, reason="prefill_attention.cpp is built for the bf16 paths only")
 SWITCH = "QUANTGATE_PREFILL_ATTENTION"
 
 
-@pytest.fixture(scope="module")
-def op():
-    kernel = decoder_ops.prefill_attention("cpu", "amx")
-    assert kernel is not None, "the kernel must build and run here (an AMX CPU, g++ on this machine)"
+@pytest.fixture(scope="module", params=PATHS or ["none"])
+def op(request):
+    if request.param == "none":
+        pytest.skip("no bf16 kernel path on this CPU")
+    kernel = decoder_ops.prefill_attention("cpu", request.param)
+    assert kernel is not None, f"the kernel must build and run here (path {request.param}, g++ on this machine)"
     return kernel
 
 
@@ -46,7 +49,7 @@ LENGTHS = [1, 2, 15, 16, 17, 31, 32, 33, 100, 255, 600]
 SHAPES = [(9, 3, 64), (14, 2, 64), (8, 8, 128), (4, 2, 256), (2, 1, 32)]  # heads, kv_heads, head_dim
 
 
-@needs_amx
+@needs_bf16
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "h{}-kv{}-d{}".format(*s))
 @pytest.mark.parametrize("length", LENGTHS)
 def test_matches_fp32_attention_as_closely_as_torchs_bf16_kernel(op, shape, length):
@@ -60,7 +63,7 @@ def test_matches_fp32_attention_as_closely_as_torchs_bf16_kernel(op, shape, leng
     assert ours <= max(2 * theirs, 1e-2), f"max error {ours:.4f} against torch's bf16 kernel's {theirs:.4f}"
 
 
-@needs_amx
+@needs_bf16
 def test_a_rows_output_does_not_depend_on_the_rows_after_it(op):
     """Causal, and computed so: the first n rows of a longer prompt come out to the bit as the n-row prompt's."""
     q, k, v = engine_views(300, 9, 3, 64, seed=3)
@@ -69,7 +72,7 @@ def test_a_rows_output_does_not_depend_on_the_rows_after_it(op):
         assert torch.equal(op(q[:n], k[:, :n], v[:, :n], 0.125), whole[:n]), n
 
 
-@needs_amx
+@needs_bf16
 def test_refuses_what_it_cannot_compute(op):
     q, k, v = engine_views(8, 4, 2, 64)
     with pytest.raises(RuntimeError, match="bf16"):
@@ -85,18 +88,29 @@ def test_refuses_what_it_cannot_compute(op):
     assert not decoder_ops.prefill_fits(48) and decoder_ops.prefill_fits(64) and not decoder_ops.prefill_fits(512)
 
 
-@pytest.mark.parametrize("path", [p for p in isas.supported() if p != "amx"])
+@pytest.mark.parametrize("path", [p for p in isas.supported() if p not in isas.BF16_PATHS])
 def test_no_other_path_takes_it(path):
     assert decoder_ops.prefill_attention("cpu", path) is None
 
 
-def test_the_switch_turns_it_off(monkeypatch):
+@pytest.mark.skipif(len(PATHS) < 2, reason="both builds run on an AMX CPU only")
+def test_the_two_builds_agree():
+    """Tiles and VDPBF16PS give the same attention up to their summation order."""
+    q, k, v = engine_views(300, 14, 2, 64, seed=5)
+    tiles, dots = (decoder_ops.prefill_attention("cpu", path)(q, k, v, 0.125).float() for path in ("amx", "avx512bf16"))
+    assert (tiles - dots).abs().max().item() <= 2e-2
+
+
+@needs_bf16
+@pytest.mark.parametrize("path", PATHS)
+def test_the_switch_turns_it_off(monkeypatch, path):
     monkeypatch.setenv(SWITCH, "0")
-    assert decoder_ops.prefill_attention("cpu", "amx") is None
+    assert decoder_ops.prefill_attention("cpu", path) is None
 
 
-@needs_amx
-def test_a_bf16_engine_scores_prompts_as_close_to_fp32_as_with_torchs_kernel(default_model_dir, monkeypatch):
+@needs_bf16
+@pytest.mark.parametrize("path", PATHS)
+def test_a_bf16_engine_scores_prompts_as_close_to_fp32_as_with_torchs_kernel(default_model_dir, monkeypatch, path):
     """The default model's prompt logprobs, bf16 with the kernel and with torch's flash kernel, each against the
     fp32 engine: the kernel's gap no wider than torch's (measured: mean 0.0502 against 0.0503, max 0.87 both;
     the two bf16 engines 0.055 apart on average). Several prompts in one step, one longer than the step budget
@@ -106,7 +120,7 @@ def test_a_bf16_engine_scores_prompts_as_close_to_fp32_as_with_torchs_kernel(def
     scores = {}
     for name, switch, dtype in (("kernel", "1", "bfloat16"), ("torch", "0", "bfloat16"), ("fp32", "0", "float32")):
         monkeypatch.setenv(SWITCH, switch)
-        engine = LLMEngine.from_pretrained(str(default_model_dir), device="cpu", dtype=dtype, isa="amx",
+        engine = LLMEngine.from_pretrained(str(default_model_dir), device="cpu", dtype=dtype, isa=path,
                                            enable_prefix_caching=False, max_num_batched_tokens=256)
         assert (engine.runner.prefill_kernel is not None) == (name == "kernel")
         outs = engine.generate(prompts, params)

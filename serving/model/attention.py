@@ -107,7 +107,7 @@ class AttentionContext:
     k_scale: list[torch.Tensor] | None = None  # int8: per layer [kv_heads, num_blocks * block_size]
     v_scale: list[torch.Tensor] | None = None
     paged: Any = None  # a serving.kernels.cuda.step.PagedStep: the step runs through the Triton kernels instead
-    prefill_kernel: Callable[..., torch.Tensor] | None = None  # bf16 fresh prompts (prefill_attention.cpp), AMX only
+    prefill_kernel: Callable[..., torch.Tensor] | None = None  # bf16 fresh prompts (prefill_attention.cpp), bf16 paths
 
 
 _local = threading.local()  # per thread: engines stepping on different threads each see their own step

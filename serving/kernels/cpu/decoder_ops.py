@@ -1,6 +1,6 @@
 """The decoder's own CPU kernels: the paged-attention decode kernel (paged_attention.cpp), the fused
-small ops (fused_ops.cpp) and, on the `amx` path, a fresh prompt's causal attention on AMX tiles
-(prefill_attention.cpp), built by `serving.kernels.cpu.build`.
+small ops (fused_ops.cpp) and, on the bf16 paths, a fresh prompt's causal attention (prefill_attention.cpp),
+built by `serving.kernels.cpu.build`.
 
 Both are plain C++ that compilers vectorise (paged attention adds AVX-512-BF16 code where the build has
 it, and AMX tile code on the `amx` path). On the `amx` and `avx512bf16` paths they are built with
@@ -75,13 +75,14 @@ def prefill_fits(head_dim: int) -> bool:
 
 
 def prefill_attention(device: torch.device | str = "cpu", isa: str | None = None):
-    """The AMX causal attention of a fresh prompt (prefill_attention.cpp) on the `amx` path, or None: torch's
-    flash kernel (every other path, `QUANTGATE_PREFILL_ATTENTION=0`, a kernel that refuses the process AMX)."""
+    """The causal attention of a fresh prompt (prefill_attention.cpp) on the `amx` path (AMX tiles) and the
+    `avx512bf16` path (VDPBF16PS), or None: torch's flash kernel (every other path,
+    `QUANTGATE_PREFILL_ATTENTION=0`, an AMX build in a process refused the tile state)."""
     if (torch.device(device).type != "cpu" or not settings.enabled(settings.PREFILL_ATTENTION)
-            or isas.resolve(isa) != "amx" or not kernels.load(PREFILL_SOURCE, kernels.CFLAGS)):
+            or isas.resolve(isa) not in isas.BF16_PATHS):
         return None
-    ops = getattr(torch.ops, "quantgate_prefill", None)
-    return ops.prefill_attention if ops is not None and hasattr(ops, "prefill_attention") and ops.amx_ready() else None
+    ops = _namespace(PREFILL_SOURCE, kernels.CFLAGS, "quantgate_prefill", isa, tiles=True)
+    return ops.prefill_attention if ops is not None and hasattr(ops, "prefill_attention") and ops.ready() else None
 
 
 def decode_plan_class():

@@ -1,12 +1,13 @@
-// Causal attention of one prefill chunk on AMX tiles: bf16 q, k, v in, fp32 scores and sums, bf16 out.
+// Causal attention of one prefill chunk: bf16 q, k, v in, fp32 scores and sums, bf16 out. Built for the `amx`
+// path (both products on AMX tiles) and the `avx512bf16` path (VDPBF16PS), prefill_attention_products.h.
 //
 // torch's CPU flash kernel runs a 136-token, 9-head prefill at ~100 GFLOP/s and a 512-token one at ~220
-// (bf16, 2 threads, the AMX Xeon): a fifth of a 2,048-token step of the default model. Here the chunk is its
-// own whole context (the engine's fresh prompts: no cached prefix, no window cut, a plain causal mask), so
-// each item, one query head x 16 query rows, takes its score rows whole: S = Q K^T on tiles, a softmax per
-// row over the keys it sees (max, exp, sum in fp32; the probabilities rounded to bf16 as torch's kernel
-// rounds them for its second product), O = P V on tiles, O / sum to bf16. K and V are packed once per KV
-// head into the layouts a B tile reads (K: dim pairs x 16 keys; V: key pairs x 16 dims), shared by the
+// (bf16, 2 threads, the AMX Xeon): a fifth of a 2,048-token step of the default model (a sixth on an AMD
+// EPYC Zen 4). Here the chunk is its own whole context (the engine's fresh prompts: no cached prefix, no window
+// cut, a plain causal mask), so each item, one query head x 16 query rows, takes its score rows whole:
+// S = Q K^T, a softmax per row over the keys it sees (max, exp, sum in fp32; the probabilities rounded to bf16
+// as torch's kernel rounds them for its second product), O = P V, O / sum to bf16. K and V are packed once per
+// KV head into the layouts both products read (K: dim pairs x 16 keys; V: key pairs x 16 dims), shared by the
 // query heads of a GQA group. Scores of keys past a row's position are never read; key blocks past the
 // item's last row are never computed.
 
@@ -20,12 +21,10 @@
 #include <limits>
 #include <vector>
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
-#include "wo_bf16_amx.h"
+#if defined(__AVX512BF16__)
+#include "prefill_attention_products.h"
 
 namespace {
-
-constexpr int64_t kRowsPerItem = 16, kKeyBlock = 16, kKeyChunk = 32, kDimChunk = 32;
 
 struct Shapes {
   int64_t len, heads, kv_heads, dim, key_blocks, key_pairs;
@@ -125,62 +124,22 @@ struct ItemBuffers {
 void item(const at::Tensor& q, const Shapes& s, const uint16_t* kp, const uint16_t* vp, int64_t head, int64_t row0,
           float scale, ItemBuffers& buf, uint16_t* out) {
   const int64_t d = s.dim, rows = std::min(kRowsPerItem, s.len - row0), group = s.heads / s.kv_heads;
-  const int64_t kv = head / group, q_stride = q.stride(0);
+  const int64_t kv = head / group;
+  int64_t q_stride = q.stride(0);
   const uint16_t* qd = reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>()) + row0 * q_stride + head * d;
-  int64_t q_bytes = q_stride * 2;
-  if (rows < kRowsPerItem) {  // the chunk's last rows, zero-padded: a tile reads 16
+  if (rows < kRowsPerItem) {  // the chunk's last rows, zero-padded: both products read 16
     std::fill(buf.q.begin(), buf.q.end(), 0);
     for (int64_t r = 0; r < rows; ++r) std::copy(qd + r * q_stride, qd + r * q_stride + d, buf.q.data() + r * d);
-    qd = buf.q.data(), q_bytes = d * 2;
+    qd = buf.q.data(), q_stride = d;
   }
   const int64_t keys = row0 + rows, blocks = (keys + kKeyBlock - 1) / kKeyBlock;
-  const int64_t chunks = (keys + kKeyChunk - 1) / kKeyChunk, padded = chunks * kKeyChunk;
+  const int64_t padded = (keys + kKeyChunk - 1) / kKeyChunk * kKeyChunk;
   const int64_t s_stride = s.key_blocks * kKeyBlock;
   const uint16_t* kh = kp + kv * s.key_blocks * kKeyBlock * d;
-  tiles_read(qd, kh);
-  for (int64_t b = 0; b < blocks; ++b) {
-    _tile_zero(0);
-    for (int64_t c = 0; c < d / kDimChunk; ++c) {
-      _tile_loadd(1, qd + c * kDimChunk, q_bytes);
-      _tile_loadd(2, kh + (b * d / 2 + c * kDimChunk / 2) * kKeyBlock * 2, 64);
-      _tile_dpbf16ps(0, 1, 2);
-    }
-    _tile_stored(0, buf.scores.data() + b * kKeyBlock, s_stride * 4);
-  }
+  item_scores(qd, q_stride, kh, blocks, d, buf.scores.data(), s_stride);
   alignas(64) float sums[kRowsPerItem];
   softmax_rows(buf.scores.data(), s_stride, buf.p.data(), padded, row0, static_cast<int>(rows), scale, sums);
-  const uint16_t* vh = vp + kv * s.key_pairs * d * 2;
-  tiles_read(buf.p.data(), vh);
-  for (int64_t t0 = 0; t0 < d / 16; t0 += 4) {  // four 16-dim output tiles at a time
-    const int tiles = static_cast<int>(std::min<int64_t>(4, d / 16 - t0));
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
-    for (int64_t c = 0; c < chunks; ++c) {
-      _tile_loadd(4, buf.p.data() + c * kKeyChunk, padded * 2);
-      const uint16_t* vt = vh + (c * kKeyChunk / 2 * d + t0 * 16) * 2;
-      _tile_loadd(5, vt, d * 4);
-      _tile_dpbf16ps(0, 4, 5);
-      if (tiles > 1) {
-        _tile_loadd(6, vt + 32, d * 4);
-        _tile_dpbf16ps(1, 4, 6);
-      }
-      if (tiles > 2) {
-        _tile_loadd(7, vt + 64, d * 4);
-        _tile_dpbf16ps(2, 4, 7);
-      }
-      if (tiles > 3) {
-        _tile_loadd(5, vt + 96, d * 4);
-        _tile_dpbf16ps(3, 4, 5);
-      }
-    }
-    float* o = buf.o.data() + t0 * 16;
-    _tile_stored(0, o, d * 4);
-    if (tiles > 1) _tile_stored(1, o + 16, d * 4);
-    if (tiles > 2) _tile_stored(2, o + 32, d * 4);
-    if (tiles > 3) _tile_stored(3, o + 48, d * 4);
-  }
+  item_values(buf.p.data(), padded, vp + kv * s.key_pairs * d * 2, d, row0 + 1, static_cast<int>(rows), buf.o.data());
   for (int64_t r = 0; r < rows; ++r) {
     const __m512 inv = _mm512_set1_ps(1.f / sums[r]);
     uint16_t* dst = out + ((row0 + r) * s.heads + head) * d;
@@ -204,7 +163,7 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at:
                   v.size(0) == s.kv_heads, "prefill_attention: k and v must be [kv_heads, len, dim] of q's len and dim");
   TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == s.dim && k.stride(2) == 1 && v.stride(2) == 1 && k.stride(1) % 2 == 0,
               "prefill_attention: dims contiguous, q's heads side by side, K's rows an even number of values apart");
-  TORCH_CHECK(amx_allowed(), "prefill_attention: this process may not use AMX tiles");
+  TORCH_CHECK(products_ready(), "prefill_attention: this process may not use AMX tiles");
   auto out = at::empty({s.len, s.heads, s.dim}, q.options().memory_format(at::MemoryFormat::Contiguous));
   if (s.len == 0) return out;
   std::vector<uint16_t> kp(s.kv_heads * s.key_blocks * kKeyBlock * s.dim), vp(s.kv_heads * s.key_pairs * 2 * s.dim);
@@ -212,24 +171,28 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at:
   const int64_t blocks = (s.len + kRowsPerItem - 1) / kRowsPerItem;
   auto* dst = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
   at::parallel_for(0, s.heads * blocks, 1, [&](int64_t begin, int64_t end) {
-    configure_tiles();
+    products_begin();
     ItemBuffers buf(s);
     for (int64_t i = begin; i < end; ++i)
       item(q, s, kp.data(), vp.data(), i / blocks, i % blocks * kRowsPerItem, static_cast<float>(scale), buf, dst);
-    _tile_release();
+    products_end();
   });
   return out;
 }
 
 }  // namespace
 
-TORCH_LIBRARY(quantgate_prefill, m) {
+#ifndef QG_NAMESPACE
+#define QG_NAMESPACE quantgate_prefill  // the avx512bf16 build names its own (decoder_ops.py)
+#endif
+#define QG_LIBRARY(ns, m) TORCH_LIBRARY(ns, m)  // expands QG_NAMESPACE before TORCH_LIBRARY pastes it
+#define QG_LIBRARY_IMPL(ns, key, m) TORCH_LIBRARY_IMPL(ns, key, m)
+
+QG_LIBRARY(QG_NAMESPACE, m) {
   m.def("prefill_attention(Tensor q, Tensor k, Tensor v, float scale) -> Tensor");
-  m.def("amx_ready() -> bool", &amx_allowed);
+  m.def("ready() -> bool", &products_ready);
 }
 
-TORCH_LIBRARY_IMPL(quantgate_prefill, CPU, m) {
-  m.impl("prefill_attention", &prefill_attention);
-}
+QG_LIBRARY_IMPL(QG_NAMESPACE, CPU, m) { m.impl("prefill_attention", &prefill_attention); }
 
-#endif  // AMX: elsewhere nothing is registered and prefills keep torch's flash kernel
+#endif  // AVX-512-BF16: elsewhere nothing is registered and prefills keep torch's flash kernel
