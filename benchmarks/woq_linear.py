@@ -224,7 +224,7 @@ def _formats(ops, path: str, weight: torch.Tensor) -> dict[str, tuple]:
     codes, sz = quantize_groups(weight, GROUP)
     if path in ("amx", "avx512bf16"):
         out = torch.bfloat16
-        width = 4 if ops.int8_quads_ready(k) else 2
+        width = 4 if ops.amx_int8_ready(k) else 2
         return {"base": (ops.woq_linear_bf16.default, (wo_bf16.pack_bf16(weight.bfloat16()),), (out,)),
                 "int8": (ops.woq_linear_int8.default, (wo_bf16.pack_int8(q, width), scales), (out,)),
                 "int4": (ops.woq_linear_int4.default, (wo_bf16.pack_int4(unpack_nibbles(codes)), sz), (GROUP, n, out))}

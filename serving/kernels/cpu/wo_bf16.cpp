@@ -11,10 +11,8 @@
 // that stays in L2 and every row of x runs over it with dpbf16 (fp32 accumulators, 8 rows x 48 channels
 // in registers). A bf16 weight packed the same way (every bf16 projection of the baseline) runs in place.
 // Within a path each row's result depends on that row alone; the path follows the call's row count.
-// On CPUs with AMX the panel paths run on AMX-BF16 tiles (wo_bf16_amx.h). int8 weights packed in quads (where
-// K allows) run on AMX-INT8 (wo_bf16_amx_int8.h) or, without AMX, on VPDPBUSD (wo_bf16_vnni_int8.h) at every row
-// count, exact integer sums over x rounded to int16 as the int16 rows above: the pair paths are for int8
-// weights of other shapes.
+// On CPUs with AMX the panel paths run on AMX-BF16 tiles (wo_bf16_amx.h) and int8 packed in quads on
+// AMX-INT8 / VNNI at every row count (wo_bf16_amx_int8.h).
 //
 // Packed layouts (serving/kernels/cpu/wo_bf16.py builds them; K even, N a multiple of 16):
 //   int8: [N/16, K/2, 16, 2] int8: one 32-byte load holds channels n..n+15 at inputs k, k+1; where
@@ -40,7 +38,6 @@
 #include "wo_bf16_amx_int8.h"
 #include "wo_bf16_common.h"
 #include "wo_bf16_few_rows.h"
-#include "wo_bf16_vnni_int8.h"
 #include "wo_bf16_int4_panel.h"
 
 namespace {
@@ -263,13 +260,10 @@ void run_bf16(const Problem& call) {
   });
 }
 
-// Whether an int8 weight of K inputs may be packed in quads here: for AMX-INT8 (the amx build, in a process
-// allowed the tiles), else for VPDPBUSD (a build with AVX-512-VNNI).
-bool int8_quads_ready(int64_t k) {
-#if defined(QUANTGATE_AMX_INT8)
+// Whether an int8 weight of K inputs may be packed in quads for the AMX-INT8 path here.
+bool amx_int8_ready(int64_t k) {
+#ifdef QUANTGATE_AMX_INT8
   return k % 64 == 0 && k <= kAmxQuadsMaxK && amx_allowed();
-#elif defined(QUANTGATE_VNNI_INT8)
-  return k % 64 == 0 && k <= kAmxQuadsMaxK;
 #else
   (void)k;
   return false;
@@ -299,8 +293,8 @@ bool int8_problem(const at::Tensor& x, const at::Tensor& packed, const at::Tenso
   TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous(), "woq_linear_int8: fp32 scales");
   p.weight = packed.data_ptr(), p.scales = scales.data_ptr<float>(), p.group_size = 0;
   const bool quads = packed.dim() == 4 && packed.size(3) == 4;
-  TORCH_CHECK(!quads || int8_quads_ready(p.k), "woq_linear_int8: a weight packed in quads needs AMX-INT8 or "
-              "AVX-512-VNNI and K a multiple of 64 up to 65536; got K=", p.k);
+  TORCH_CHECK(!quads || amx_int8_ready(p.k), "woq_linear_int8: a weight packed in quads needs AMX-INT8 (the "
+              "amx build) and K a multiple of 64 up to 65536; got K=", p.k);
   return quads;
 }
 
@@ -310,10 +304,8 @@ at::Tensor woq_linear_int8(const at::Tensor& x, const at::Tensor& packed, const 
   at::Tensor out;
   const bool quads = int8_problem(x, packed, scales, scales.numel(), out_dtype, p, out);
   if (!p.m) return out;
-#if defined(QUANTGATE_AMX_INT8)
+#ifdef QUANTGATE_AMX_INT8
   if (quads) return run_int8_amx(p), out;
-#elif defined(QUANTGATE_VNNI_INT8)
-  if (quads) return run_int8_vnni(p), out;
 #endif
   run_int8(p);
   return out;
@@ -376,7 +368,7 @@ at::Tensor woq_linear_bf16(const at::Tensor& x, const at::Tensor& packed, at::Sc
 QG_LIBRARY(QG_NAMESPACE, m) {
   m.def("woq_linear_bf16(Tensor x, Tensor packed, ScalarType out_dtype) -> Tensor");
   m.def("woq_linear_bf16_silu(Tensor x, Tensor packed, ScalarType out_dtype) -> Tensor");
-  m.def("int8_quads_ready(int k) -> bool", &int8_quads_ready);
+  m.def("amx_int8_ready(int k) -> bool", &amx_int8_ready);
   m.def("panel_rows_from(bool int4, int k) -> int", &panel_rows_from);
   m.def("woq_linear_int8(Tensor x, Tensor packed, Tensor scales, ScalarType out_dtype) -> Tensor");
   m.def("woq_linear_int8_silu(Tensor x, Tensor packed, Tensor scales, ScalarType out_dtype) -> Tensor");

@@ -5,8 +5,7 @@ dequantization per row): int8 through a bf16 panel per 48 output channels held i
 register lookup table (a panel too from 8 rows), a packed bf16 weight in place. It is built twice: for the
 `amx` path with AMX tiles (the panel paths multiply on AMX-BF16 over the same layouts, wo_bf16_amx.h, and int8
 weights packed in quads run on AMX-INT8 at every row count, wo_bf16_amx_int8.h), and for `avx512bf16` without
-them (dpbf16; int8 quads on VPDPBUSD, wo_bf16_vnni_int8.h), each under its own op namespace, so both run side by
-side on an AMX CPU.
+them (dpbf16 only), each under its own op namespace, so both run side by side on an AMX CPU.
 `available(isa)` says whether a path's build runs here: a CPU with its flags, a compiler, and
 `QUANTGATE_WOQ_KERNEL` not "0". The pack functions build its layouts.
 """
@@ -105,15 +104,15 @@ def panel_rows_from(int4: bool, in_features: int, isa: str | None = None) -> int
 
 
 def int8_width(in_features: int, isa: str | None = None) -> int:
-    """Inputs per channel an int8 weight is packed with for path `isa`: 4 (quads) where AMX-INT8 or
-    AVX-512-VNNI runs it (K a multiple of 64), else 2 (pairs)."""
+    """Inputs per channel an int8 weight is packed with for path `isa`: 4 (quads) where the AMX-INT8 path
+    runs it, else 2 (pairs)."""
     kernel = ops(isa)
-    return 4 if kernel is not None and kernel.int8_quads_ready(in_features) else 2
+    return 4 if kernel is not None and kernel.amx_int8_ready(in_features) else 2
 
 
 def pack_int8(weight: torch.Tensor, width: int | None = None, isa: str | None = None) -> torch.Tensor:
     """[N, K] int8 -> [N/16, K/width, 16, width]: 16 channels at `width` consecutive inputs per row, pairs
-    for the dpbf16 and int16 paths, quads for AMX-INT8 and VPDPBUSD (default: `int8_width(K, isa)`)."""
+    for the dpbf16 and int16 paths, quads for AMX-INT8 (default: `int8_width(K, isa)`)."""
     n, k = weight.shape
     width = width or int8_width(k, isa)
     return weight.view(n // TILE, TILE, k // width, width).permute(0, 2, 1, 3).contiguous()
