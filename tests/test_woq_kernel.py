@@ -193,7 +193,8 @@ def test_the_gate_up_call_with_silu_gives_silu_mul_of_its_outputs_to_the_bit(n, 
 @pytest.mark.parametrize("rows", [1, 2, 3, 17, 100])
 def test_the_int8_gate_up_call_with_silu_gives_silu_mul_of_its_outputs_to_the_bit(n, k, rows):
     """woq_linear_int8_silu: in the epilogue where the weight is in quads (each row scale and channel scale as the
-    unfused call applies them, VPDPBUSD's 1-2 rows and AMX's 3 on), else the unfused call and torch's ops."""
+    unfused call applies them, VPDPBUSD's 1-2 rows and AMX's 3 on) and on the bf16 panel of pairs (AMD from 24
+    rows: 100 here), else the unfused call and torch's ops."""
     torch.manual_seed(rows + n)
     q, scales = quantize_per_channel(torch.randn(n, k))
     packed = wo_bf16.pack_int8(q)

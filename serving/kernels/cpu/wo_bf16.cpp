@@ -42,12 +42,13 @@
 
 namespace {
 
-// int8: dequantize tiles [tile0, tile0 + tiles) into panel[kp * tiles + t] (32 bf16 each: 16 channels x 2 inputs).
+// int8: dequantize tiles tile0 + t * second_tile(p), t < tiles, into panel[kp * tiles + t] (32 bf16 each: 16
+// channels x 2 inputs): consecutive tiles, or a silu call's gate tile and its up tile.
 void dequant_int8(const Problem& p, int64_t tile0, int tiles, __m512i* panel) {
   const int64_t pairs = p.k / 2;
   const int8_t* base = static_cast<const int8_t*>(p.weight);
   for (int t = 0; t < tiles; ++t) {
-    const int8_t* src = base + (tile0 + t) * pairs * 32;
+    const int8_t* src = base + (tile0 + t * second_tile(p)) * pairs * 32;
     for (int64_t kp = 0; kp < pairs; ++kp, src += 32) {
       __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src))));
       __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 16))));
@@ -216,16 +217,18 @@ void run_int4(const Problem& p) {
   });
 }
 
+// A silu call (p.silu) pairs gate tile b with up tile b + N/32 in each block's panel.
 void run_int8(const Problem& p) {
   if (p.m < panel_rows_from(false, p.k)) return run_small<false>(p);
-  const int64_t tiles = p.n / kTile, blocks = (tiles + kTilesPerBlock - 1) / kTilesPerBlock;
+  const int64_t tiles = p.n / kTile;
+  const int64_t blocks = p.silu ? tiles / 2 : (tiles + kTilesPerBlock - 1) / kTilesPerBlock;
   const AmxCall amx(p);
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
     __m512i* panel = thread_panel(p.k / 2 * kTilesPerBlock);
     const Tiles tile_state(amx);
     for (int64_t b = begin; b < end; ++b) {
-      const int64_t tile0 = b * kTilesPerBlock;
-      const int count = static_cast<int>(std::min<int64_t>(kTilesPerBlock, tiles - tile0));
+      const int64_t tile0 = p.silu ? b : b * kTilesPerBlock;
+      const int count = p.silu ? 2 : static_cast<int>(std::min<int64_t>(kTilesPerBlock, tiles - tile0));
       dequant_int8(p, tile0, count, panel);
       panel_rows(p, tile0, count, Panel{panel, count, 1}, amx.used, amx.tail.data(), 0, p.m);
     }

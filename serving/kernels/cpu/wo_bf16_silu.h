@@ -30,7 +30,8 @@ at::Tensor silu_mul_halves(const at::Tensor& gate_up) {
 
 // The MLP's first half over an int8 gate_up weight (the gate's N/2 channels, then the up's): silu(gate) * up,
 // [M, N/2] bf16, to the bit what woq_linear_int8 then `F.silu(gate) * up` give. In the epilogue where the weight
-// is in quads (AMX-INT8); elsewhere (a dequantized panel of consecutive tiles) those two ops.
+// is in quads (AMX-INT8) and on the bf16 panel (each block's panel a gate tile and its up tile); below the panel
+// (the int16 rows of a few-row call) those two ops.
 at::Tensor woq_linear_int8_silu(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
                                 at::ScalarType out_dtype) {
   TORCH_CHECK(out_dtype == at::kBFloat16, "woq_linear_int8_silu: bf16 out only");
@@ -38,13 +39,14 @@ at::Tensor woq_linear_int8_silu(const at::Tensor& x, const at::Tensor& packed, c
               "tiles, got N=", scales.numel());
   Problem p{};
   at::Tensor out;
-  if (!int8_problem(x, packed, scales, scales.numel() / 2, out_dtype, p, out)) {
-    return silu_mul_halves(woq_linear_int8(x, packed, scales, out_dtype));
-  }
-#ifdef QUANTGATE_AMX_INT8
+  const bool quads = int8_problem(x, packed, scales, scales.numel() / 2, out_dtype, p, out);
+  if (!quads && p.m < panel_rows_from(false, p.k)) return silu_mul_halves(woq_linear_int8(x, packed, scales, out_dtype));
   p.silu = silu_table().data();
-  if (p.m) run_int8_amx(p);
+  if (!p.m) return out;
+#ifdef QUANTGATE_AMX_INT8
+  if (quads) return run_int8_amx(p), out;
 #endif
+  run_int8(p);
   return out;
 }
 
