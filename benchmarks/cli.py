@@ -153,8 +153,8 @@ def _add_script_benchmarks(verbs: argparse._SubParsersAction) -> None:
                                               "vs predictive simulated on a 10x burst"),
         ("fleet-router", "benchmarks.fleet_kv_router", "fleet: KV-aware vs power-of-two router, 2 replicas, p99 TTFT"),
         ("attention", "benchmarks.attention", "paged decode attention: the compiled kernel vs the torch path"),
-        ("prefill-attention", "benchmarks.prefill_attention", "a fresh prompt's causal attention: the AMX kernel "
-                                                               "vs torch's flash kernel, paired"),
+        ("prefill-attention", "benchmarks.prefill_attention", "a fresh prompt's causal attention: our kernel "
+                                                               "(AMX or VDPBF16PS) vs torch's flash kernel, paired"),
         ("wo_bf16", "benchmarks.woq_linear", "weight-only int8/int4 linear: quantgate's kernel vs torch's vs bf16"),
         ("isa", "benchmarks.isa_paths", "weight-only linear on every kernel path (avx512, avx2) vs fp32, paired, "
                                         "with the machine's read bandwidth"),
