@@ -217,8 +217,11 @@ def test_sigterm_drains_quantgate_serve(paced_model_dir, tmp_path):
     process exits within a bound."""
     log = tmp_path / "serve.log"
     # one torch thread: beside the other pytest-xdist worker's test, a 2-thread server's OpenMP regions waited on
-    # a descheduled thread each op, and the 100-token request outlived the 3 s drain (a fresh-clone CI run)
-    with serve_process(paced_model_dir, log, "--num-kv-blocks", "128", "--max-num-seqs", "2", "--threads", "1") as (proc, url):
+    # a descheduled thread each op, and the 100-token request outlived the 3 s drain (a fresh-clone CI run).
+    # bf16 weights, whatever the suite's QUANTGATE_DTYPE: in fp32 every projection is torch's (MKL's) sgemm, which
+    # on an AMD EPYC took ~33 ms a 2-row step with one thread (5 ms in bf16), and the 100-token request ran 3.3 s.
+    with serve_process(paced_model_dir, log, "--num-kv-blocks", "128", "--max-num-seqs", "2", "--threads", "1",
+                       "--dtype", "bfloat16") as (proc, url):
         long = {"prompt": "a b c d", "max_tokens": 1000, "temperature": 0, "ignore_eos": True}
         got: dict = {}
 
