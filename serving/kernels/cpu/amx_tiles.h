@@ -37,6 +37,13 @@ inline void load_tile_config(const TileConfig& config) {
   asm volatile("ldtilecfg %0" : : "m"(config));
 }
 
+// All eight tiles 16 rows x 64 bytes: what the weight-only GEMMs and the prefill attention load.
+inline void configure_tiles() {
+  TileConfig config;
+  for (int t = 0; t < 8; ++t) config.colsb[t] = 64, config.rows[t] = 16;
+  load_tile_config(config);
+}
+
 inline void tiles_read(const void* a, const void* b) {
   asm volatile("" : : "r"(a), "r"(b) : "memory");
 }

@@ -26,13 +26,8 @@ constexpr int64_t kRowsPerItem = 16, kKeyBlock = 16, kKeyChunk = 32, kDimChunk =
 
 #ifdef QG_PREFILL_TILES
 
-// Tiles: 0 accumulates, 1 the queries, 2 K (scores); 0-3 accumulate, 4 P, 5-7 V (values).
-inline void configure_item_tiles() {
-  TileConfig config{};
-  config.palette = 1;
-  for (int t = 0; t < 8; ++t) config.rows[t] = 16, config.colsb[t] = 64;
-  load_tile_config(config);
-}
+// Tiles (configure_tiles: all 16 x 64 bytes): 0 accumulates, 1 the queries, 2 K (scores); 0-3 accumulate, 4 P,
+// 5-7 V (values).
 
 inline void item_scores(const uint16_t* q, int64_t q_stride, const uint16_t* kh, int64_t blocks, int64_t d,
                         float* scores, int64_t s_stride) {
@@ -86,7 +81,7 @@ inline void item_values(const uint16_t* p, int64_t padded, const uint16_t* vh, i
 }
 
 inline bool products_ready() { return amx_allowed(); }
-inline void products_begin() { configure_item_tiles(); }
+inline void products_begin() { configure_tiles(); }
 inline void products_end() { _tile_release(); }
 
 #else  // VDPBF16PS: the same products a dim pair (scores) or a key pair (values) at a time

@@ -25,13 +25,8 @@ namespace {
 
 constexpr int kAmxRows = 16, kAmxPairs = 16;  // a tile: 16 rows x 64 bytes (16 k-pairs of bf16)
 
-// Every tile 16 rows x 64 bytes. bf16: 0-2 accumulate up to 3 channel tiles, 3 holds x, 4-6 the weight;
-// int8 (wo_bf16_amx_int8.h): 0-3 accumulate, 4-5 hold x's bytes, 6-7 the weight.
-void configure_tiles() {
-  TileConfig config;
-  for (int t = 0; t < 8; ++t) config.colsb[t] = 64, config.rows[t] = kAmxRows;
-  load_tile_config(config);
-}
+// configure_tiles() (amx_tiles.h): every tile 16 rows x 64 bytes. bf16: 0-2 accumulate up to 3 channel tiles,
+// 3 holds x, 4-6 the weight; int8 (wo_bf16_amx_int8.h): 0-3 accumulate, 4-5 hold x's bytes, 6-7 the weight.
 
 // 16 rows of x at `x` (bf16, K a row) x channel tiles [tile0, tile0 + TILES), the first `valid` of them
 // written to out from row row0: weight pairs for (k-pair kp, tile t) at w + kp * kp_stride + t * tile_stride
