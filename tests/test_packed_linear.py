@@ -103,11 +103,15 @@ def test_a_tied_head_and_its_embedding_share_one_pair_packed_weight(tiny_model_d
     assert pack_linears(fp32, isa=BF16) == 0
 
 
-def test_packing_is_wanted_for_cpu_bf16_only(monkeypatch):
+def test_packing_is_wanted_for_cpu_bf16_and_for_fp32_on_wo_fp32_paths(monkeypatch):
     cpu = torch.device("cpu")
     assert packing_wanted(cpu, torch.bfloat16, isa="scalar")  # every CPU: bf16 stored, fp32 math
+    assert packing_wanted(cpu, torch.float32, isa="scalar")  # fp32: wo_fp32's tiles, never MKL's sgemm
     assert packing_wanted(cpu, torch.bfloat16, isa="torch") == onednn_bf16()
-    assert not packing_wanted(cpu, torch.float32)
+    assert not packing_wanted(cpu, torch.float32, isa="torch")
+    assert not packing_wanted(cpu, torch.float16, isa="scalar")
+    if BF16 is not None:
+        assert not packing_wanted(cpu, torch.float32, isa=BF16)  # the bf16 paths' fp32 engine: torch's linears
     assert not packing_wanted(torch.device("cuda"), torch.bfloat16)
     monkeypatch.setenv(PACK_ENV, "0")
     assert not packing_wanted(cpu, torch.bfloat16)
@@ -131,6 +135,28 @@ def test_bf16_on_any_cpu_is_stored_in_bf16_and_computed_in_fp32(tiny_model_dir, 
     x = torch.randn(2, 5, weight.shape[1], dtype=torch.bfloat16)
     reference = (x.float() @ weight.float().T).to(torch.bfloat16)
     assert torch.allclose(head(x).float(), reference.float(), rtol=0.01, atol=0.02)
+
+
+@pytest.mark.parametrize("isa", WO_PATHS)
+def test_fp32_on_a_wo_fp32_path_is_tiled_once_and_matches_f_linear(tiny_model_dir, isa):
+    """The fp32 engine of CPUs without native bf16: every projection and the tied head tiled for wo_fp32
+    (fp32 bytes, one copy), each within float rounding of F.linear at decode and prefill row counts."""
+    from quantgate.loading import load_causal_lm, resident_bytes
+
+    model = load_causal_lm(tiny_model_dir, dtype=torch.float32)
+    weights = {name: m.weight.detach().clone() for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    before = resident_bytes(model)
+    assert pack_linears(model, isa=isa) == 7 * model.config.num_hidden_layers + 1
+    assert resident_bytes(model) == before and model.model.embed_tokens.packed_weight.dtype == torch.float32
+    for name, module in model.named_modules():
+        if name in weights:
+            assert isinstance(module, WoLinear) and module.isa == isa
+            for rows in (1, 7, 64, 300):
+                x = torch.randn(rows, module.in_features)
+                reference = F.linear(x, weights[name])
+                assert torch.allclose(module(x), reference, rtol=1e-4, atol=1e-5), (name, rows)
+    ids = torch.tensor([[0, 3, weights["lm_head"].shape[0] - 1]])
+    assert torch.equal(model.model.embed_tokens(ids), weights["lm_head"][ids])
 
 
 @pytest.mark.parametrize("isa", WO_PATHS)

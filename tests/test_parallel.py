@@ -174,7 +174,7 @@ def test_tensor_parallel_shards_int8_and_refuses_what_it_cannot_split(tiny_model
     from serving.model.quant.int4 import Int4WeightOnlyLinear
     from serving.model.quant.int8 import Int8WeightOnlyLinear
 
-    model = load_model(tiny_model_dir, torch.device("cpu"), torch.float32)
+    model = load_model(tiny_model_dir, torch.device("cpu"), torch.float32, isa="torch")  # plain nn.Linear on any CPU
     check_shardable(model, 2)
     mlp, attn = model.model.layers[1].mlp, model.model.layers[0].self_attn
     mlp.up_proj = Int8WeightOnlyLinear.from_linear(mlp.up_proj)

@@ -16,7 +16,9 @@ look up); the pair layout has rows, so the embedding indexes the head's copy: on
 On CPUs without native bf16 (AVX2-only, AVX-512 without BF16) a bf16 model is stored in bf16 and computed
 in fp32: `WoLinear` holds each weight tiled for serving/kernels/cpu/wo_fp32, which widens it in registers
 (half the bytes of fp32; never torch's bf16 matmul, a scalar loop there, nor oneDNN's packing, which
-refuses bf16 on AVX2).
+refuses bf16 on AVX2). An fp32 model there (their default dtype) is tiled the same way: torch's fp32 matmul
+is MKL's sgemm, which streamed a decode step's weights at 6-11 GB/s on an AMD EPYC where wo_fp32 reads them
+at 26-42 GB/s (docs/results/2026-12-07-amd-epyc-zen4.md, "fp32").
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from quantgate import settings
 from serving.kernels.cpu import isa as isas
 from serving.kernels.cpu import wo_bf16, wo_fp32
 
+WO_DTYPES = (torch.bfloat16, torch.float32)  # the weights `WoLinear` tiles as they are
 ONEDNN_BF16_FLAGS = (frozenset({"avx512bw", "avx512vl", "avx512dq"}), frozenset({"avx_ne_convert"}))
 
 
@@ -40,9 +43,11 @@ def onednn_bf16() -> bool:
 
 
 def packing_wanted(device: torch.device, dtype: torch.dtype, isa: str | None = None) -> bool:
-    if not settings.enabled(settings.PACK_WEIGHTS) or device.type != "cpu" or dtype != torch.bfloat16:
+    if not settings.enabled(settings.PACK_WEIGHTS) or device.type != "cpu":
         return False
-    return isas.resolve(isa) in ("avx512", "avx2", "scalar") or onednn_bf16()
+    if isas.resolve(isa) in wo_fp32.PATHS:
+        return dtype in (torch.bfloat16, torch.float32)
+    return dtype == torch.bfloat16 and onednn_bf16()
 
 
 class PackedLinear(nn.Module):
@@ -136,14 +141,15 @@ class WoEmbedding(nn.Module):
 
 
 def pack_for_wo(model: nn.Module, isa: str) -> int:
-    """Swap every plain bf16 `nn.Linear` (a tied lm_head with its embedding) for a `WoLinear` on path
+    """Swap every plain bf16 or fp32 `nn.Linear` (a tied lm_head with its embedding) for a `WoLinear` on path
     `isa`; returns how many. Shapes the kernel does not take stay plain."""
     if not wo_fp32.available(isa):
         return 0
     swapped = 0
     embed, head = model.get_input_embeddings(), model.get_output_embeddings()
     tied = type(embed) is nn.Embedding and type(head) is nn.Linear and head.weight is embed.weight
-    if tied and head.bias is None and wo_fp32.fits(head.in_features, head.out_features):
+    if tied and head.bias is None and head.weight.dtype in WO_DTYPES and wo_fp32.fits(head.in_features,
+                                                                                      head.out_features):
         new_head = WoLinear.of(head, isa)
         model.set_output_embeddings(new_head)
         model.set_input_embeddings(WoEmbedding(new_head))
@@ -152,7 +158,7 @@ def pack_for_wo(model: nn.Module, isa: str) -> int:
     del embed, head
 
     def tiled(child: nn.Linear) -> nn.Module | None:
-        if child.weight.dtype == torch.bfloat16 and child.weight is not embed_weight and wo_fp32.fits(
+        if child.weight.dtype in WO_DTYPES and child.weight is not embed_weight and wo_fp32.fits(
                 child.in_features, child.out_features):
             return WoLinear.of(child, isa)
         return None
@@ -197,14 +203,14 @@ def _packed(linear: nn.Linear, own_kernel: bool, isa: str) -> nn.Module:
 
 
 def pack_linears(model: nn.Module, isa: str | None = None) -> int:
-    """Swap every plain bf16 `nn.Linear` for a `WoLinear` (path `isa` is one of wo_linear's: CPUs without
-    native bf16, or forced), a `PairPackedLinear` (where quantgate's bf16 kernel runs) or a `PackedLinear`
+    """Swap every plain bf16 (or, on wo_fp32's paths, fp32) `nn.Linear` for a `WoLinear` (path `isa` is one of
+    wo_fp32's: CPUs without native bf16, or forced), a `PairPackedLinear` (where quantgate's bf16 kernel runs) or a `PackedLinear`
     (oneDNN); returns how many. Subclasses (bitsandbytes' Linear8bitLt is one) and other
     dtypes keep their own kernels. A weight shared with another module (tied embeddings and lm_head) stays
     shared: oneDNN packing would hold a second copy, so it is pair-packed for our kernel where that runs
     (`pack_tied_head`, counted here), else left plain."""
     path = isas.resolve(isa)
-    if path in ("avx512", "avx2", "scalar"):
+    if path in wo_fp32.PATHS:
         return pack_for_wo(model, path)
     if not onednn_bf16():
         return 0

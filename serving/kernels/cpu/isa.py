@@ -15,7 +15,7 @@ import platform
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
-from functools import lru_cache
+from functools import cache, lru_cache
 from pathlib import Path
 
 from quantgate import settings
@@ -41,27 +41,32 @@ ISA_CFLAGS: dict[str, list[str]] = {
 }
 
 
-@lru_cache(maxsize=1)
-def cpu_flags() -> frozenset[str]:
-    """The processor's feature flags (Linux /proc/cpuinfo); empty where they cannot be read."""
+@cache
+def _cpuinfo(field: str) -> str | None:
+    """The first processor's `field` in Linux's /proc/cpuinfo; None where it cannot be read."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return frozenset(line.split(":", 1)[1].split())
+            if line.split(":", 1)[0].strip() == field:
+                return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return frozenset()
+    return None
+
+
+@lru_cache(maxsize=1)
+def cpu_flags() -> frozenset[str]:
+    """The processor's feature flags; empty where they cannot be read."""
+    return frozenset((_cpuinfo("flags") or "").split())
 
 
 @lru_cache(maxsize=1)
 def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+    return _cpuinfo("model name") or platform.processor() or platform.machine()
+
+
+def cpu_vendor() -> str:
+    """GenuineIntel, AuthenticAMD, ...; empty where it cannot be read."""
+    return _cpuinfo("vendor_id") or ""
 
 
 def x86() -> bool:

@@ -269,11 +269,26 @@ void run_wide(const Tiles& tiles, const at::Tensor& x, at::Tensor& y, const floa
   }
 }
 
+// From how many rows torch's GEMM takes over (run_gemm, run_wide): the defaults suit MKL on Intel CPUs.
+// torch's fp32 GEMM is MKL's, which on AMD CPUs runs slower than our panel (EPYC Zen 4: 1.2-2.2x at 48-1024
+// rows for avx512, up to 256 rows for avx2); wo_fp32.py moves these once, at load, per CPU.
+struct TorchGemmRows {
+  int64_t blocks = F16::kGemmRows;
+  int64_t wide = kWideRows;
+};
+TorchGemmRows torch_gemm_rows;
+
+void use_torch_gemm_from(int64_t blocks, int64_t wide) {
+  TORCH_CHECK(blocks > F16::kDirectRows && wide > F16::kDirectRows, "use_torch_gemm_from: rows must exceed ",
+              F16::kDirectRows);
+  torch_gemm_rows = {blocks, wide};
+}
+
 template <class Tiles>
 void run(const Tiles& tiles, bool widen, const at::Tensor& x, at::Tensor& y, const float* scales) {
   const int64_t m = x.size(0), k = x.size(1), n = y.size(1);
-  if (m >= kWideRows) return run_wide(tiles, x, y, scales);
-  if (m >= F16::kGemmRows) return run_gemm(tiles, x, y, scales);
+  if (m >= torch_gemm_rows.wide) return run_wide(tiles, x, y, scales);
+  if (m >= torch_gemm_rows.blocks) return run_gemm(tiles, x, y, scales);
   run_tiles(tiles, widen, x.data_ptr<float>(), m, k, n, {y.data_ptr<float>(), n, scales});
 }
 
@@ -367,4 +382,5 @@ QG_LIBRARY(QG_NAMESPACE, m) {
   m.def("linear_int8(Tensor x, Tensor w, Tensor scales) -> Tensor", &linear_int8);
   m.def("linear_int4(Tensor x, Tensor w, Tensor scales_zeros, int group) -> Tensor", &linear_int4);
   m.def("isa() -> str", &isa_name);
+  m.def("use_torch_gemm_from(int blocks, int wide) -> ()", &use_torch_gemm_from);
 }

@@ -26,6 +26,20 @@ def cflags(isa: str) -> list[str]:
     return [*BASE_CFLAGS, *isas.ISA_CFLAGS[isa], f"-DQG_ISA_{isa.upper()}", f"-DQG_NAMESPACE=quantgate_wo_{isa}"]
 
 
+# From how many rows (blocks of tiles, whole weight) a call hands its products to torch's fp32 GEMM, where that
+# is MKL on a CPU it runs slowly on: MKL's sgemm on AMD (EPYC Zen 4, 2 threads, SmolLM2-135M's projections)
+# ran 1.2-2.2x slower than our avx512 panel at 48-1024 rows and no faster than the avx2 panel up to 256
+# (docs/results/2026-12-07-amd-epyc-zen4.md, "fp32"). None: the build's defaults (MKL on Intel).
+NO_TORCH_GEMM = 1 << 40
+TORCH_GEMM_ROWS_ON_AMD = {"avx512": (NO_TORCH_GEMM, NO_TORCH_GEMM), "avx2": (256, 256)}
+
+
+def torch_gemm_rows(isa: str) -> tuple[int, int] | None:
+    if isas.cpu_vendor() != "AuthenticAMD" or not torch.backends.mkl.is_available():
+        return None
+    return TORCH_GEMM_ROWS_ON_AMD.get(isa)
+
+
 @cache
 def ops(isa: str):
     """`torch.ops.quantgate_wo_<isa>` once built and loaded, else None."""
@@ -33,7 +47,10 @@ def ops(isa: str):
         return None
     if not build.load(SOURCE, cflags(isa), name=f"wo_linear_{isa}"):
         return None
-    return getattr(torch.ops, f"quantgate_wo_{isa}")
+    loaded = getattr(torch.ops, f"quantgate_wo_{isa}")
+    if (rows := torch_gemm_rows(isa)) is not None:
+        loaded.use_torch_gemm_from(*rows)
+    return loaded
 
 
 def available(isa: str) -> bool:
