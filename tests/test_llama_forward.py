@@ -179,8 +179,9 @@ def test_bf16_engine_on_the_default_model_agrees_with_the_models_own_forward(def
 def test_the_mlp_with_silu_in_the_gate_up_call_decodes_bit_for_bit_as_without(default_model_dir):
     """A bf16 model's gate_up runs as one call with silu(gate) * up in its epilogue (half the bytes out, no
     pass over them): the same logprobs as gate_up then fused_ops.silu_mul, prompts past the 96-row switch."""
+    bf16_path = next(i for i in isas.BF16_PATHS if i in isas.supported())  # whatever path the process forces
     engine = LLMEngine.from_pretrained(str(default_model_dir), device="cpu", dtype="bfloat16",
-                                       enable_prefix_caching=False)
+                                       enable_prefix_caching=False, isa=bf16_path)
     plans = engine.runner.fast_forward.plans
     fused = [plan.gate_up_silu for plan in plans]
     assert all(call is not None for call in fused)

@@ -190,28 +190,27 @@ int64_t int4_chunk_rows(const Problem& p) {
 // SmolLM2's shapes (docs/results/2026-12-06-engine-under-load.md).
 void run_int4(const Problem& p) {
   if (p.m < panel_rows_from(true, p.k)) return run_small<true>(p);
-  const int64_t tiles = p.n / kTile, per = p.silu ? 1 : kTilesPerBlock;  // silu: block b, gate tile b and its up tile
-  const int64_t blocks = p.silu ? tiles / 2 : (tiles + per - 1) / per;
+  const Blocks blocks(p, kTilesPerBlock);
   const int64_t panel_size = p.k / 2 * kTilesPerBlock, chunk_rows = int4_chunk_rows(p);
   const int64_t chunks = (p.m + chunk_rows - 1) / chunk_rows;
-  const auto count = [&](int64_t b) { return p.silu ? 2 : static_cast<int>(std::min<int64_t>(per, tiles - b * per)); };
   const AmxCall amx(p);
-  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, blocks.count(), 1, [&](int64_t begin, int64_t end) {
     __m512i* panels = thread_panel(2 * panel_size);
     const Tiles tile_state(amx);
     const int64_t per_chunk = end - begin, items = chunks * per_chunk;
     const auto block = [&](int64_t i) { return begin + i % per_chunk; };
     Int4Panel next(p);
-    next.start(block(0) * per, count(block(0)), panels);
+    next.start(blocks.first(block(0)), blocks.size(block(0)), panels);
     next.finish();
     for (int64_t i = 0; i < items; ++i) {
       const int64_t b = block(i), row0 = i / per_chunk * chunk_rows, row1 = std::min(p.m, row0 + chunk_rows);
       __m512i* panel = panels + i % 2 * panel_size;
-      if (i + 1 < items) next.start(block(i + 1) * per, count(block(i + 1)), panels + (i + 1) % 2 * panel_size);
+      if (i + 1 < items)
+        next.start(blocks.first(block(i + 1)), blocks.size(block(i + 1)), panels + (i + 1) % 2 * panel_size);
       const int64_t steps = (row1 - row0 + 15) / 16 * std::max<int64_t>(1, p.k / 32);
       const int64_t share = (next.left() + steps - 1) / steps;
-      panel_rows(p, b * per, count(b), Panel{panel, count(b), 1}, amx.used, amx.tail.data(), row0, row1,
-                 [&] { next.run(share); });
+      panel_rows(p, blocks.first(b), blocks.size(b), Panel{panel, blocks.size(b), 1}, amx.used, amx.tail.data(),
+                 row0, row1, [&] { next.run(share); });
       next.finish();
     }
   });
@@ -220,15 +219,14 @@ void run_int4(const Problem& p) {
 // A silu call (p.silu) pairs gate tile b with up tile b + N/32 in each block's panel.
 void run_int8(const Problem& p) {
   if (p.m < panel_rows_from(false, p.k)) return run_small<false>(p);
-  const int64_t tiles = p.n / kTile;
-  const int64_t blocks = p.silu ? tiles / 2 : (tiles + kTilesPerBlock - 1) / kTilesPerBlock;
+  const Blocks blocks(p, kTilesPerBlock);
   const AmxCall amx(p);
-  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, blocks.count(), 1, [&](int64_t begin, int64_t end) {
     __m512i* panel = thread_panel(p.k / 2 * kTilesPerBlock);
     const Tiles tile_state(amx);
     for (int64_t b = begin; b < end; ++b) {
-      const int64_t tile0 = p.silu ? b : b * kTilesPerBlock;
-      const int count = p.silu ? 2 : static_cast<int>(std::min<int64_t>(kTilesPerBlock, tiles - tile0));
+      const int64_t tile0 = blocks.first(b);
+      const int count = blocks.size(b);
       dequant_int8(p, tile0, count, panel);
       panel_rows(p, tile0, count, Panel{panel, count, 1}, amx.used, amx.tail.data(), 0, p.m);
     }
@@ -246,16 +244,15 @@ void run_bf16(const Problem& call) {
   Problem p = call;
   const AmxCall amx(p);
   p.stream_x = amx.used && p.m >= kWideRows;
-  const int per = p.stream_x || p.silu ? 2 : kTilesPerBlock;
-  const int64_t tiles = p.silu ? p.n / kTile / 2 : p.n / kTile, pairs = p.k / 2;
-  const int64_t blocks = p.silu ? tiles : (tiles + per - 1) / per, tile_stride = p.silu ? tiles * pairs : pairs;
+  const Blocks blocks(p, p.stream_x ? 2 : kTilesPerBlock);
+  const int64_t pairs = p.k / 2, tile_stride = second_tile(p) * pairs;
   const __m512i* weight = static_cast<const __m512i*>(p.weight);
-  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, blocks.count(), 1, [&](int64_t begin, int64_t end) {
     const Tiles tile_state(amx);
     for (int64_t row0 = 0; row0 < p.m; row0 += kChunkRows) {
       for (int64_t b = begin; b < end; ++b) {
-        const int64_t tile0 = p.silu ? b : b * per;
-        const int count = static_cast<int>(std::min<int64_t>(per, p.silu ? 2 : tiles - tile0));
+        const int64_t tile0 = blocks.first(b);
+        const int count = blocks.size(b);
         panel_rows(p, tile0, count, Panel{weight + tile0 * pairs, 1, tile_stride}, amx.used, amx.tail.data(),
                    row0, std::min(p.m, row0 + kChunkRows));
       }

@@ -79,6 +79,19 @@ inline void prefetch_scales(const Problem& p, int64_t tile0, int tiles) {
 // Tiles between a block's first and second channel tile: the next one, or a silu call's up tile.
 inline int64_t second_tile(const Problem& p) { return p.silu ? p.n / kTile / 2 : 1; }
 
+// A call's channel tiles handed out in blocks of `per` (the last may hold fewer); a silu call's block b is gate
+// tile b and its up tile (second_tile on): 2 tiles a block, N/32 blocks.
+struct Blocks {
+  int64_t tiles;  // the call's channel tiles; a silu call's gate tiles
+  int per;
+  bool silu;
+  Blocks(const Problem& p, int tiles_per_block)
+      : tiles(p.silu ? p.n / kTile / 2 : p.n / kTile), per(p.silu ? 2 : tiles_per_block), silu(p.silu != nullptr) {}
+  int64_t count() const { return silu ? tiles : (tiles + per - 1) / per; }
+  int64_t first(int64_t b) const { return silu ? b : b * per; }
+  int size(int64_t b) const { return silu ? 2 : static_cast<int>(std::min<int64_t>(per, tiles - b * per)); }
+};
+
 // 16 channels from n0 of one output row as the call writes them: times the per-channel scales (int8) and the
 // row's scale (x rounded to int16) where given, each product rounded explicitly (-ffast-math may not
 // reassociate them differently in each instantiation), so a row's result is the row's alone.

@@ -197,16 +197,16 @@ void widen_int4(const Problem& p, int64_t tile0, int tiles, __m512i* panel) {
 template <bool INT4>
 void run_small(const Problem& p) {
   const Int16Rows xq = round_rows(p);
-  const int64_t tiles = p.n / kTile, blocks = (tiles + kTilesPerBlock - 1) / kTilesPerBlock;
+  const Blocks blocks(p, kTilesPerBlock);
   const bool widen = INT4 && p.m >= kInt4WidenRows;
-  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, blocks.count(), 1, [&](int64_t begin, int64_t end) {
     __m512i* panel = widen ? thread_panel(p.k / 2 * kTilesPerBlock) : nullptr;
     const __m512i* widened = panel;
     for (int64_t row0 = 0; row0 < p.m; row0 += kChunkRows) {
       const int64_t rows_end = std::min(p.m, row0 + kChunkRows);
       for (int64_t b = begin; b < end; ++b) {
-        const int64_t tile0 = b * kTilesPerBlock;
-        const int count = static_cast<int>(std::min<int64_t>(kTilesPerBlock, tiles - tile0));
+        const int64_t tile0 = blocks.first(b);
+        const int count = blocks.size(b);
         if (widen) widen_int4(p, tile0, count, panel);
         if (count == 3) small_rows<INT4, 3>(p, xq, tile0, widened, row0, rows_end);
         else if (count == 2) small_rows<INT4, 2>(p, xq, tile0, widened, row0, rows_end);
