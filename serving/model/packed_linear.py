@@ -18,7 +18,7 @@ in fp32: `WoLinear` holds each weight tiled for serving/kernels/cpu/wo_fp32, whi
 (half the bytes of fp32; never torch's bf16 matmul, a scalar loop there, nor oneDNN's packing, which
 refuses bf16 on AVX2). An fp32 model there (their default dtype) is tiled the same way: torch's fp32 matmul
 is MKL's sgemm, which streamed a decode step's weights at 6-11 GB/s on an AMD EPYC where wo_fp32 reads them
-at 26-42 GB/s (docs/results/2026-12-07-amd-epyc-zen4.md, "fp32").
+at 26-42 GB/s (docs/results/2026-12-07-amd-epyc-zen4-fp32.md).
 """
 
 from __future__ import annotations
