@@ -44,7 +44,7 @@ FUSED_OPS = _switch("QUANTGATE_FUSED_OPS", "1", "0 runs RMSNorm/rotary through t
 PREFILL_ATTENTION = _switch("QUANTGATE_PREFILL_ATTENTION", "1", "0 runs a fresh prompt's causal attention through "
                              "torch's flash kernel instead of prefill_attention.cpp (amx, avx512bf16)")
 DECODE_STEP = _switch("QUANTGATE_DECODE_STEP", "1", "0 runs decode steps' layers from Python, op by op")
-PACK_WEIGHTS = _switch("QUANTGATE_PACK_WEIGHTS", "1", "0 keeps plain nn.Linear for bf16 weights")
+PACK_WEIGHTS = _switch("QUANTGATE_PACK_WEIGHTS", "1", "0 keeps plain nn.Linear (bf16 weights, and fp32 on the avx512/avx2/scalar paths)")
 FAST_FORWARD = _switch("QUANTGATE_FAST_FORWARD", "1", "0 runs the model's own forward instead of llama_forward")
 TRITON_INTERPRET = _switch("TRITON_INTERPRET", "0", "Triton's own (read when kernels are defined): 1 runs "
                             "serving/kernels/cuda's kernels on CPU tensors in its interpreter (tests)")
