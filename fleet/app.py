@@ -98,7 +98,10 @@ def connect(address: str | None = None, num_cpus: int | None = None) -> None:
     if address:
         ray.init(address=address, namespace="quantgate", include_dashboard=False, log_to_driver=False)
     else:
-        ray.init(num_cpus=num_cpus or 2, namespace="quantgate", include_dashboard=False, log_to_driver=False)
+        # "local": a cluster of its own even where another is up on this machine (a bare init attaches to the
+        # one /tmp/ray/ray_current_cluster names, and refuses num_cpus there: a Ray test beside it did that)
+        ray.init(address="local", num_cpus=num_cpus or 2, namespace="quantgate", include_dashboard=False,
+                 log_to_driver=False)
 
 
 def up(config: FleetConfig, address: str | None = None, num_cpus: int | None = None,

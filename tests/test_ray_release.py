@@ -57,6 +57,20 @@ def connected(cluster):
     ray_cluster.disconnect()
 
 
+def test_a_fleet_started_here_gets_its_own_ray_beside_another_cluster(cluster):
+    """`quantgate fleet up` without an address starts a Ray of its own: a bare `ray.init` attached to this
+    cluster (it names itself in /tmp/ray) and refused num_cpus there; test_fleet.py beside this module failed so."""
+    import subprocess
+    import sys
+
+    code = ("from fleet.app import connect; import ray; connect(None, 1); "
+            "print(ray.get_runtime_context().gcs_address)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          cwd=Path(__file__).resolve().parents[1])
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split()[-1] != cluster.address
+
+
 def test_every_node_sees_the_drivers_home_and_numerics(cluster, connected):
     assert len(connected.nodes) == 2 and connected.task_cpus == 1
     assert {n.home for n in connected.nodes} == {str(settings.home().resolve())}
