@@ -5,8 +5,8 @@
 // `table[t / bs] * bs + t % bs` of head h is one contiguous row. Work items are (sequence, KV head): the
 // query heads sharing a KV head read each K/V row once. Each item is one pass over its context with an
 // online softmax (a running max and sum per query head, the V sums rescaled when the max rises): K and V
-// of a block are read back to back, no score row of the whole context is written and re-read, and (bf16
-// loop) the blocks ahead are prefetched (a context's blocks are scattered over the cache). A build with AMX
+// of a block are read back to back, no score row of the whole context is written and re-read, and the
+// blocks ahead are prefetched (a context's blocks are scattered over the cache). A build with AMX
 // (the `amx` path) runs the bf16 loop's two products on tiles (paged_attention_amx.h). Scores and sums are fp32;
 // int8 codes are scaled per token (the scale folds into the score for K and into the probability for V);
 // fp8 e4m3 codes are decoded through a 256-entry table. A sliding-window layer (`window` > 0) attends to
@@ -73,6 +73,7 @@ struct Online {
 };
 
 constexpr int64_t kChunk = 16;  // tokens per step: a block of 16, or part of a larger block
+constexpr int64_t kAheadBlocks = 3;  // the portable loop's fetches into L2, this many blocks ahead
 
 // Fold the chunk's scores s[g, 0..n) into each head's running max and sum; leaves probabilities in s.
 inline void online_chunk(Online& o, int64_t group, int64_t dim, int64_t n) {
@@ -151,7 +152,7 @@ void attend_chunk(const Problem& p, Online& o, const C* krows, const C* vrows, c
 }
 
 // One (sequence, KV head), any formats: one pass over the context in chunks of at most kChunk tokens of
-// one block, an online softmax, K and V of a chunk read back to back, the next block's rows prefetched.
+// one block, an online softmax, K and V of a chunk read back to back, the rows kAheadBlocks ahead prefetched.
 template <typename Q, typename C>
 void attend_portable(const Problem& p, const Q* q, const C* k_cache, const C* v_cache, Q* out, int64_t seq,
                      int64_t kvh, const Span& span, std::vector<float>& buf) {
@@ -172,10 +173,13 @@ void attend_portable(const Problem& p, const Q* q, const C* k_cache, const C* v_
     const int64_t block = t / bs, in_block = t % bs;
     const int64_t n = std::min({span.length - t, bs - in_block, kChunk});
     const int64_t slot = head_base + span.table[block] * bs + in_block;
-    if ((block + 1) * bs < span.length) {  // the next block's twin rows: K and V here wait on the chunk's softmax,
-      const int64_t next = head_base + span.table[block + 1] * bs + in_block;  // so out-of-order reads stop at it
-      prefetch_rows(k_cache + next * dim, n * dim);
-      prefetch_rows(v_cache + next * dim, n * dim);
+    // The twin rows kAheadBlocks blocks on, into L2 (scattered blocks: the hardware prefetcher stops at each
+    // block's end). Fetching only the next block, into L1, this loop ran 1.26-1.39x slower at 64 sequences
+    // (fp32, AMD EPYC Zen 4: docs/results/2026-12-07-amd-epyc-zen4-fp32.md).
+    if ((block + kAheadBlocks) * bs < span.length) {
+      const int64_t far = head_base + span.table[block + kAheadBlocks] * bs + in_block;
+      prefetch_rows<2>(k_cache + far * dim, n * dim);
+      prefetch_rows<2>(v_cache + far * dim, n * dim);
     }
     attend_chunk<C>(p, o, k_cache + slot * dim, v_cache + slot * dim, p.k_scale ? p.k_scale + slot : nullptr,
                     p.v_scale ? p.v_scale + slot : nullptr, n);

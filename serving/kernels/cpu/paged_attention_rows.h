@@ -90,10 +90,11 @@ inline const float* row_of(const C* src, float* buf, int64_t dim) {
   }
 }
 
-template <typename C>
+// LOCALITY 3: into L1; 2: into L2 (lines in flight there are not bounded by L1's few fill buffers).
+template <int LOCALITY = 3, typename C>
 inline void prefetch_rows(const C* rows, int64_t elements) {
   const char* at = reinterpret_cast<const char*>(rows);
-  for (int64_t off = 0; off < elements * static_cast<int64_t>(sizeof(C)); off += 64) __builtin_prefetch(at + off);
+  for (int64_t off = 0; off < elements * static_cast<int64_t>(sizeof(C)); off += 64) __builtin_prefetch(at + off, 0, LOCALITY);
 }
 
 }  // namespace
