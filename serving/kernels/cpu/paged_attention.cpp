@@ -152,7 +152,7 @@ void attend_chunk(const Problem& p, Online& o, const C* krows, const C* vrows, c
 }
 
 // One (sequence, KV head), any formats: one pass over the context in chunks of at most kChunk tokens of
-// one block, an online softmax, K and V of a chunk read back to back, the rows kAheadBlocks ahead prefetched.
+// one block, an online softmax, K and V of a chunk read back to back, the blocks ahead prefetched.
 template <typename Q, typename C>
 void attend_portable(const Problem& p, const Q* q, const C* k_cache, const C* v_cache, Q* out, int64_t seq,
                      int64_t kvh, const Span& span, std::vector<float>& buf) {
@@ -173,10 +173,17 @@ void attend_portable(const Problem& p, const Q* q, const C* k_cache, const C* v_
     const int64_t block = t / bs, in_block = t % bs;
     const int64_t n = std::min({span.length - t, bs - in_block, kChunk});
     const int64_t slot = head_base + span.table[block] * bs + in_block;
-    // The twin rows kAheadBlocks blocks on, into L2 (scattered blocks: the hardware prefetcher stops at each
-    // block's end). Fetching only the next block, into L1, this loop ran 1.26-1.39x slower at 64 sequences
-    // (fp32, AMD EPYC Zen 4: docs/results/2026-12-07-amd-epyc-zen4-fp32.md).
-    if ((block + kAheadBlocks) * bs < span.length) {
+    if ((block + 1) * bs < span.length) {  // the next block's twin rows: K and V here wait on the chunk's softmax,
+      const int64_t next = head_base + span.table[block + 1] * bs + in_block;  // so out-of-order reads stop at it
+      prefetch_rows(k_cache + next * dim, n * dim);
+      prefetch_rows(v_cache + next * dim, n * dim);
+    }
+    // Where the blocks ahead are not laid out in order (a server's cache: blocks freed and handed out again), the
+    // hardware prefetcher stops at each block's end: the rows kAheadBlocks blocks on into L2 as well. A b64 ctx-256
+    // fp32 step's attention on an AMD EPYC Zen 4: 69-73 -> 55-57 ms scattered, 41-42 -> 43-46 in order (where this
+    // fetch is skipped); fetched in order too, 42 -> 49-50 ms (docs/results/2026-12-07-amd-epyc-zen4-fp32.md).
+    const bool ahead = (block + kAheadBlocks) * bs < span.length;
+    if (ahead && span.table[block + kAheadBlocks] != span.table[block] + kAheadBlocks) {
       const int64_t far = head_base + span.table[block + kAheadBlocks] * bs + in_block;
       prefetch_rows<2>(k_cache + far * dim, n * dim);
       prefetch_rows<2>(v_cache + far * dim, n * dim);
