@@ -106,3 +106,22 @@ def test_prefill_over_a_weight_wider_than_one_widened_buffer(isa):
     with torch.inference_mode():
         y = wo_fp32.linear_int8(isa, x, wo_fp32.tile(q), scales)
     _close(y, x @ (q.float() * scales[:, None]).T)
+
+
+def test_torch_gemm_takes_rows_only_where_it_is_fast(monkeypatch):
+    """MKL's sgemm on AMD ran slower than our panels (docs/results/2026-12-07-amd-epyc-zen4-fp32.md): there the
+    avx512 build never hands rows to torch's GEMM and avx2 only from 256; elsewhere the builds' defaults."""
+    monkeypatch.setattr(torch.backends.mkl, "is_available", lambda: True)
+    monkeypatch.setattr(isas, "cpu_vendor", lambda: "AuthenticAMD")
+    assert wo_fp32.torch_gemm_rows("avx512") == (wo_fp32.NO_TORCH_GEMM, wo_fp32.NO_TORCH_GEMM)
+    assert wo_fp32.torch_gemm_rows("avx2") == (256, 256)
+    assert wo_fp32.torch_gemm_rows("scalar") is None
+    monkeypatch.setattr(isas, "cpu_vendor", lambda: "GenuineIntel")
+    assert wo_fp32.torch_gemm_rows("avx512") is None
+    monkeypatch.setattr(isas, "cpu_vendor", lambda: "AuthenticAMD")
+    monkeypatch.setattr(torch.backends.mkl, "is_available", lambda: False)
+    assert wo_fp32.torch_gemm_rows("avx512") is None
+
+
+def test_the_cpu_vendor_is_read():
+    assert isas.cpu_vendor() in ("GenuineIntel", "AuthenticAMD", "") or isas.cpu_vendor().isalnum()
