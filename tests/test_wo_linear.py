@@ -121,7 +121,3 @@ def test_torch_gemm_takes_rows_only_where_it_is_fast(monkeypatch):
     monkeypatch.setattr(isas, "cpu_vendor", lambda: "AuthenticAMD")
     monkeypatch.setattr(torch.backends.mkl, "is_available", lambda: False)
     assert wo_fp32.torch_gemm_rows("avx512") is None
-
-
-def test_the_cpu_vendor_is_read():
-    assert isas.cpu_vendor() in ("GenuineIntel", "AuthenticAMD", "") or isas.cpu_vendor().isalnum()
