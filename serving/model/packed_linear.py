@@ -46,7 +46,7 @@ def packing_wanted(device: torch.device, dtype: torch.dtype, isa: str | None = N
     if not settings.enabled(settings.PACK_WEIGHTS) or device.type != "cpu":
         return False
     if isas.resolve(isa) in wo_fp32.PATHS:
-        return dtype in (torch.bfloat16, torch.float32)
+        return dtype in WO_DTYPES
     return dtype == torch.bfloat16 and onednn_bf16()
 
 
