@@ -34,9 +34,13 @@ HEAVY = pytest.mark.skipif(settings.RAY_RELEASE.raw() != "1",
 @pytest.fixture(scope="module")
 def cluster():
     """Two Ray nodes on this machine, one CPU each and a resource naming each; their temp dir is removed after."""
+    from ray._common.utils import get_ray_address_file
     from ray.cluster_utils import Cluster
 
     temp = tempfile.mkdtemp(prefix="qgray-", dir="/tmp")  # short: Ray's socket paths must fit 107 characters
+    # Cluster writes its address to /tmp/ray/ray_current_cluster whatever temp_dir says, and fails on a machine
+    # that never ran Ray (a fresh CI runner) because it does not create that folder
+    Path(get_ray_address_file(None)).parent.mkdir(parents=True, exist_ok=True)
     c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "resources": {"node_a": 1},
                                                       "include_dashboard": False, "temp_dir": temp})
     try:
