@@ -198,7 +198,11 @@ def reference_ops(rev: str, path: str):
     source = tmp / ("wo_bf16.cpp" if bf16 else "wo_fp32.cpp")
     if not build.load(source, [*cflags, f"-DQG_NAMESPACE={namespace}"], name=f"{source.stem}_{path}_ref"):
         raise RuntimeError(f"{rev}'s {source.name} did not build for {path}")
-    return getattr(torch.ops, namespace)
+    ops = getattr(torch.ops, namespace)
+    rows = None if bf16 else wo_fp32.torch_gemm_rows(path)
+    if rows is not None and hasattr(ops, "use_torch_gemm_from"):  # as wo_fp32.ops sets the current build's
+        ops.use_torch_gemm_from(*rows)
+    return ops
 
 
 def current_ops(path: str):

@@ -108,13 +108,37 @@ def test_prefill_over_a_weight_wider_than_one_widened_buffer(isa):
     _close(y, x @ (q.float() * scales[:, None]).T)
 
 
+@pytest.fixture
+def torch_gemm_from_few_rows(request):
+    """The path's calls handed to torch's GEMM from 8 rows (blocks) and 40 (whole weight), as on Intel CPUs at
+    their defaults; put back after. On AMD CPUs the builds never hand rows over, and this is what tests it there."""
+    ops = wo_fp32.ops(request.param)
+    before = ops.use_torch_gemm_from(8, 40)
+    yield request.param
+    ops.use_torch_gemm_from(*before)
+
+
+@pytest.mark.parametrize("torch_gemm_from_few_rows", PATHS, indirect=True)
+@pytest.mark.parametrize("rows", [16, 64])
+def test_every_format_through_torch_gemm(torch_gemm_from_few_rows, rows):
+    isa = torch_gemm_from_few_rows
+    w = torch.randn(48, 128, generator=_gen(9))
+    x = torch.randn(rows, 128, generator=_gen(rows))
+    _close(wo_fp32.linear_f32(isa, x, wo_fp32.tile(w)), x @ w.T)
+    q, scales = quantize_per_channel(w)
+    _close(wo_fp32.linear_int8(isa, x, wo_fp32.tile(q), scales), x @ (q.float() * scales[:, None]).T)
+    codes, sz = quantize_groups(w, 32)
+    _close(wo_fp32.linear_int4(isa, x, wo_fp32.tile(codes), sz, 32),
+           x @ dequantize_rows(codes, sz, 32, torch.float32).T)
+
+
 def test_torch_gemm_takes_rows_only_where_it_is_fast(monkeypatch):
     """MKL's sgemm on AMD ran slower than our panels (docs/results/2026-12-07-amd-epyc-zen4-fp32.md): there the
-    avx512 build never hands rows to torch's GEMM and avx2 only from 256; elsewhere the builds' defaults."""
+    avx512 and avx2 builds never hand rows to torch's GEMM; elsewhere the builds' defaults."""
     monkeypatch.setattr(torch.backends.mkl, "is_available", lambda: True)
     monkeypatch.setattr(isas, "cpu_vendor", lambda: "AuthenticAMD")
     assert wo_fp32.torch_gemm_rows("avx512") == (wo_fp32.NO_TORCH_GEMM, wo_fp32.NO_TORCH_GEMM)
-    assert wo_fp32.torch_gemm_rows("avx2") == (256, 256)
+    assert wo_fp32.torch_gemm_rows("avx2") == (wo_fp32.NO_TORCH_GEMM, wo_fp32.NO_TORCH_GEMM)
     assert wo_fp32.torch_gemm_rows("scalar") is None
     monkeypatch.setattr(isas, "cpu_vendor", lambda: "GenuineIntel")
     assert wo_fp32.torch_gemm_rows("avx512") is None

@@ -59,4 +59,7 @@ inline F16 fma(const F16& a, float b, const F16& c) {
 }
 inline F16 mul(const F16& a, const F16& b) { return {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; }
 
+// Makes v a register here: a value the compiler may reload, it would otherwise fold into every FMA using it.
+inline void pin(F16& v) { asm volatile("" : "+x"(v.lo), "+x"(v.hi)); }
+
 }  // namespace qg

@@ -71,4 +71,6 @@ inline F16 mul(const F16& a, const F16& b) {
   return r;
 }
 
+inline void pin(F16&) {}  // the SIMD headers' register hint: nothing to hold here
+
 }  // namespace qg
