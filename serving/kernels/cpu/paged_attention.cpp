@@ -100,29 +100,30 @@ inline void online_chunk(Online& o, int64_t group, int64_t dim, int64_t n) {
   }
 }
 
-// acc[0, DIM) += sum_i w[i] * rows[i]: the accumulator row held in registers across the chunk's rows, the
-// rows read in order (an axpy per row loads and stores the accumulator row for every token; walking the
-// rows column by column instead kept it in registers but cost ~25 % from DRAM).
-template <int DIM>
-inline void weighted_rows_fixed(const float* w, const float* rows, int64_t n, float* acc) {
-  float a[DIM];
-  for (int d = 0; d < DIM; ++d) a[d] = acc[d];
+// acc[0, 16 V) += sum_i w[i] * rows[i][0, 16 V) (rows `stride` apart): the column sums held in registers across
+// the chunk's rows (an axpy per row loads and stores the accumulator row for every token; a float array here
+// stayed in memory, each token's sums waiting on the last one's stores).
+template <int V>
+inline void weighted_columns(const float* w, const float* rows, int64_t n, int64_t stride, float* acc) {
+  F16 a[V];
+  for (int j = 0; j < V; ++j) a[j] = F16::load(acc + 16 * j);
   for (int64_t i = 0; i < n; ++i) {
     const float wi = w[i];
-    const float* r = rows + i * DIM;
-#pragma omp simd
-    for (int d = 0; d < DIM; ++d) a[d] += wi * r[d];
+    for (int j = 0; j < V; ++j) a[j] = fma(F16::load(rows + i * stride + 16 * j), wi, a[j]);
   }
-  for (int d = 0; d < DIM; ++d) acc[d] = a[d];
+  for (int j = 0; j < V; ++j) a[j].store(acc + 16 * j);
 }
 
+// 64 columns at a time (8 of AVX2's 16 registers), the rows read in order: a head of 128 takes two passes over
+// the chunk's rows, the second from L1 (walking single columns over rows from DRAM cost ~25 %).
 inline void weighted_rows(const float* w, const float* rows, int64_t n, int64_t dim, float* acc) {
-  if (dim == 64) return weighted_rows_fixed<64>(w, rows, n, acc);
-  if (dim == 128) return weighted_rows_fixed<128>(w, rows, n, acc);
-  for (int64_t i = 0; i < n; ++i) {
-    const float wi = w[i];
-#pragma omp simd
-    for (int64_t d = 0; d < dim; ++d) acc[d] += wi * rows[i * dim + d];
+  int64_t c = 0;
+  for (; c + 64 <= dim; c += 64) weighted_columns<4>(w, rows + c, n, dim, acc + c);
+  for (; c + 16 <= dim; c += 16) weighted_columns<1>(w, rows + c, n, dim, acc + c);
+  for (; c < dim; ++c) {
+    float a = acc[c];
+    for (int64_t i = 0; i < n; ++i) a += w[i] * rows[i * dim + c];
+    acc[c] = a;
   }
 }
 
@@ -175,8 +176,8 @@ void attend_portable(const Problem& p, const Q* q, const C* k_cache, const C* v_
     const int64_t slot = head_base + span.table[block] * bs + in_block;
     if ((block + 1) * bs < span.length) {  // the next block's twin rows: K and V here wait on the chunk's softmax,
       const int64_t next = head_base + span.table[block + 1] * bs + in_block;  // so out-of-order reads stop at it
-      prefetch_rows(k_cache + next * dim, n * dim);
-      prefetch_rows(v_cache + next * dim, n * dim);
+      prefetch_rows<2>(k_cache + next * dim, n * dim);
+      prefetch_rows<2>(v_cache + next * dim, n * dim);
     }
     // Where the blocks ahead are not laid out in order (a server's cache: blocks freed and handed out again), the
     // hardware prefetcher stops at each block's end: the rows kAheadBlocks blocks on into L2 as well. A b64 ctx-256

@@ -58,6 +58,13 @@ inline F16 fma(const F16& a, float b, const F16& c) {
   return {_mm256_fmadd_ps(a.lo, v, c.lo), _mm256_fmadd_ps(a.hi, v, c.hi)};
 }
 inline F16 mul(const F16& a, const F16& b) { return {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; }
+inline F16 add(const F16& a, const F16& b) { return {_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)}; }
+inline float sum(const F16& a) {
+  const __m256 s = _mm256_add_ps(a.lo, a.hi);
+  __m128 x = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+  return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
+}
 
 // Makes v a register here: a value the compiler may reload, it would otherwise fold into every FMA using it.
 inline void pin(F16& v) { asm volatile("" : "+x"(v.lo), "+x"(v.hi)); }

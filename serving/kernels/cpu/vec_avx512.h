@@ -43,6 +43,8 @@ struct F16 {
 inline F16 fma(const F16& a, const F16& b, const F16& c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
 inline F16 fma(const F16& a, float b, const F16& c) { return {_mm512_fmadd_ps(a.v, _mm512_set1_ps(b), c.v)}; }
 inline F16 mul(const F16& a, const F16& b) { return {_mm512_mul_ps(a.v, b.v)}; }
+inline F16 add(const F16& a, const F16& b) { return {_mm512_add_ps(a.v, b.v)}; }
+inline float sum(const F16& a) { return _mm512_reduce_add_ps(a.v); }
 
 // vec_avx2.h's register hint: not needed with 32 registers (GCC keeps the weights in them), and pinning cost an
 // 8B-shaped call 3-6 % at 64-512 rows on an EPYC Zen 4 (docs/results/2026-12-07-amd-epyc-zen4-fp32.md).

@@ -71,6 +71,17 @@ inline F16 mul(const F16& a, const F16& b) {
   return r;
 }
 
+inline F16 add(const F16& a, const F16& b) {
+  F16 r;
+  for (int i = 0; i < 16; ++i) r.v[i] = a.v[i] + b.v[i];
+  return r;
+}
+inline float sum(const F16& a) {
+  float s = 0.0f;
+  for (float e : a.v) s += e;
+  return s;
+}
+
 inline void pin(F16&) {}  // the SIMD headers' register hint: nothing to hold here
 
 }  // namespace qg
