@@ -174,20 +174,16 @@ void attend_portable(const Problem& p, const Q* q, const C* k_cache, const C* v_
     const int64_t block = t / bs, in_block = t % bs;
     const int64_t n = std::min({span.length - t, bs - in_block, kChunk});
     const int64_t slot = head_base + span.table[block] * bs + in_block;
-    if ((block + 1) * bs < span.length) {  // the next block's twin rows: K and V here wait on the chunk's softmax,
-      const int64_t next = head_base + span.table[block + 1] * bs + in_block;  // so out-of-order reads stop at it
-      prefetch_rows<2>(k_cache + next * dim, n * dim);
-      prefetch_rows<2>(v_cache + next * dim, n * dim);
-    }
-    // Where the blocks ahead are not laid out in order (a server's cache: blocks freed and handed out again), the
-    // hardware prefetcher stops at each block's end: the rows kAheadBlocks blocks on into L2 as well. A b64 ctx-256
-    // fp32 step's attention on an AMD EPYC Zen 4: 69-73 -> 55-57 ms scattered, 41-42 -> 43-46 in order (where this
-    // fetch is skipped); fetched in order too, 42 -> 49-50 ms (docs/results/2026-12-07-amd-epyc-zen4-fp32.md).
-    const bool ahead = (block + kAheadBlocks) * bs < span.length;
-    if (ahead && span.table[block + kAheadBlocks] != span.table[block] + kAheadBlocks) {
-      const int64_t far = head_base + span.table[block + kAheadBlocks] * bs + in_block;
-      prefetch_rows<2>(k_cache + far * dim, n * dim);
-      prefetch_rows<2>(v_cache + far * dim, n * dim);
+    // The twin rows of blocks ahead, into L2, where the blocks are not laid out in order (a server's cache: blocks
+    // freed and handed out again) and the hardware prefetcher stops at each block's end: the next block's (K and V
+    // here wait on the chunk's softmax, so out-of-order reads stop at it) and kAheadBlocks blocks on. In order the
+    // hardware prefetcher runs ahead alone, and fetching there too cost 1.3-1.6x (a 64 x 256 fp32 layer on an EPYC
+    // Zen 4, docs/results/2026-12-07-amd-epyc-zen4-fp32.md); scattered, the two fetches win 1.4-1.7x.
+    for (const int64_t ahead : {int64_t{1}, kAheadBlocks}) {
+      if ((block + ahead) * bs >= span.length || span.table[block + ahead] == span.table[block] + ahead) continue;
+      const int64_t rows = head_base + span.table[block + ahead] * bs + in_block;
+      prefetch_rows(k_cache + rows * dim, n * dim);
+      prefetch_rows(v_cache + rows * dim, n * dim);
     }
     attend_chunk<C>(p, o, k_cache + slot * dim, v_cache + slot * dim, p.k_scale ? p.k_scale + slot : nullptr,
                     p.v_scale ? p.v_scale + slot : nullptr, n);
