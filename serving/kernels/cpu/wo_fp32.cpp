@@ -276,7 +276,7 @@ void run_wide(const Tiles& tiles, const at::Tensor& x, at::Tensor& y, const floa
 
 // From how many rows torch's GEMM takes over (run_gemm, run_wide): the defaults suit MKL on Intel CPUs.
 // torch's fp32 GEMM is MKL's, which on AMD CPUs runs slower than our panel (EPYC Zen 4: 1.2-2.2x at 48-1024
-// rows for avx512, up to 256 rows for avx2); wo_fp32.py moves these once, at load, per CPU.
+// rows for avx512, 1.0-1.2x for avx2); wo_fp32.py moves these once, at load, per CPU.
 struct TorchGemmRows {
   int64_t blocks = F16::kGemmRows;
   int64_t wide = kWideRows;
