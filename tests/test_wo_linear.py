@@ -133,7 +133,7 @@ def test_every_format_through_torch_gemm(torch_gemm_from_few_rows, rows):
 
 
 def test_torch_gemm_takes_rows_only_where_it_is_fast(monkeypatch):
-    """MKL's sgemm on AMD ran slower than our panels (docs/results/2026-12-07-amd-epyc-zen4-fp32.md): there the
+    """MKL's sgemm on AMD ran slower than our panels (docs/results/2026-12-07-amd-epyc-zen4-fp32-evening.md): there the
     avx512 and avx2 builds never hand rows to torch's GEMM; elsewhere the builds' defaults."""
     monkeypatch.setattr(torch.backends.mkl, "is_available", lambda: True)
     monkeypatch.setattr(isas, "cpu_vendor", lambda: "AuthenticAMD")

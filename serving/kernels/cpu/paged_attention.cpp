@@ -177,8 +177,9 @@ void attend_portable(const Problem& p, const Q* q, const C* k_cache, const C* v_
     // The twin rows of blocks ahead, into L2, where the blocks are not laid out in order (a server's cache: blocks
     // freed and handed out again) and the hardware prefetcher stops at each block's end: the next block's (K and V
     // here wait on the chunk's softmax, so out-of-order reads stop at it) and kAheadBlocks blocks on. In order the
-    // hardware prefetcher runs ahead alone, and fetching there too cost 1.3-1.6x (a 64 x 256 fp32 layer on an EPYC
-    // Zen 4, docs/results/2026-12-07-amd-epyc-zen4-fp32.md); scattered, the two fetches win 1.4-1.7x.
+    // hardware prefetcher runs ahead alone, and fetching there too cost 1.3-1.4x (a b64 ctx-256 fp32 step's
+    // attention on an EPYC Zen 4: 39-41 -> 28-31 ms without); scattered, a build without the fetches ran 0.60x
+    // (paired; docs/results/2026-12-07-amd-epyc-zen4-fp32-evening.md).
     for (const int64_t ahead : {int64_t{1}, kAheadBlocks}) {
       if ((block + ahead) * bs >= span.length || span.table[block + ahead] == span.table[block] + ahead) continue;
       const int64_t rows = head_base + span.table[block + ahead] * bs + in_block;

@@ -47,7 +47,7 @@ inline F16 add(const F16& a, const F16& b) { return {_mm512_add_ps(a.v, b.v)}; }
 inline float sum(const F16& a) { return _mm512_reduce_add_ps(a.v); }
 
 // vec_avx2.h's register hint: not needed with 32 registers (GCC keeps the weights in them), and pinning cost an
-// 8B-shaped call 3-6 % at 64-512 rows on an EPYC Zen 4 (docs/results/2026-12-07-amd-epyc-zen4-fp32.md).
+// 8B-shaped call 3-6 % at 64-512 rows on an EPYC Zen 4 (docs/results/2026-12-07-amd-epyc-zen4-fp32-evening.md).
 inline void pin(F16&) {}
 
 }  // namespace qg
