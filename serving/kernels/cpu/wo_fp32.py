@@ -30,15 +30,16 @@ def cflags(isa: str) -> list[str]:
 # is MKL on a CPU it runs slowly on: MKL's sgemm on AMD (EPYC Zen 4, 2 threads, SmolLM2-135M's projections)
 # ran 1.2-2.2x slower than our avx512 panel at 48-1024 rows, and 1.0-1.2x slower than the avx2 panel at
 # 128-1024 once that kept its weights in registers (an 8B up_proj: 1.4-1.6x at 128-256)
-# (docs/results/2026-12-07-amd-epyc-zen4-fp32.md, ...-fp32-evening.md). None: the build's defaults (MKL on Intel).
+# (docs/results/2026-12-07-amd-epyc-zen4-fp32.md, ...-fp32-evening.md): there these builds never hand rows over.
+# None: the build's defaults (MKL on Intel).
 NO_TORCH_GEMM = 1 << 40
-TORCH_GEMM_ROWS_ON_AMD = {"avx512": (NO_TORCH_GEMM, NO_TORCH_GEMM), "avx2": (NO_TORCH_GEMM, NO_TORCH_GEMM)}
+PANEL_ONLY_ON_AMD = ("avx512", "avx2")
 
 
 def torch_gemm_rows(isa: str) -> tuple[int, int] | None:
-    if isas.cpu_vendor() != "AuthenticAMD" or not torch.backends.mkl.is_available():
+    if isa not in PANEL_ONLY_ON_AMD or isas.cpu_vendor() != "AuthenticAMD" or not torch.backends.mkl.is_available():
         return None
-    return TORCH_GEMM_ROWS_ON_AMD.get(isa)
+    return NO_TORCH_GEMM, NO_TORCH_GEMM
 
 
 @cache
