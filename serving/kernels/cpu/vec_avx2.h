@@ -13,6 +13,7 @@ struct F16 {
   __m256 lo, hi;
   static constexpr int kRowsPerPass = 6;  // 12 accumulators + 2 weight registers + 1 broadcast of 16 ymm
   static constexpr int kDirectRows = 4;   // calls up to here dequantize in registers; more rows: an fp32 panel
+  static constexpr bool kPanelByInput = true;  // later passes over a cached fp32 panel one input at a time (wo_fp32.cpp, rows_of_panel)
   static constexpr int kGemmRows = 24;  // from here torch's GEMM over widened blocks: its panel micro-kernel reaches ~half of MKL once compute-bound
 
   static F16 zero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }

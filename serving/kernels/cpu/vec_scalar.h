@@ -12,6 +12,7 @@ struct F16 {
   float v[16];
   static constexpr int kRowsPerPass = 4;
   static constexpr int kDirectRows = 4;
+  static constexpr bool kPanelByInput = false;
   static constexpr int kGemmRows = 8;  // from here torch's GEMM over widened blocks: MKL beats a portable loop from a few rows
 
   static F16 zero() { return bcast(0.0f); }

@@ -22,6 +22,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "vec.h"
@@ -169,6 +170,24 @@ void rows_of_tile(const Int4Tiles& tiles, int64_t t, const float* x, int64_t k, 
   for (int r = 0; r < R; ++r) acc[r].store(out.y + (row0 + r) * out.ldy + t * 16);
 }
 
+// Every pass after the first over an fp32 panel [K, 16] (an fp32 weight's own tile, or one widened into
+// L1/L2), one input per iteration: its 16 weights loaded once into registers for every row. Through the
+// stream's steps of four inputs GCC hoisted the next inputs' weights on AVX2 (16 registers) and spilled
+// accumulators to the stack, each row's FMA chain then running through a store and a reload.
+template <int R>
+void rows_of_panel(const float* w, int64_t k, const float* x, int64_t ldx, int64_t row0, const Out& out) {
+  F16 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = F16::zero();
+  const float* xr = x + row0 * ldx;
+  for (int64_t i = 0; i < k; ++i) {
+    F16 wi = F16::load(w + i * 16);
+    qg::pin(wi);
+    for (int r = 0; r < R; ++r) acc[r] = fma(wi, xr[r * ldx + i], acc[r]);
+  }
+  const F16 scale = out.scales ? F16::load(out.scales) : F16::bcast(1.0f);
+  for (int r = 0; r < R; ++r) mul(acc[r], scale).store(out.y + (row0 + r) * out.ldy);
+}
+
 template <int R, class Tiles>
 bool rows_if(int64_t left, const Tiles& tiles, int64_t t, const float* x, int64_t k, int64_t row0,
              const Out& out) {
@@ -182,6 +201,13 @@ template <class Tiles>
 void all_rows(const Tiles& tiles, int64_t t, const float* x, int64_t k, int64_t m, const Out& out) {
   constexpr int P = F16::kRowsPerPass;
   int64_t row0 = 0;
+  if constexpr (std::is_same_v<Tiles, F32Tiles> && F16::kPanelByInput) {
+    if (m >= 2 * P) {  // the first pass streams the panel in (prefetching); the others find it in cache
+      rows_of_tile<P>(tiles, t, x, k, 0, out);
+      const Out tile_out{out.y + t * 16, out.ldy, out.scales ? out.scales + t * 16 : nullptr};
+      for (row0 = P; row0 + P <= m; row0 += P) rows_of_panel<P>(tiles.w + t * k * 16, k, x, k, row0, tile_out);
+    }
+  }
   for (; row0 + P <= m; row0 += P) rows_of_tile<P>(tiles, t, x, k, row0, out);
   const int64_t left = m - row0;
   rows_if<1>(left, tiles, t, x, k, row0, out) || rows_if<2>(left, tiles, t, x, k, row0, out) ||
