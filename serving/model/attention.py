@@ -107,7 +107,7 @@ class AttentionContext:
     k_scale: list[torch.Tensor] | None = None  # int8: per layer [kv_heads, num_blocks * block_size]
     v_scale: list[torch.Tensor] | None = None
     paged: Any = None  # a serving.kernels.cuda.step.PagedStep: the step runs through the Triton kernels instead
-    prefill_kernel: Callable[..., torch.Tensor] | None = None  # bf16 fresh prompts (prefill_attention.cpp), bf16 paths
+    prefill_kernel: Callable[..., torch.Tensor] | None = None  # fresh prompts (prefill_attention*.cpp)
 
 
 _local = threading.local()  # per thread: engines stepping on different threads each see their own step
@@ -162,7 +162,7 @@ def attend(ctx: AttentionContext, layer: int, q: torch.Tensor, key: torch.Tensor
         rows = slice(chunk.start, chunk.start + chunk.length)
         qs = q[rows].transpose(0, 1)  # [heads, len, dim]
         ks, vs, mask = _prefill_context(ctx, layer, chunk, k, v, window)
-        if mask is None and ctx.prefill_kernel is not None and q.dtype == torch.bfloat16:
+        if mask is None and ctx.prefill_kernel is not None:  # built for the runner's dtype, q's
             outs.append(ctx.prefill_kernel(q[rows], ks, vs, scale))
             continue
         # 4-D inputs: torch's fused CPU (flash) kernel; 3-D ones fall back to its unfused math path

@@ -125,8 +125,9 @@ class ModelRunner:
             self.k_scale, self.v_scale = cache[2 * layers:3 * layers], cache[3 * layers:]
         self.generators: dict[str, torch.Generator] = {}
         self.decode_kernel = paged_decode(device, isa)  # None: gathered groups and matmuls (CUDA, no compiler)
-        # None: torch's flash kernel (any path but amx; a head_dim the tiles do not take)
-        self.prefill_kernel = prefill_attention(device, isa) if prefill_fits(shape.head_dim) else None
+        # None: torch's flash kernel (the torch path, bf16 off the bf16 paths, a head_dim the kernels do not take)
+        fits = prefill_fits(shape.head_dim, kv_dtype)
+        self.prefill_kernel = prefill_attention(device, isa, kv_dtype) if fits else None
         ops = fused_ops(device, isa)
         self.greedy_pick = getattr(ops, "greedy_pick", None)  # None: torch's argmax (sampler.sample)
         self.fast_forward = LlamaForward.of(model, torch.device(device), isa)  # None: the model's own forward

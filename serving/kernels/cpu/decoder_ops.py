@@ -26,6 +26,9 @@ SOURCE = Path(__file__).with_name("paged_attention.cpp")
 FUSED_SOURCE = Path(__file__).with_name("fused_ops.cpp")
 STEP_SOURCE = Path(__file__).with_name("decode_step.cpp")
 PREFILL_SOURCE = Path(__file__).with_name("prefill_attention.cpp")
+PREFILL_FP32_SOURCE = Path(__file__).with_name("prefill_attention_fp32.cpp")
+# the fp32 build each path runs (the bf16 paths' CPUs all have AVX-512)
+PREFILL_FP32_BUILDS = {"amx": "avx512", "avx512bf16": "avx512", "avx512": "avx512", "avx2": "avx2", "scalar": "scalar"}
 STEP_CFLAGS = ["-O2"]  # it only calls other ops: no instruction set of its own
 OWN_FLAG_PATHS = ("avx512", "avx2", "scalar")
 
@@ -69,20 +72,40 @@ def fused_ops(device: torch.device | str = "cpu", isa: str | None = None):
     return ops if ops is not None and hasattr(ops, "rotary") else None
 
 
-def prefill_fits(head_dim: int) -> bool:
-    """Whether prefill_attention.cpp takes this head size (whole 32-wide tile columns, up to 256)."""
+def prefill_fits(head_dim: int, dtype: torch.dtype = torch.bfloat16) -> bool:
+    """Whether a prefill kernel takes this head size: bf16 (prefill_attention.cpp) whole 32-wide tile columns
+    up to 256; fp32 (prefill_attention_fp32.cpp) any multiple of 16."""
+    if dtype == torch.float32:
+        return head_dim % 16 == 0 and head_dim > 0
     return head_dim % 32 == 0 and 0 < head_dim <= 256
 
 
-def prefill_attention(device: torch.device | str = "cpu", isa: str | None = None):
-    """The causal attention of a fresh prompt (prefill_attention.cpp) on the `amx` path (AMX tiles) and the
-    `avx512bf16` path (VDPBF16PS), or None: torch's flash kernel (every other path,
-    `QUANTGATE_PREFILL_ATTENTION=0`, an AMX build in a process refused the tile state)."""
-    if (torch.device(device).type != "cpu" or not settings.enabled(settings.PREFILL_ATTENTION)
-            or isas.resolve(isa) not in isas.BF16_PATHS):
+def prefill_attention(device: torch.device | str = "cpu", isa: str | None = None,
+                      dtype: torch.dtype = torch.bfloat16):
+    """The causal attention of a fresh prompt in `dtype`: bf16 (prefill_attention.cpp) on the `amx` path (AMX
+    tiles) and the `avx512bf16` path (VDPBF16PS); fp32 (prefill_attention_fp32.cpp) on every path but `torch`,
+    built for its instruction set. None: torch's flash kernel (the `torch` path, bf16 off the bf16 paths,
+    `QUANTGATE_PREFILL_ATTENTION=0`, no compiler, an AMX build in a process refused the tile state)."""
+    if torch.device(device).type != "cpu" or not settings.enabled(settings.PREFILL_ATTENTION):
+        return None
+    path = isas.resolve(isa)
+    if dtype == torch.float32:
+        return _prefill_fp32(PREFILL_FP32_BUILDS.get(path))
+    if dtype != torch.bfloat16 or path not in isas.BF16_PATHS:
         return None
     ops = _namespace(PREFILL_SOURCE, kernels.CFLAGS, "quantgate_prefill", isa, tiles=True)
     return ops.prefill_attention if ops is not None and hasattr(ops, "prefill_attention") and ops.ready() else None
+
+
+def _prefill_fp32(build: str | None):
+    if build is None or build not in isas.supported():
+        return None
+    namespace = f"quantgate_prefill_fp32_{build}"
+    cflags = ["-O3", "-fopenmp", "-ffp-contract=fast", *isas.ISA_CFLAGS[build], f"-DQG_ISA_{build.upper()}",
+              f"-DQG_NAMESPACE={namespace}"]
+    if not kernels.load(PREFILL_FP32_SOURCE, cflags, name=f"prefill_fp32_{build}"):
+        return None
+    return getattr(torch.ops, namespace).prefill_attention.default
 
 
 def decode_plan_class():

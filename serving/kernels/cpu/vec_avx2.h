@@ -70,4 +70,22 @@ inline float sum(const F16& a) {
 // Makes v a register here: a value the compiler may reload, it would otherwise fold into every FMA using it.
 inline void pin(F16& v) { asm volatile("" : "+x"(v.lo), "+x"(v.hi)); }
 
+// e^x for x <= 0 (a score minus its row's max), to ~2 ulp: 2^(x log2 e) as 2^n times a degree-6 polynomial of
+// the fraction (prefill_attention_fp32.cpp's softmax). Below 2^-126 it returns about 2^-126 x p, never a denormal.
+inline __m256 exp_nonpositive(__m256 x) {
+  const __m256 y = _mm256_max_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)), _mm256_set1_ps(-126.f));
+  const __m256 n = _mm256_round_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 f = _mm256_sub_ps(y, n);  // [-0.5, 0.5]
+  __m256 p = _mm256_set1_ps(1.535336188319500e-4f);
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.339887440266574e-3f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.618437357674640e-3f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.550332471162809e-2f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.402264791363012e-1f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.931472028550421e-1f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f));
+  const __m256i two_n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(two_n));
+}
+inline F16 exp_nonpositive(const F16& x) { return {exp_nonpositive(x.lo), exp_nonpositive(x.hi)}; }
+
 }  // namespace qg

@@ -51,4 +51,20 @@ inline float sum(const F16& a) { return _mm512_reduce_add_ps(a.v); }
 // 8B-shaped call 3-6 % at 64-512 rows on an EPYC Zen 4 (docs/results/2026-12-07-amd-epyc-zen4-fp32-evening.md).
 inline void pin(F16&) {}
 
+// e^x for x <= 0 (a score minus its row's max), to ~2 ulp: 2^(x log2 e) as 2^n times a degree-6 polynomial of
+// the fraction (prefill_attention_fp32.cpp's softmax). Below 2^-126 it returns about 2^-126 x p, never a denormal.
+inline F16 exp_nonpositive(const F16& x) {
+  const __m512 y = _mm512_max_ps(_mm512_mul_ps(x.v, _mm512_set1_ps(1.44269504088896341f)), _mm512_set1_ps(-126.f));
+  const __m512 n = _mm512_roundscale_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(y, n);  // [-0.5, 0.5]
+  __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  return {_mm512_scalef_ps(p, n)};
+}
+
 }  // namespace qg

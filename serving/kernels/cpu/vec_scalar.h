@@ -1,6 +1,7 @@
 // F16 in portable C++: the reference every SIMD header must agree with, and the path on CPUs with
 // neither AVX2 nor AVX-512 (built without any -m flag; the compiler may still use the base ISA's SSE2).
 #pragma once
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 
@@ -84,5 +85,12 @@ inline float sum(const F16& a) {
 }
 
 inline void pin(F16&) {}  // the SIMD headers' register hint: nothing to hold here
+
+// e^x for x <= 0, lane by lane (the SIMD headers' polynomial agrees to ~2 ulp).
+inline F16 exp_nonpositive(const F16& x) {
+  F16 r;
+  for (int i = 0; i < 16; ++i) r.v[i] = std::exp(x.v[i]);
+  return r;
+}
 
 }  // namespace qg
