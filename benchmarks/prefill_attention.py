@@ -1,13 +1,16 @@
-"""A fresh prompt's causal attention: prefill_attention.cpp (AMX tiles on `amx`, VDPBF16PS on `avx512bf16`)
-beside torch's flash kernel, paired.
+"""A fresh prompt's causal attention: prefill_attention.cpp (bf16: AMX tiles on `amx`, VDPBF16PS on
+`avx512bf16`) or prefill_attention_fp32.cpp (`--dtype float32`: every path's own build) beside torch's flash
+kernel, paired.
 
 Each (model shape, prompt length) is timed in interleaved rounds in one process, the order alternating; a
 round's ratio is torch's time over ours; the table gives each side's median ms a call and the ratio's
-geometric mean with its 95 % t interval over the rounds. One layer's attention a call, bf16, q/k/v as the
-engine slices them out of a step's projections. Writes prefill_attention.json (and .png).
+geometric mean with its 95 % t interval over the rounds. One layer's attention a call, q/k/v as the
+engine slices them out of a step's projections. Writes prefill_attention.json (fp32: prefill_attention_fp32.json;
+and .png).
 
     python benchmarks/prefill_attention.py [--lengths 16,64,136,256,512,1024,2048] [--rounds 7]
-        [--shapes smollm2,qwen2.5-0.5b,qwen2.5-1.5b,llama-8b] [--isa amx|avx512bf16] [--out-dir DIR] [--no-plots]
+        [--shapes smollm2,qwen2.5-0.5b,qwen2.5-1.5b,llama-8b] [--isa PATH] [--dtype bfloat16|float32] [--out-dir DIR]
+        [--no-plots]
 """
 
 from __future__ import annotations
@@ -37,11 +40,11 @@ SHAPES = {  # query heads, KV heads, head_dim
 }
 
 
-def case(length: int, heads: int, kv_heads: int, dim: int):
+def case(length: int, heads: int, kv_heads: int, dim: int, dtype: torch.dtype = torch.bfloat16):
     """q [length, heads, dim], k and v [kv_heads, length, dim]: views of [tokens, heads * dim] rows."""
-    q = torch.randn(length, heads * dim).to(torch.bfloat16).view(length, heads, dim)
-    k = torch.randn(length, kv_heads * dim).to(torch.bfloat16).view(length, kv_heads, dim).transpose(0, 1)
-    v = torch.randn(length, kv_heads * dim).to(torch.bfloat16).view(length, kv_heads, dim).transpose(0, 1)
+    q = torch.randn(length, heads * dim).to(dtype).view(length, heads, dim)
+    k = torch.randn(length, kv_heads * dim).to(dtype).view(length, kv_heads, dim).transpose(0, 1)
+    v = torch.randn(length, kv_heads * dim).to(dtype).view(length, kv_heads, dim).transpose(0, 1)
     return q, k, v
 
 
@@ -55,9 +58,10 @@ def timed(fn, budget_s: float) -> float:
     return (time.perf_counter() - start) / calls
 
 
-def measure(op, shape: tuple[int, int, int], length: int, rounds: int, budget_s: float) -> dict:
+def measure(op, shape: tuple[int, int, int], length: int, rounds: int, budget_s: float,
+            dtype: torch.dtype = torch.bfloat16) -> dict:
     heads, kv_heads, dim = shape
-    q, k, v = case(length, heads, kv_heads, dim)
+    q, k, v = case(length, heads, kv_heads, dim, dtype)
     scale, gqa = dim**-0.5, heads != kv_heads
 
     def ours():
@@ -81,7 +85,7 @@ def measure(op, shape: tuple[int, int, int], length: int, rounds: int, budget_s:
             "ours_gflops": flops / ours_s / 1e9}
 
 
-def plot(rows: list[dict], path: Path) -> Path:
+def plot(rows: list[dict], path: Path, dtype: str = "bfloat16") -> Path:
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4))
     for name in sorted({r["shape"] for r in rows}):
@@ -91,7 +95,7 @@ def plot(rows: list[dict], path: Path) -> Path:
                     marker="o", capsize=3, label=name)
     ax.axhline(1.0, color="grey", lw=0.8)
     ax.set_xscale("log", base=2)
-    ax.set(xlabel="prompt tokens", ylabel="torch flash time / ours (95 % CI)", title="prefill attention, bf16")
+    ax.set(xlabel="prompt tokens", ylabel="torch flash time / ours (95 % CI)", title=f"prefill attention, {dtype}")
     ax.legend()
     return save_figure(fig, path)
 
@@ -103,25 +107,28 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--budget-s", type=float, default=0.1, help="seconds of calls per side per round")
     p.add_argument("--isa", default=None, help="kernel path (default: the best this CPU has)")
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     p.add_argument("--out-dir", default=None)
     p.add_argument("--no-plots", action="store_true")
     args = p.parse_args(argv)
     path = isas.resolve(args.isa)
-    op = decoder_ops.prefill_attention("cpu", path)
+    dtype = getattr(torch, args.dtype)
+    op = decoder_ops.prefill_attention("cpu", path, dtype)
     if op is None:
-        print(f"prefill_attention.cpp has no build for path {path} (amx and avx512bf16 only); nothing to measure")
+        print(f"no {args.dtype} prefill kernel on path {path} (bf16: amx and avx512bf16; fp32: all but torch)")
         return 1
-    print(f"path {path}, {torch.get_num_threads()} threads")
+    print(f"path {path}, {args.dtype}, {torch.get_num_threads()} threads")
     rows = []
     print(f"{'shape':<14}{'tokens':>7}{'ours ms':>10}{'torch ms':>10}  speedup [95 % CI]   ours GFLOP/s")
     for name in args.shapes.split(","):
         for length in (int(n) for n in args.lengths.split(",")):
-            row = {"shape": name, **measure(op, SHAPES[name], length, args.rounds, args.budget_s)}
+            row = {"shape": name, **measure(op, SHAPES[name], length, args.rounds, args.budget_s, dtype)}
             rows.append(row)
             print(f"{name:<14}{length:>7}{row['ours_ms']:>10.3f}{row['torch_ms']:>10.3f}  {fmt(row['speedup'], 2)}x "
                   f"[{fmt(row['ci_low'], 2)}, {fmt(row['ci_high'], 2)}]  {row['ours_gflops']:>8.0f}")
-    report = write_rows_report(args.out_dir, "prefill_attention", rows, plot, not args.no_plots,
-                               threads=torch.get_num_threads(), rounds=args.rounds, isa=path)
+    report = write_rows_report(args.out_dir, "prefill_attention" + ("_fp32" if args.dtype == "float32" else ""), rows,
+                               lambda rows, out: plot(rows, out, args.dtype), not args.no_plots,
+                               threads=torch.get_num_threads(), rounds=args.rounds, isa=path, dtype=args.dtype)
     print(f"wrote {report}")
     return 0
 

@@ -42,7 +42,8 @@ WOQ_KERNEL = _switch("QUANTGATE_WOQ_KERNEL", "1", "0: no bf16-activation kernel 
 PAGED_KERNEL = _switch("QUANTGATE_PAGED_KERNEL", "1", "0 runs attention through torch")
 FUSED_OPS = _switch("QUANTGATE_FUSED_OPS", "1", "0 runs RMSNorm/rotary through torch")
 PREFILL_ATTENTION = _switch("QUANTGATE_PREFILL_ATTENTION", "1", "0 runs a fresh prompt's causal attention through "
-                             "torch's flash kernel instead of prefill_attention.cpp (amx, avx512bf16)")
+                             "torch's flash kernel instead of prefill_attention.cpp (bf16: amx, avx512bf16) or "
+                             "prefill_attention_fp32.cpp (fp32: every path but torch)")
 DECODE_STEP = _switch("QUANTGATE_DECODE_STEP", "1", "0 runs decode steps' layers from Python, op by op")
 PACK_WEIGHTS = _switch("QUANTGATE_PACK_WEIGHTS", "1", "0 keeps plain nn.Linear (bf16 weights, and fp32 on the avx512/avx2/scalar paths)")
 FAST_FORWARD = _switch("QUANTGATE_FAST_FORWARD", "1", "0 runs the model's own forward instead of llama_forward")

@@ -52,6 +52,12 @@ def test_matches_torchs_fp32_kernel(op, shape, length):
     assert (out - torch_attention(q, k, v, dim**-0.5)).abs().max().item() <= 2e-6
 
 
+def test_a_chunk_whose_values_pass_l2_goes_to_torchs_kernel(op):
+    """Past 2,048 x 64 values of V a KV head (kMaxValueFloats) the op hands the chunk to torch: its result exactly."""
+    q, k, v = engine_views(1025, 4, 2, 128, seed=9)
+    assert torch.equal(op(q, k, v, 128**-0.5), torch_attention(q, k, v, 128**-0.5).contiguous())
+
+
 def test_a_rows_output_does_not_depend_on_the_rows_after_it(op):
     """Causal, and computed so: the first n rows of a longer prompt come out to the bit as the n-row prompt's."""
     q, k, v = engine_views(300, 9, 3, 64, seed=3)
