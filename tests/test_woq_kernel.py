@@ -19,13 +19,19 @@ PATHS = [p for p in isas.BF16_PATHS if p in isas.supported()]
 pytestmark = pytest.mark.skipif(not PATHS, reason="the kernel needs AVX-512-BF16")
 
 SHAPES = [(48, 64), (160, 64), (16, 32), (192, 576), (576, 1536)]  # N: 1, 3 + 1/3, 1/3 panels; real shapes
-ROWS = [1, 2, 3, 5, 7, 8, 9, 17, 23, 24, 33, 70]  # every register-block tail, both sides of each switch
+ROWS = [1, 2, 3, 5, 7, 8, 9, 17, 23, 24, 33, 47, 48, 70]  # every register-block tail, both sides of each switch
 
 
 def panel_rows(int4: bool, k: int = 576) -> int:
     """From here the bf16 panel paths: 24 rows for int8 and 8 for int4 where AMX takes the call or on AMD,
     never on Intel without AMX."""
     return wo_bf16.panel_rows_from(int4, k) if wo_bf16.available() else 0
+
+
+def exact_rows(k: int = 576) -> int:
+    """Below here int4 multiplies the exact weight (int16 rows; without AMX the raw codes' panel too), from
+    here the weight rounded once to bf16."""
+    return wo_bf16.int4_exact_rows_below(k) if wo_bf16.available() else 0
 
 
 def int16_rows(x: torch.Tensor) -> torch.Tensor:
@@ -90,6 +96,8 @@ def test_int4_gives_exact_group_sums_for_few_rows_and_a_bf16_panel_for_many(n, k
         if rows < panel_rows(True, k):  # exact group sums of x rounded to int16, the weight never rounded
             assert_close(out, int16_rows(x) @ exact.t(), 3e-5, f"{rows} rows")
             assert_close(out, x.float() @ exact.t(), 1e-4, f"{rows} rows")
+        elif rows < exact_rows(k):  # the raw codes' panel: exact products, scaled per group
+            assert_close(out, x.float() @ exact.t(), 1e-5, f"{rows} rows")
         else:
             assert_close(out, x.float() @ rounded.t(), 1e-5, f"{rows} rows")
         assert torch.equal(wo_bf16.int4_linear(x, packed, sz, 32, n, torch.bfloat16), out.bfloat16())
@@ -249,9 +257,9 @@ def test_prefill_sized_calls_give_each_row_its_decode_result(n, k, rows):
             assert torch.equal(wo_bf16.int8_linear(x[row:row + 1].contiguous(), int8, scales, torch.float32)[0], y8[row])
     exact = dequantize_rows(codes, sz, 32, torch.float32)
     y4 = wo_bf16.int4_linear(x, int4, sz, 32, n, torch.float32)
-    if rows >= panel_rows(True, k):  # the panel (AMX): the weight rounded once to bf16
+    if rows >= exact_rows(k):  # the panel: the weight rounded once to bf16
         assert_close(y4, x.float() @ exact.bfloat16().float().t(), 1e-5, "int4")
-    else:  # int16 rows (Intel without AMX): exact group sums of x rounded to int16
+    else:  # int16 rows (Intel without AMX), the raw codes' panel (AMD): the exact weight
         assert_close(y4, x.float() @ exact.t(), 1e-4, "int4")
 
 
@@ -270,7 +278,7 @@ def test_a_long_int4_call_in_row_chunks_gives_each_row_its_own_result(n, rows):
     if rows >= panel_rows(True, k):
         assert_close(together, x.float() @ exact.bfloat16().float().t(), 1e-5, "int4")
     for row in (0, 255, 256, 511, rows - 1):
-        few = x[row:row + 1].expand(24, -1).contiguous()
+        few = x[row:row + 1].expand(max(24, exact_rows(k)), -1).contiguous()  # the rounded weight's panel too
         assert torch.equal(wo_bf16.int4_linear(few, int4, sz, 32, n, torch.float32)[0], together[row]), row
 
 

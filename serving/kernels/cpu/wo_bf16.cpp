@@ -181,6 +181,16 @@ int64_t int4_chunk_rows(const Problem& p) {
   return kChunkRows;
 }
 
+#include "wo_bf16_int4_raw.h"  // int4 at decode batches without AMX: the raw codes' panel, scales after the dot products
+
+// Below this many rows an int4 call without AMX takes the raw codes' panel (exact products), from it the rounded
+// weight's (the int16 rows below panel_rows_from).
+int64_t int4_exact_rows_below(int64_t k) {
+  Problem p{};
+  p.k = k;
+  return AmxCall::takes(p) ? 0 : std::max(kRawRowsBelow, panel_rows_from(true, k));
+}
+
 // int4 for many rows where the panel wins: the panel path of int8, the panel holding bf16((q - 8) * scale + zero)
 // (Int4Panel): its 8 x 48 register block reuses each weight load for 8 rows, where the per-group sums above need
 // twice the accumulators. Two panels per thread: while item i's runs through the tiles, item i + 1's is
@@ -190,8 +200,10 @@ int64_t int4_chunk_rows(const Problem& p) {
 // SmolLM2's shapes (docs/results/2026-12-06-engine-under-load.md).
 void run_int4(const Problem& p) {
   if (p.m < panel_rows_from(true, p.k)) return run_small<true>(p);
+  const int64_t chunk_rows = int4_chunk_rows(p);
+  if (int4_raw_takes(p, AmxCall::takes(p))) return run_int4_raw(p, chunk_rows);  // wo_bf16_int4_raw.h
   const Blocks blocks(p, kTilesPerBlock);
-  const int64_t panel_size = p.k / 2 * kTilesPerBlock, chunk_rows = int4_chunk_rows(p);
+  const int64_t panel_size = p.k / 2 * kTilesPerBlock;
   const int64_t chunks = (p.m + chunk_rows - 1) / chunk_rows;
   const AmxCall amx(p);
   at::parallel_for(0, blocks.count(), 1, [&](int64_t begin, int64_t end) {
@@ -370,6 +382,7 @@ QG_LIBRARY(QG_NAMESPACE, m) {
   m.def("woq_linear_bf16_silu(Tensor x, Tensor packed, ScalarType out_dtype) -> Tensor");
   m.def("amx_int8_ready(int k) -> bool", &amx_int8_ready);
   m.def("panel_rows_from(bool int4, int k) -> int", &panel_rows_from);
+  m.def("int4_exact_rows_below(int k) -> int", &int4_exact_rows_below);
   m.def("woq_linear_int8(Tensor x, Tensor packed, Tensor scales, ScalarType out_dtype) -> Tensor");
   m.def("woq_linear_int8_silu(Tensor x, Tensor packed, Tensor scales, ScalarType out_dtype) -> Tensor");
   m.def("woq_linear_int4_silu(Tensor x, Tensor packed, Tensor scales_zeros, int group_size, int n, "

@@ -103,6 +103,12 @@ def panel_rows_from(int4: bool, in_features: int, isa: str | None = None) -> int
     return int(ops(isa).panel_rows_from(int4, in_features))
 
 
+def int4_exact_rows_below(in_features: int, isa: str | None = None) -> int:
+    """int4 calls with fewer rows multiply the exact weight ((q - 8) * scale + zero: the int16 rows, and without
+    AMX the raw codes' panel up to 48 rows); from there the weight rounded once to bf16 (Int4Panel)."""
+    return int(ops(isa).int4_exact_rows_below(in_features))
+
+
 def int8_width(in_features: int, isa: str | None = None) -> int:
     """Inputs per channel an int8 weight is packed with for path `isa`: 4 (quads) where the AMX-INT8 path
     runs it, else 2 (pairs)."""
