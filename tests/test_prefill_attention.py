@@ -26,14 +26,14 @@ def op(request):
     return kernel
 
 
-def engine_views(length, heads, kv_heads, dim, seed=0, spare=5):
+def engine_views(length, heads, kv_heads, dim, seed=0, spare=5, dtype=torch.bfloat16):
     """q [length, heads, dim] and k, v [kv_heads, length, dim] as attention.attend slices them out of a step's
     [tokens, heads * dim] projections (rows `spare`.. of a longer step)."""
     gen = torch.Generator().manual_seed(seed)
     tokens = length + 2 * spare
-    q = torch.randn(tokens, heads * dim, generator=gen).to(torch.bfloat16).view(tokens, heads, dim)
-    k = torch.randn(tokens, kv_heads * dim, generator=gen).to(torch.bfloat16).view(tokens, kv_heads, dim).transpose(0, 1)
-    v = torch.randn(tokens, kv_heads * dim, generator=gen).to(torch.bfloat16).view(tokens, kv_heads, dim).transpose(0, 1)
+    q = torch.randn(tokens, heads * dim, generator=gen).to(dtype).view(tokens, heads, dim)
+    k = torch.randn(tokens, kv_heads * dim, generator=gen).to(dtype).view(tokens, kv_heads, dim).transpose(0, 1)
+    v = torch.randn(tokens, kv_heads * dim, generator=gen).to(dtype).view(tokens, kv_heads, dim).transpose(0, 1)
     rows = slice(spare, spare + length)
     return q[rows], k[:, rows], v[:, rows]
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from test_prefill_attention import engine_views as bf16_engine_views
 
 from serving import LLMEngine, SamplingParams
 from serving.kernels.cpu import decoder_ops
@@ -23,16 +24,8 @@ def op(request):
     return kernel
 
 
-def engine_views(length, heads, kv_heads, dim, seed=0, spare=5):
-    """q [length, heads, dim] and k, v [kv_heads, length, dim] as attention.attend slices them out of a step's
-    [tokens, heads * dim] projections (rows `spare`.. of a longer step)."""
-    gen = torch.Generator().manual_seed(seed)
-    tokens = length + 2 * spare
-    q = torch.randn(tokens, heads * dim, generator=gen).view(tokens, heads, dim)
-    k = torch.randn(tokens, kv_heads * dim, generator=gen).view(tokens, kv_heads, dim).transpose(0, 1)
-    v = torch.randn(tokens, kv_heads * dim, generator=gen).view(tokens, kv_heads, dim).transpose(0, 1)
-    rows = slice(spare, spare + length)
-    return q[rows], k[:, rows], v[:, rows]
+def engine_views(length, heads, kv_heads, dim, seed=0):
+    return bf16_engine_views(length, heads, kv_heads, dim, seed, dtype=torch.float32)
 
 
 def torch_attention(q, k, v, scale):

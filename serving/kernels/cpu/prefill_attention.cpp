@@ -23,6 +23,7 @@
 
 #if defined(__AVX512BF16__)
 #include "prefill_attention_products.h"
+#include "vec.h"  // exp_nonpositive: e^x of a score minus its row's max; the probabilities then rounded to bf16
 
 namespace {
 
@@ -72,22 +73,6 @@ void pack_kv(const at::Tensor& k, const at::Tensor& v, const Shapes& s, uint16_t
   });
 }
 
-// e^x for x <= 0 (a score minus its row's max), to ~2 ulp: 2^(x log2 e) as 2^n (scalef) times a degree-6
-// polynomial of the fraction. The probabilities are rounded to bf16 right after, as torch's kernel rounds them.
-inline __m512 exp_nonpositive(__m512 x) {
-  const __m512 y = _mm512_max_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), _mm512_set1_ps(-127.f));
-  const __m512 n = _mm512_roundscale_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(y, n);  // [-0.5, 0.5]
-  __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
-  return _mm512_scalef_ps(p, n);
-}
-
 // Rows [0, rows) of one item's scores (fp32, `stride` floats a row) to bf16 probabilities: row r sees keys
 // <= first + r, the rest of its P row (up to `padded` keys) is zero. Returns each row's sum of the fp32 values.
 void softmax_rows(const float* scores, int64_t stride, uint16_t* p, int64_t padded, int64_t first, int rows,
@@ -104,7 +89,8 @@ void softmax_rows(const float* scores, int64_t stride, uint16_t* p, int64_t padd
     __m512 vsum = _mm512_setzero_ps();
     for (int64_t j = 0; j < padded; j += 16) {
       const __mmask16 m = j < seen ? first_lanes(seen - j) : 0;
-      const __m512 e = _mm512_maskz_mov_ps(m, exp_nonpositive(_mm512_mul_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + j), mx), vscale)));
+      const __m512 shifted = _mm512_mul_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + j), mx), vscale);
+      const __m512 e = _mm512_maskz_mov_ps(m, qg::exp_nonpositive(qg::F16{shifted}).v);
       vsum = _mm512_add_ps(vsum, e);
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + j), (__m256i)_mm512_cvtneps_pbh(e));
     }

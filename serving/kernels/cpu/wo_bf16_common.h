@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <memory>
 
 namespace {
@@ -74,6 +75,19 @@ inline void prefetch_scales(const Problem& p, int64_t tile0, int tiles) {
   if (tile0 * kTile >= p.n) return;
   const int64_t groups = std::min(p.k / p.group_size, kScaleGroupsAhead);
   for (int64_t g = 0; g < groups; ++g) prefetch_group_scales(p, tile0, tiles, g);
+}
+
+// The 16 int4 values q - 8 as bf16 (exact: small integers), twice: vpermw reads an index's low 5 bits, so a code
+// word shifted by 4i looks up its nibble i whatever the nibble above it.
+inline __m512i int4_value_table() {
+  alignas(64) uint16_t values[32];
+  for (int i = 0; i < 32; ++i) {
+    const float v = static_cast<float>(i % 16 - 8);
+    uint32_t bits;
+    std::memcpy(&bits, &v, sizeof bits);
+    values[i] = static_cast<uint16_t>(bits >> 16);
+  }
+  return _mm512_load_si512(values);
 }
 
 // Tiles between a block's first and second channel tile: the next one, or a silu call's up tile.

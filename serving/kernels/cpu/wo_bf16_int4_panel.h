@@ -18,15 +18,7 @@ namespace {
 // would): vector (k-pair kp, tile t) at panel[kp * tiles + t], the pairs dpbf16 and AMX-BF16 read.
 class Int4Panel {
  public:
-  explicit Int4Panel(const Problem& p) : p_(p) {
-    alignas(64) uint16_t values[32];
-    for (int i = 0; i < 32; ++i) {
-      const float v = static_cast<float>(i % 16 - 8);
-      uint32_t bits;
-      std::memcpy(&bits, &v, sizeof bits);
-      values[i] = static_cast<uint16_t>(bits >> 16);  // exact: small integers
-    }
-    table_ = _mm512_load_si512(values);  // vpermw reads an index's low 5 bits: the 16 values twice
+  explicit Int4Panel(const Problem& p) : p_(p), table_(int4_value_table()) {
     alignas(64) int16_t order[32];  // cvtne2ps_pbh(hi, lo) gives [lo0..lo15, hi0..hi15]; dpbf16 wants pairs
     for (int i = 0; i < 16; ++i) order[2 * i] = static_cast<int16_t>(i), order[2 * i + 1] = static_cast<int16_t>(16 + i);
     interleave_ = _mm512_load_si512(order);

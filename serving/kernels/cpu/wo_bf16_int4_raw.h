@@ -28,15 +28,8 @@ constexpr int64_t kRawRowsBelow = 48;
 // Tiles tile0 + t * second_tile(p), t < tiles, as bf16 (q - 8): vector (k-pair kp, tile t) at panel[kp * tiles + t].
 // A code word (8 inputs x 16 channels) shifted by 4i and looked up gives k-pair 4 * (word) + i in pair order.
 inline void raw_int4_panel(const Problem& p, int64_t tile0, int tiles, __m512i* panel) {
-  alignas(64) uint16_t values[32];
-  for (int i = 0; i < 32; ++i) {
-    const float v = static_cast<float>(i % 16 - 8);
-    uint32_t bits;
-    std::memcpy(&bits, &v, sizeof bits);
-    values[i] = static_cast<uint16_t>(bits >> 16);  // exact: small integers
-  }
   prefetch_scales(p, tile0, tiles);
-  const __m512i table = _mm512_load_si512(values);  // vpermw reads an index's low 5 bits: the 16 values twice
+  const __m512i table = int4_value_table();
   const int64_t words = p.k / 8;
   for (int t = 0; t < tiles; ++t) {
     const uint16_t* src = static_cast<const uint16_t*>(p.weight) + (tile0 + t * second_tile(p)) * words * 32;
