@@ -108,6 +108,7 @@ class AttentionContext:
     v_scale: list[torch.Tensor] | None = None
     paged: Any = None  # a serving.kernels.cuda.step.PagedStep: the step runs through the Triton kernels instead
     prefill_kernel: Callable[..., torch.Tensor] | None = None  # fresh prompts (prefill_attention*.cpp)
+    prefill_dtype: torch.dtype | None = None  # the dtype prefill_kernel takes
 
 
 _local = threading.local()  # per thread: engines stepping on different threads each see their own step
@@ -162,7 +163,7 @@ def attend(ctx: AttentionContext, layer: int, q: torch.Tensor, key: torch.Tensor
         rows = slice(chunk.start, chunk.start + chunk.length)
         qs = q[rows].transpose(0, 1)  # [heads, len, dim]
         ks, vs, mask = _prefill_context(ctx, layer, chunk, k, v, window)
-        if mask is None and ctx.prefill_kernel is not None:  # built for the runner's dtype, q's
+        if mask is None and ctx.prefill_kernel is not None and q.dtype == ctx.prefill_dtype:
             outs.append(ctx.prefill_kernel(q[rows], ks, vs, scale))
             continue
         # 4-D inputs: torch's fused CPU (flash) kernel; 3-D ones fall back to its unfused math path

@@ -125,12 +125,14 @@ class ModelRunner:
             self.k_scale, self.v_scale = cache[2 * layers:3 * layers], cache[3 * layers:]
         self.generators: dict[str, torch.Generator] = {}
         self.decode_kernel = paged_decode(device, isa)  # None: gathered groups and matmuls (CUDA, no compiler)
-        # None: torch's flash kernel (the torch path, bf16 off the bf16 paths, a head_dim the kernels do not take)
-        fits = prefill_fits(shape.head_dim, kv_dtype)
-        self.prefill_kernel = prefill_attention(device, isa, kv_dtype) if fits else None
         ops = fused_ops(device, isa)
         self.greedy_pick = getattr(ops, "greedy_pick", None)  # None: torch's argmax (sampler.sample)
         self.fast_forward = LlamaForward.of(model, torch.device(device), isa)  # None: the model's own forward
+        # The prefill kernel of the dtype the hidden states are held in (a quantized embedding's KV dtype is not
+        # theirs); None: torch's flash kernel (the torch path, bf16 off the bf16 paths, a head_dim it does not take)
+        self.prefill_dtype = self.fast_forward.dtype if self.fast_forward is not None else kv_dtype
+        fits = prefill_fits(shape.head_dim, self.prefill_dtype)
+        self.prefill_kernel = prefill_attention(device, isa, self.prefill_dtype) if fits else None
         self.attention, self.graphs = attention, None
         if attention == "triton":
             from serving.kernels.cuda.fused_ops import TritonOps
@@ -204,6 +206,7 @@ class ModelRunner:
             v_scale=self.v_scale,
             decode_batch=self._decode_batch(decode_seqs),
             prefill_kernel=self.prefill_kernel,
+            prefill_dtype=self.prefill_dtype,
         )
         if self.attention == "triton":
             from serving.kernels.cuda.step import PagedStep

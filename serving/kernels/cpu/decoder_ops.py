@@ -101,9 +101,7 @@ def _prefill_fp32(build: str | None):
     if build is None or build not in isas.supported():
         return None
     namespace = f"quantgate_prefill_fp32_{build}"
-    cflags = ["-O3", "-fopenmp", "-ffp-contract=fast", *isas.ISA_CFLAGS[build], f"-DQG_ISA_{build.upper()}",
-              f"-DQG_NAMESPACE={namespace}"]
-    if not kernels.load(PREFILL_FP32_SOURCE, cflags, name=f"prefill_fp32_{build}"):
+    if not kernels.load(PREFILL_FP32_SOURCE, isas.vector_cflags(build, namespace), name=f"prefill_fp32_{build}"):
         return None
     return getattr(torch.ops, namespace).prefill_attention.default
 

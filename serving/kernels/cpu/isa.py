@@ -41,6 +41,13 @@ ISA_CFLAGS: dict[str, list[str]] = {
 }
 
 
+def vector_cflags(isa: str, namespace: str) -> list[str]:
+    """A source written against the vector layer (vec.h) built for `isa` (avx512, avx2, scalar), its ops under
+    `namespace`: that instruction set's flags only, so a forced lower path runs what a real lower CPU would."""
+    return ["-O3", "-fopenmp", "-ffp-contract=fast", *ISA_CFLAGS[isa], f"-DQG_ISA_{isa.upper()}",
+            f"-DQG_NAMESPACE={namespace}"]
+
+
 @cache
 def _cpuinfo(field: str) -> str | None:
     """The first processor's `field` in Linux's /proc/cpuinfo; None where it cannot be read."""

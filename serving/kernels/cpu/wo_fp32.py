@@ -18,12 +18,11 @@ from serving.kernels.cpu import isa as isas
 
 SOURCE = Path(__file__).with_name("wo_fp32.cpp")
 TILE = 16
-BASE_CFLAGS = ["-O3", "-fopenmp", "-ffp-contract=fast"]
 PATHS = ("avx512", "avx2", "scalar")
 
 
 def cflags(isa: str) -> list[str]:
-    return [*BASE_CFLAGS, *isas.ISA_CFLAGS[isa], f"-DQG_ISA_{isa.upper()}", f"-DQG_NAMESPACE=quantgate_wo_{isa}"]
+    return isas.vector_cflags(isa, f"quantgate_wo_{isa}")
 
 
 # From how many rows (blocks of tiles, whole weight) a call hands its products to torch's fp32 GEMM, where that
