@@ -200,10 +200,9 @@ int64_t int4_exact_rows_below(int64_t k) {
 // SmolLM2's shapes (docs/results/2026-12-06-engine-under-load.md).
 void run_int4(const Problem& p) {
   if (p.m < panel_rows_from(true, p.k)) return run_small<true>(p);
-  const int64_t chunk_rows = int4_chunk_rows(p);
-  if (int4_raw_takes(p, AmxCall::takes(p))) return run_int4_raw(p, chunk_rows);  // wo_bf16_int4_raw.h
+  if (int4_raw_takes(p, AmxCall::takes(p))) return run_int4_raw(p);  // wo_bf16_int4_raw.h
   const Blocks blocks(p, kTilesPerBlock);
-  const int64_t panel_size = p.k / 2 * kTilesPerBlock;
+  const int64_t panel_size = p.k / 2 * kTilesPerBlock, chunk_rows = int4_chunk_rows(p);
   const int64_t chunks = (p.m + chunk_rows - 1) / chunk_rows;
   const AmxCall amx(p);
   at::parallel_for(0, blocks.count(), 1, [&](int64_t begin, int64_t end) {

@@ -113,22 +113,19 @@ void all_rows_raw(const Problem& p, int64_t row0, int64_t end, int64_t tile0, co
 // Whether run_int4 takes the raw panel: without AMX, up to kRawRowsBelow rows.
 inline bool int4_raw_takes(const Problem& p, bool amx) { return !amx && p.m < kRawRowsBelow; }
 
-// The raw panel's calls: block by block over chunks of rows (int4_chunk_rows), as run_int4 goes.
-inline void run_int4_raw(const Problem& p, int64_t chunk_rows) {
+// The raw panel's calls (fewer than kRawRowsBelow rows: x stays in L1/L2 beside a block's panel), block by block.
+inline void run_int4_raw(const Problem& p) {
   const Blocks blocks(p, kTilesPerBlock);
   const std::vector<float> x_sums = group_sums(p);
   at::parallel_for(0, blocks.count(), 1, [&](int64_t begin, int64_t end) {
     __m512i* panel = thread_panel(p.k / 2 * kTilesPerBlock);
-    for (int64_t row0 = 0; row0 < p.m; row0 += chunk_rows) {
-      const int64_t row1 = std::min(p.m, row0 + chunk_rows);
-      for (int64_t b = begin; b < end; ++b) {
-        const int64_t tile0 = blocks.first(b);
-        const int count = blocks.size(b);
-        raw_int4_panel(p, tile0, count, panel);
-        if (count == 3) all_rows_raw<3>(p, row0, row1, tile0, panel, x_sums.data());
-        else if (count == 2) all_rows_raw<2>(p, row0, row1, tile0, panel, x_sums.data());
-        else all_rows_raw<1>(p, row0, row1, tile0, panel, x_sums.data());
-      }
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t tile0 = blocks.first(b);
+      const int count = blocks.size(b);
+      raw_int4_panel(p, tile0, count, panel);
+      if (count == 3) all_rows_raw<3>(p, 0, p.m, tile0, panel, x_sums.data());
+      else if (count == 2) all_rows_raw<2>(p, 0, p.m, tile0, panel, x_sums.data());
+      else all_rows_raw<1>(p, 0, p.m, tile0, panel, x_sums.data());
     }
   });
 }
