@@ -183,8 +183,8 @@ void attend_portable(const Problem& p, const Q* q, const C* k_cache, const C* v_
     for (const int64_t ahead : {int64_t{1}, kAheadBlocks}) {
       if ((block + ahead) * bs >= span.length || span.table[block + ahead] == span.table[block] + ahead) continue;
       const int64_t rows = head_base + span.table[block + ahead] * bs + in_block;
-      prefetch_rows(k_cache + rows * dim, n * dim);
-      prefetch_rows(v_cache + rows * dim, n * dim);
+      prefetch_lines<2>(k_cache + rows * dim, n * dim * static_cast<int64_t>(sizeof(C)));
+      prefetch_lines<2>(v_cache + rows * dim, n * dim * static_cast<int64_t>(sizeof(C)));
     }
     attend_chunk<C>(p, o, k_cache + slot * dim, v_cache + slot * dim, p.k_scale ? p.k_scale + slot : nullptr,
                     p.v_scale ? p.v_scale + slot : nullptr, n);

@@ -41,12 +41,6 @@ struct Bf16Item {
 // always_inline: GCC 12 deleted these fetches, called from a member function, as calls without effect.
 #define QG_INLINE __attribute__((always_inline)) inline
 
-template <int HINT>
-QG_INLINE void prefetch_lines(const void* at, int64_t bytes) {
-  const char* p = static_cast<const char*>(at);
-  for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(p + off, static_cast<_mm_hint>(HINT));
-}
-
 // Where an item's blocks lie, and their fetches ahead of the walk.
 template <int DIM>
 struct BlockWalk {
@@ -61,26 +55,26 @@ struct BlockWalk {
   QG_INLINE const uint16_t* k(int64_t b) const { return it.k + (it.head_base + it.table[b] * kBf16Block) * DIM; }
   QG_INLINE const uint16_t* v(int64_t b) const { return it.v + (it.head_base + it.table[b] * kBf16Block) * DIM; }
   QG_INLINE void near(int64_t b) const {
-    prefetch_lines<_MM_HINT_T0>(k(b), kBlockBytes);
-    prefetch_lines<_MM_HINT_T0>(v(b), kBlockBytes);
+    prefetch_lines<3>(k(b), kBlockBytes);
+    prefetch_lines<3>(v(b), kBlockBytes);
   }
   QG_INLINE void far(int64_t b) const {  // block b of this item, or past its end the next item's
     if (b < blocks) {
-      prefetch_lines<_MM_HINT_T1>(k(b), kBlockBytes);
-      prefetch_lines<_MM_HINT_T1>(v(b), kBlockBytes);
+      prefetch_lines<2>(k(b), kBlockBytes);
+      prefetch_lines<2>(v(b), kBlockBytes);
     } else if (b - blocks < it.next_blocks) {
       const int64_t at = (it.next_head_base + it.next_table[b - blocks] * kBf16Block) * DIM;
-      prefetch_lines<_MM_HINT_T1>(it.k + at, kBlockBytes);
-      prefetch_lines<_MM_HINT_T1>(it.v + at, kBlockBytes);
+      prefetch_lines<2>(it.k + at, kBlockBytes);
+      prefetch_lines<2>(it.v + at, kBlockBytes);
     }
   }
   // At block b's start: its successors' K (V follows once the scores are out, see after_scores).
   QG_INLINE void before(int64_t b) const {
-    if (b + kNearBlocks < blocks) prefetch_lines<_MM_HINT_T0>(k(b + kNearBlocks), kBlockBytes);
+    if (b + kNearBlocks < blocks) prefetch_lines<3>(k(b + kNearBlocks), kBlockBytes);
     far(b + kFarBlocks);
   }
   QG_INLINE void after_scores(int64_t b) const {
-    if (b + kNearBlocks < blocks) prefetch_lines<_MM_HINT_T0>(v(b + kNearBlocks), kBlockBytes);
+    if (b + kNearBlocks < blocks) prefetch_lines<3>(v(b + kNearBlocks), kBlockBytes);
   }
   QG_INLINE int rows(int64_t b) const { return static_cast<int>(std::min<int64_t>(it.length - b * kBf16Block, kBf16Block)); }
 };

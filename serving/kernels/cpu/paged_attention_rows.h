@@ -104,13 +104,13 @@ inline const float* row_of(const C* src, float* buf, int64_t dim) {
   }
 }
 
-// Into L2 (prefetcht1): lines in flight there are not bounded by L1's few fill buffers. always_inline: GCC
-// deleted these fetches as calls without effect when called through a lambda (paged_attention_bf16.h: through a
-// member function).
-template <typename C>
-__attribute__((always_inline)) inline void prefetch_rows(const C* rows, int64_t elements) {
-  const char* at = reinterpret_cast<const char*>(rows);
-  for (int64_t off = 0; off < elements * static_cast<int64_t>(sizeof(C)); off += 64) __builtin_prefetch(at + off, 0, 2);
+// Every line of [at, at + bytes): LOCALITY 3 into L1 (prefetcht0), 2 into L2 (prefetcht1: lines in flight there
+// are not bounded by L1's few fill buffers). always_inline: GCC deleted these fetches as calls without effect when
+// called through a lambda or a member function.
+template <int LOCALITY>
+__attribute__((always_inline)) inline void prefetch_lines(const void* at, int64_t bytes) {
+  const char* p = static_cast<const char*>(at);
+  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off, 0, LOCALITY);
 }
 
 }  // namespace
