@@ -192,6 +192,27 @@ def _calibrated(algorithm: str, description: str, defaults: dict[str, Any]) -> M
                   weight_files=("int4wo.safetensors",))
 
 
+def _w8a8() -> Method:
+    """int8 weights and activations (quantize/w8a8.py), saved and loaded as `w8a8.safetensors`."""
+
+    def build(source: Path, opts: dict[str, Any]) -> PreTrainedModel:
+        from quantize.w8a8 import build_w8a8
+
+        return build_w8a8(source, opts)
+
+    def save(model: PreTrainedModel, out: Path) -> None:
+        from serving.model.quant.checkpoint import save_weight_only
+
+        save_weight_only(model, out, "w8a8")
+
+    return Method("w8a8", 8, "quantgate", "int8 weights per output channel and int8 activations per row at each "
+                  "call (SmoothQuant scales from calibration text); products on the CPU's int8 dot products, "
+                  "fast prefill and decode under load", None, build, save,
+                  defaults={"calibration_tokens": 1024, "seq_len": 256, "quantize_lm_head": True,
+                            "quantize_embeddings": True, "dtype": "float32"},
+                  weight_files=("w8a8.safetensors",))
+
+
 _BNB_4BIT_DEFAULTS = {"double_quant": True, "compute_dtype": "float32"}
 
 METHODS: dict[str, Method] = {
@@ -210,6 +231,7 @@ METHODS: dict[str, Method] = {
                             "Hessian of calibration activations", {"damp": 0.01}),
         _calibrated("awq", "int4wo's layout with AWQ's activation-aware channel scales folded into the norms "
                            "and linears before each layer", {"grid": 20}),
+        _w8a8(),
     )
 }
 

@@ -12,6 +12,7 @@ def tensor_table(model: nn.Module) -> dict[str, dict[str, Any]]:
     """{module name: {"format", "shape", "tensors", ...}} for every linear and embedding of `model`."""
     from serving.model.quant.int4 import Int4Embedding, Int4WeightOnlyLinear
     from serving.model.quant.int8 import Int8Embedding, Int8WeightOnlyLinear
+    from serving.model.quant.w8a8 import Int8DynamicLinear
 
     owners: dict[int, str] = {}
     table: dict[str, dict[str, Any]] = {}
@@ -19,6 +20,9 @@ def tensor_table(model: nn.Module) -> dict[str, dict[str, Any]]:
         if isinstance(module, Int4WeightOnlyLinear | Int4Embedding):
             entry = {"format": "int4", "group_size": module.group_size}
             held = module.codes
+        elif isinstance(module, Int8DynamicLinear):
+            smoothed = bool((module.inv_smooth != 1).any())
+            entry, held = {"format": "int8-per-row, int8 activations per row", "smoothed": smoothed}, module.weight_int8
         elif isinstance(module, Int8WeightOnlyLinear | Int8Embedding):
             entry, held = {"format": "int8-per-row"}, module.weight_int8
         elif isinstance(module, nn.Linear | nn.Embedding) or _is_bitsandbytes(module):

@@ -44,7 +44,7 @@ def _generate(engine: LLMEngine):
 
 # fp32 weights stay torch's nn.Linear, called as aten::linear; int4wo leaves k_proj here (too narrow for int4)
 VARIANTS = [("baseline", "float32"), ("baseline", "bfloat16"), ("int8wo", "float32"), ("int8wo", "bfloat16"),
-            ("int4wo", "float32"), ("int4wo", "bfloat16")]
+            ("int4wo", "float32"), ("int4wo", "bfloat16"), ("w8a8", "float32"), ("w8a8", "bfloat16")]
 
 
 @pytest.mark.parametrize("isa", PATHS)

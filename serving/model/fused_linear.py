@@ -3,10 +3,10 @@
 At decode sizes every kernel call has a fixed cost (threads woken, output allocated) and the small k/v
 projections (a third of q's width under GQA) are too short to keep every core streaming; one call over
 the concatenated weight does both jobs once. The modules keep working on their own: their weights become
-views into the fused tensor (slices along the output tiles are contiguous; int4's scales, laid out by
-group first, are strided views), so nothing is held twice and `resident_bytes` still counts every byte
-once. Only quantgate's own kernel layouts fuse (bf16 pairs, int8, int4 of one group size, no bias, one
-kernel path); any other mix returns None and the caller runs the modules. A quantized layer's kernel is
+views into the fused tensor (slices along the output tiles are contiguous; int4's scales, laid out by group
+first, are strided views), so nothing is held twice and `resident_bytes` still counts every byte once. Only
+quantgate's own kernel layouts fuse (bf16 pairs, int8, int4 of one group size, W8A8 of one smoothing, no bias,
+one kernel path); any other mix returns None and the caller runs the modules. A quantized layer's kernel is
 chosen in one place, its format's `WeightOnlyLinear._kernel_call` (serving/model/quant/weight_only.py): the
 fused call is that call over the modules' kernel tensors joined along their output channels.
 """
@@ -21,6 +21,7 @@ from torch import nn
 from serving.kernels.cpu import wo_fp32
 from serving.model.packed_linear import PairPackedLinear, WoLinear
 from serving.model.quant.kernel_path import KernelCall, bf16_op
+from serving.model.quant.w8a8 import Int8DynamicLinear
 from serving.model.quant.weight_only import WeightOnlyLinear
 
 Projection = Callable[[torch.Tensor], torch.Tensor]
@@ -46,6 +47,8 @@ def fuse(modules: list) -> KernelCall | None:
         return KernelCall(wo_fp32._op(modules[0].isa, name), (packed,), (), False)
     if issubclass(kind, WeightOnlyLinear):
         return _fused_weight_only(modules)
+    if kind is Int8DynamicLinear:
+        return _fused_dynamic(modules)
     return None
 
 
@@ -63,6 +66,18 @@ def _fused_weight_only(modules: list[WeightOnlyLinear]) -> KernelCall | None:
     tensors = tuple(_share(modules, name, [p[i] for p in parts], dim)
                     for i, (name, dim) in enumerate(first._kernel_fields(path)))
     return first._kernel_call(path, tensors)
+
+
+def _fused_dynamic(modules: list[Int8DynamicLinear]) -> KernelCall | None:
+    """W8A8 layers reading one input with one smoothing (quantize/w8a8.py gives q/k/v, gate/up one): one op
+    over their int8 weights and scales joined along the output channels."""
+    first = modules[0]
+    if first.kernel_call() is None or len(modules) == 1:
+        return first.kernel_call()
+    if any(not torch.equal(m.inv_smooth, first.inv_smooth) for m in modules[1:]):
+        return None
+    weight, scales = _share(modules, "weight_int8"), _share(modules, "scales")
+    return KernelCall(first.kernel_call().op, (weight, scales, first.inv_smooth), (), False)
 
 
 def _share(modules: list, name: str, parts: list[torch.Tensor] | None = None, dim: int = 0) -> torch.Tensor:

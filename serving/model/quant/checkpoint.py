@@ -1,6 +1,6 @@
 """Saving and loading a weight-only int8 or int4 model.
 
-The weights go to `int8wo.safetensors` / `int4wo.safetensors` (not `model.safetensors`), so a plain
+The weights go to `int8wo.safetensors` / `int4wo.safetensors` / `w8a8.safetensors` (not `model.safetensors`), so a plain
 `from_pretrained` on the directory fails loudly instead of loading codes as if they were weights;
 `quantize.load_model` knows the format. config.json stays the source model's config, so the
 architecture is unchanged.
@@ -23,8 +23,11 @@ from serving.model.quant.int8 import (
     keep_embedding_scale,
     replace_linears,
 )
+from serving.model.quant.w8a8 import Int8DynamicLinear
 
-WEIGHTS_FILES = {"int8wo": "int8wo.safetensors", "int4wo": "int4wo.safetensors"}
+QUANTIZED_LINEARS = (Int8WeightOnlyLinear, Int4WeightOnlyLinear, Int8DynamicLinear)
+
+WEIGHTS_FILES = {"int8wo": "int8wo.safetensors", "int4wo": "int4wo.safetensors", "w8a8": "w8a8.safetensors"}
 
 
 def save_weight_only(model: PreTrainedModel, out: Path, method: str = "int8wo") -> None:
@@ -39,11 +42,13 @@ def save_weight_only(model: PreTrainedModel, out: Path, method: str = "int8wo") 
         seen[ptr] = key
         state[key] = tensor.detach().contiguous().cpu()
     modules = dict(model.named_modules())
-    linears = sorted(n for n, m in modules.items() if isinstance(m, Int8WeightOnlyLinear | Int4WeightOnlyLinear))
+    linears = sorted(n for n, m in modules.items() if isinstance(m, QUANTIZED_LINEARS))
+    dynamic = sorted(n for n, m in modules.items() if isinstance(m, Int8DynamicLinear))
     embeddings = sorted(n for n, m in modules.items() if isinstance(m, Int8Embedding | Int4Embedding))
     group_size = next((m.group_size for m in modules.values() if isinstance(m, Int4WeightOnlyLinear)), None)
     metadata = {"format": "pt", "quantgate_method": method, "linears": json.dumps(linears),
-                "embeddings": json.dumps(embeddings), "tied": json.dumps(tied), "group_size": json.dumps(group_size)}
+                "embeddings": json.dumps(embeddings), "tied": json.dumps(tied), "group_size": json.dumps(group_size),
+                "dynamic": json.dumps(dynamic)}
     out.mkdir(parents=True, exist_ok=True)
     save_file(state, str(out / WEIGHTS_FILES[method]), metadata=metadata)
     model.config.save_pretrained(out)
@@ -63,13 +68,14 @@ def load_weight_only(directory: Path, device: str = "cpu", dtype: torch.dtype | 
         raise ValueError(f"{path} is not a quantgate weight-only {method} file")
     linears, embeddings = json.loads(metadata["linears"]), json.loads(metadata["embeddings"])
     tied, group_size = json.loads(metadata["tied"]), json.loads(metadata.get("group_size", "null"))
+    dynamic = json.loads(metadata.get("dynamic", "[]"))
 
     config = AutoConfig.from_pretrained(directory)
     dtype = dtype or _config_dtype(config)
     with model_construction(), no_init_weights():
         # Plain weights here are uninitialised (never touched, so never resident) until replaced below.
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    _meta_quantized_layers(model, directory, linears, embeddings, group_size, dtype)
+    _meta_quantized_layers(model, directory, linears, embeddings, group_size, dtype, dynamic)
     _assign_tensors(model, path, tied)
     check_materialised(model, str(path))
     model = model.to(device).eval()
@@ -88,14 +94,21 @@ def load_weight_only(directory: Path, device: str = "cpu", dtype: torch.dtype | 
 
 
 def _meta_quantized_layers(model: PreTrainedModel, directory: Path, linears: list[str], embeddings: list[str],
-                           group_size: int | None, dtype: torch.dtype) -> None:
+                           group_size: int | None, dtype: torch.dtype, dynamic: list[str]) -> None:
     """Swap in the quantized layers with their buffers on the meta device: the file's tensors are assigned to
     them, so the weights exist once (creating them with zeros and copying into them held two copies)."""
     for name in linears:  # the plain weight goes to meta first: replace_linears builds the layer on its device
         module = model.get_submodule(name)
         module.weight = torch.nn.Parameter(torch.empty_like(module.weight, device="meta"), requires_grad=False)
     with torch.device("meta"):
-        swapped = replace_linears(model, from_weights=False, only=linears, group_size=group_size)
+        weight_only = [n for n in linears if n not in set(dynamic)]
+        swapped = replace_linears(model, from_weights=False, only=weight_only, group_size=group_size)
+        for name in dynamic:
+            old = model.get_submodule(name)
+            parent, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent) if parent else model, child,
+                    Int8DynamicLinear(old.in_features, old.out_features, old.bias is not None, dtype))
+            swapped.append(name)
         for name in embeddings:
             old = model.get_submodule(name)
             parent, _, child = name.rpartition(".")

@@ -1,0 +1,148 @@
+"""`w8a8`: int8 weights and per-row int8 activations (serving/model/quant/w8a8.py), SmoothQuant-calibrated.
+
+For each set of linears reading one input (q/k/v, gate/up, o, down, the lm_head), the calibration text's
+activations give max|x| per input channel; SmoothQuant's s = max|x|^a / max|w|^(1-a) moves range from the
+outlier channels into the weights. `a` is searched per set on a grid, with s = 1 (no smoothing) always a
+candidate, minimising the set's output error on a sample of calibration rows after both sides are quantized
+as the op quantizes them, so the search never does worse than plain W8A8 on its calibration data. A tied
+lm_head keeps s = 1: it shares its int8 table with the embedding.
+
+Memory: the whole model in the build's dtype, the activations' per-channel peaks and SAMPLE_ROWS rows per
+input (the release's memory plan counts it as an in-memory build).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from serving.model.quant.w8a8 import Int8DynamicLinear, quantize_rows
+
+ALPHAS = (0.25, 0.4, 0.5, 0.6, 0.75)  # SmoothQuant's migration strengths tried beside s = 1
+SAMPLE_ROWS = 256  # calibration rows per input the search measures the output error on
+
+
+@dataclass
+class InputStats:
+    """One input several linears read: their names, max|x| per channel, a sample of rows."""
+
+    names: list[str] = field(default_factory=list)
+    peak: torch.Tensor | None = None
+    rows: list[torch.Tensor] = field(default_factory=list)
+
+
+def build_w8a8(source: Path, opts: dict[str, Any], show_progress: bool = True) -> nn.Module:
+    from transformers import AutoTokenizer
+
+    from quantgate.loading import load_causal_lm
+    from quantize.calibration import calibration_set
+
+    model = load_causal_lm(source, dtype=getattr(torch, opts["dtype"])).eval()
+    calibration = calibration_set(AutoTokenizer.from_pretrained(source), int(opts["calibration_tokens"]),
+                                  int(opts["seq_len"]))
+    start = time.perf_counter()
+    head = model.get_output_embeddings()
+    skip = set() if opts["quantize_lm_head"] else {id(head)}
+    linears = {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear) and id(m) not in skip}
+    if not linears:
+        raise ValueError(f"{type(model).__name__} has no nn.Linear layers for w8a8 to quantize")
+    inputs = collect_inputs(model, linears, calibration.ids)
+    tied = head is not None and head.weight is model.get_input_embeddings().weight
+    choices = {}
+    for i, stats in enumerate(inputs):
+        fixed = tied and any(linears[n] is head for n in stats.names)
+        choices.update(smooth_inputs(stats, [linears[n] for n in stats.names], fixed))
+        if show_progress and (i + 1) % 16 == 0:
+            print(f"w8a8: {i + 1}/{len(inputs)} inputs smoothed", flush=True)
+    for name, (smooth, _) in choices.items():
+        linear = linears[name]
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, child, Int8DynamicLinear.from_linear(linear, smooth))
+    if opts["quantize_embeddings"]:
+        _quantize_embedding(model, tied)
+    model.quantgate_record = {
+        "algorithm": {"name": "smoothquant", "alphas": list(ALPHAS), "sample_rows": SAMPLE_ROWS,
+                      "chosen": {n: a for n, (_, a) in choices.items()},
+                      "seconds": round(time.perf_counter() - start, 3)},
+        "calibration": calibration.record,
+    }
+    return model
+
+
+def collect_inputs(model: nn.Module, linears: dict[str, nn.Linear], ids: torch.Tensor) -> list[InputStats]:
+    """Run the calibration sequences one at a time; linears fed the same tensor in a forward share an input."""
+    by_key: dict[tuple[str, int, tuple[int, ...]], InputStats] = {}
+    owner: dict[str, InputStats] = {}
+    stride = max(1, ids.numel() // SAMPLE_ROWS)
+
+    def hook(name: str):
+        def record(module: nn.Module, args: tuple) -> None:
+            x = args[0].detach().reshape(-1, args[0].shape[-1]).float()
+            stats = owner.get(name)
+            if stats is None:  # first sequence: group by the tensor each linear of one module reads
+                key = (name.rpartition(".")[0], args[0].data_ptr(), tuple(args[0].shape))
+                stats = owner[name] = by_key.setdefault(key, InputStats())
+                stats.names.append(name)
+            if stats.names[0] != name:
+                return  # the set's first member records for all
+            peak = x.abs().amax(0)
+            stats.peak = peak if stats.peak is None else torch.maximum(stats.peak, peak)
+            stats.rows.append(x[::stride])
+        return record
+
+    handles = [m.register_forward_pre_hook(hook(n)) for n, m in linears.items()]
+    try:
+        with torch.no_grad():
+            for row in ids:
+                model(row[None])
+    finally:
+        for handle in handles:
+            handle.remove()
+    return list({id(s): s for s in owner.values()}.values())
+
+
+def smooth_inputs(stats: InputStats, members: list[nn.Linear],
+                  fixed: bool) -> dict[str, tuple[torch.Tensor | None, float | None]]:
+    """{name: (smooth or None, alpha)} for the linears reading one input: the alpha with the least output
+    error, or (None, None) where no smoothing did best (or `fixed`: a tied lm_head)."""
+    x = torch.cat(stats.rows)[:SAMPLE_ROWS]
+    weight = torch.cat([m.weight.detach().float() for m in members])
+    best: tuple[float, torch.Tensor | None, float | None] = (_error(x, weight, None), None, None)
+    if not fixed:
+        w_peak = weight.abs().amax(0).clamp(min=1e-5)
+        x_peak = stats.peak.clamp(min=1e-5)
+        for alpha in ALPHAS:
+            smooth = (x_peak.pow(alpha) / w_peak.pow(1 - alpha)).clamp(min=1e-5)
+            error = _error(x, weight, smooth)
+            if error < best[0]:
+                best = (error, smooth, alpha)
+    return {name: (best[1], best[2]) for name in stats.names}
+
+
+def _error(x: torch.Tensor, weight: torch.Tensor, smooth: torch.Tensor | None) -> float:
+    """Mean squared output error of x @ w^T as the op computes it with `smooth`."""
+    from serving.model.quant.int8 import quantize_per_channel
+
+    inv = torch.ones(x.shape[1]) if smooth is None else 1.0 / smooth
+    codes, scales = quantize_per_channel(weight if smooth is None else weight * smooth[None, :])
+    x_codes, row_scale = quantize_rows(x, inv)
+    y = (x_codes @ codes.float().t()) * row_scale[:, None] * scales
+    return float((y - x @ weight.t()).pow(2).mean())
+
+
+def _quantize_embedding(model: nn.Module, tied: bool) -> None:
+    from serving.model.quant.int8 import Int8Embedding, keep_embedding_scale
+
+    embed, head = model.get_input_embeddings(), model.get_output_embeddings()
+    if not isinstance(embed, nn.Embedding):
+        return
+    if tied and isinstance(head, Int8DynamicLinear):
+        table = Int8Embedding.sharing(head, embed.weight.dtype)
+    else:
+        table = Int8Embedding.from_embedding(embed)
+    model.set_input_embeddings(keep_embedding_scale(embed, table))

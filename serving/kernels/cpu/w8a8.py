@@ -1,0 +1,38 @@
+"""The W8A8 linear (w8a8.cpp): int8 rows chosen per call times int8 weights, through torch's int8 GEMM.
+
+One build serves every kernel path: the op's own loops (quantizing the rows, scaling the sums) are a pass
+each over the rows and outputs, compiled for the x86-64 baseline; the products run in `at::_int_mm`, whose
+oneDNN picks the CPU's int8 instructions (VNNI, AMX-INT8, or AVX2's VPMADDUBSW) at run time.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+from pathlib import Path
+
+import torch
+
+from serving.kernels.cpu import build
+from serving.kernels.cpu import isa as isas
+
+SOURCE = Path(__file__).with_name("w8a8.cpp")
+
+
+def cflags() -> list[str]:
+    """AVX2 where the CPU has it (every x86 family the project meets: the passes are vectorized by hand), else
+    the x86-64 baseline. No -march=native (the op serves every path, forced ones included) and no -ffast-math
+    (the scalar tail rounds as torch.round by the 1.5 * 2^23 trick, which fast-math would fold away)."""
+    return ["-O3", "-fopenmp", *(["-mavx2", "-mfma"] if "avx2" in isas.supported() else [])]
+
+
+@cache
+def ops():
+    """`torch.ops.quantgate_w8a8` once built and loaded, else None (no compiler: torch's ops serve)."""
+    if not build.load(SOURCE, cflags(), name="w8a8"):
+        return None
+    return torch.ops.quantgate_w8a8
+
+
+def linear_op() -> torch._ops.OpOverload | None:
+    loaded = ops()
+    return None if loaded is None else loaded.linear.default

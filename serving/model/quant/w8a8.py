@@ -1,0 +1,92 @@
+"""W8A8: int8 weights (one scale per output channel) and int8 activations (one scale per row, per call).
+
+A weight-only format saves bytes, which is what decode at a few rows is bound by; from ~16 rows a CPU is
+compute-bound and a weight-only GEMM multiplies at the bf16 rate whatever its weight's width. With both sides
+int8 the products run on the CPU's int8 dot products (VNNI, AMX-INT8: twice the bf16 rate), so prefill and
+decode under load get faster too (serving/kernels/cpu/w8a8.cpp; torch's int8 GEMM does the products).
+
+Activations have outlier channels a per-row int8 scale cannot resolve; SmoothQuant (Xiao et al., 2023) moves
+part of their range into the weights: input channel c is divided by `smooth[c]` and the weight's column c
+multiplied by it, exact in real arithmetic. quantize/w8a8.py chooses `smooth` on calibration text; here the
+layer holds w * smooth in int8 and 1 / smooth, applied to the rows in the op's quantization pass (nothing is
+folded into other layers, so every architecture takes it). Layers reading one input (q/k/v, gate/up) share
+one `smooth`, and their fused call (serving/model/fused_linear.py) is one op.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from serving.kernels.cpu import w8a8 as kernel
+from serving.model.quant.kernel_path import KernelCall
+
+
+class Int8DynamicLinear(nn.Module):
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.in_features = in_features
+        self.out_features = out_features
+        self.register_buffer("weight_int8", torch.zeros(out_features, in_features, dtype=torch.int8))
+        self.register_buffer("scales", torch.ones(out_features, dtype=torch.float32))
+        self.register_buffer("inv_smooth", torch.ones(in_features, dtype=torch.float32))
+        self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype), requires_grad=False) if bias else None
+        self._call: KernelCall | None = None
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, smooth: torch.Tensor | None = None) -> Int8DynamicLinear:
+        """`linear` with its input channels divided by `smooth` (its weight's columns multiplied by it)."""
+        from serving.model.quant.int8 import quantize_per_channel
+
+        module = cls(linear.in_features, linear.out_features, linear.bias is not None, linear.weight.dtype)
+        weight = linear.weight.detach().float()
+        if smooth is not None:
+            smooth = smooth.detach().float().to(weight.device)
+            weight = weight * smooth[None, :]
+            module.inv_smooth = (1.0 / smooth).contiguous()
+        module.weight_int8, module.scales = quantize_per_channel(weight)
+        if linear.bias is not None:
+            module.bias.data.copy_(linear.bias.detach())
+        return module.to(linear.weight.device)
+
+    def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The weight this layer multiplies by (smoothing undone), for comparisons."""
+        w = self.weight_int8.float() * self.scales[:, None] * self.inv_smooth[None, :]
+        return w.to(dtype)
+
+    def kernel_call(self) -> KernelCall | None:
+        """The compiled op over this layer's tensors (None: torch's ops serve, off CPU or without a compiler)."""
+        if self.weight_int8.device.type != "cpu" or kernel.linear_op() is None:
+            return None
+        tensors = (self.weight_int8, self.scales, self.inv_smooth)
+        if self._call is None or any(a is not b for a, b in zip(self._call.tensors, tensors, strict=True)):
+            self._call = KernelCall(kernel.linear_op(), tensors, (), False)
+        return self._call
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)
+        call = self.kernel_call()
+        y = call(rows) if call is not None else reference_linear(rows, self.weight_int8, self.scales, self.inv_smooth)
+        y = y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+def quantize_rows(rows: torch.Tensor, inv_smooth: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The op's codes and row scales, in torch: round(x / smooth * 127 / max|x / smooth|) per row."""
+    scaled = rows.float() * inv_smooth
+    row_scale = scaled.abs().amax(dim=1) / 127.0
+    inv = torch.where(row_scale > 0, 1.0 / row_scale, torch.zeros_like(row_scale))
+    codes = torch.round(scaled * inv[:, None]).clamp(-127, 127)
+    return codes, row_scale
+
+
+def reference_linear(rows: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
+                     inv_smooth: torch.Tensor) -> torch.Tensor:
+    """The op's result with torch's ops (another device, no compiler, the tests' reference): integer sums in
+    float64, exact at every K a model has."""
+    codes, row_scale = quantize_rows(rows, inv_smooth)
+    sums = (codes.double() @ weight.double().t()).float()
+    return (sums * row_scale[:, None] * scales).to(rows.dtype)
