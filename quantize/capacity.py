@@ -118,6 +118,8 @@ def linear_bytes(method: str, out_features: int, in_features: int, dtype_bytes: 
         return n * dtype_bytes
     if method in ("int8", "int8wo"):
         return n + 4 * out_features + (1 if method == "int8" else 0)  # int8 codes + fp32 row scale (+ format byte)
+    if method == "w8a8":  # int8 codes + fp32 row scale + the fp32 1 / smooth per input
+        return n + 4 * out_features + 4 * in_features
     if method == "int4wo":  # nibbles + a bf16 scale and zero per group of 32 inputs
         return n // 2 + 4 * out_features * (in_features // INT4WO_GROUP)
     if method in ("nf4", "fp4"):
@@ -137,7 +139,7 @@ def estimate_weight_bytes(shape: ModelShape, method: str, dtype_bytes: int = 2) 
     norms = (2 * shape.num_layers + 1) * shape.hidden_size * dtype_bytes
     tables = 1 if shape.tie_word_embeddings else 2
     v, h = shape.vocab_size, shape.hidden_size
-    if method == "int8wo":
+    if method in ("int8wo", "w8a8"):
         embed = tables * (v * h + 4 * v)
     elif method == "int4wo":
         embed = tables * linear_bytes("int4wo", v, h, dtype_bytes)

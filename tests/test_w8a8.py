@@ -12,10 +12,12 @@ import quantize
 from quantize.w8a8 import InputStats, _error, smooth_inputs
 from serving import LLMEngine, SamplingParams
 from serving.kernels.cpu import w8a8 as kernel
+from serving.kernels.cpu import wo_bf16
 from serving.model.quant.int8 import Int8Embedding
 from serving.model.quant.w8a8 import Int8DynamicLinear, reference_linear
 
 needs_op = pytest.mark.skipif(kernel.linear_op() is None, reason="no C++ compiler for the kernels")
+needs_vnni = pytest.mark.skipif(kernel.linear_op() is None or not kernel.vnni_ready(), reason="no AVX-512 VNNI here")
 
 
 def _problem(m: int, k: int, n: int, seed: int = 0):
@@ -35,6 +37,18 @@ def test_the_op_equals_its_torch_reference_exactly(m, k, n, dtype):
     x = x.to(dtype)
     got = kernel.linear_op()(x, weight, scales, inv_smooth)
     assert got.dtype == dtype and got.shape == (m, n)
+    assert torch.equal(got, reference_linear(x, weight, scales, inv_smooth))
+
+
+@needs_vnni
+@pytest.mark.parametrize("m,k,n", [(1, 64, 48), (5, 16, 16), (9, 1000, 160), (70, 576, 192), (17, 576, 960)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_vnni_kernel_equals_the_reference_exactly(m, k, n, dtype):
+    """Every row count of the 8-row block and its tails, 1-3 tiles a block; the +128 taken back exactly."""
+    x, weight, scales, inv_smooth = _problem(m, k, n, seed=m)
+    x = x.to(dtype)
+    compensation = 128 * weight.to(torch.int32).sum(1, dtype=torch.int32)
+    got = kernel.vnni_op()(x, wo_bf16.pack_int8(weight, 4), compensation, scales, inv_smooth)
     assert torch.equal(got, reference_linear(x, weight, scales, inv_smooth))
 
 
@@ -89,7 +103,11 @@ def test_the_variant_builds_loads_and_serves_as_transformers_runs_its_layers(tin
     assert len(layers) == 2 * 7 + 1  # every projection of both layers and the lm_head
     assert any(bool((m.inv_smooth != 1).any()) for m in layers)
     embed, head = loaded.get_input_embeddings(), loaded.get_output_embeddings()
-    assert isinstance(embed, Int8Embedding) and embed.weight_int8 is head.weight_int8  # tied: one table
+    assert isinstance(embed, Int8Embedding)  # tied: one table, the lm_head's quads where the VNNI kernel serves it
+    if head.kernel_kind() == "vnni":
+        assert embed._packed is head.kernel_layout() and head.weight_int8.numel() == 0
+    else:
+        assert embed.weight_int8 is head.weight_int8
     assert torch.equal(head.inv_smooth, torch.ones(head.in_features))
 
     prompt = [100 + (7 * j) % 3000 for j in range(11)]

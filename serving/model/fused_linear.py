@@ -70,14 +70,16 @@ def _fused_weight_only(modules: list[WeightOnlyLinear]) -> KernelCall | None:
 
 def _fused_dynamic(modules: list[Int8DynamicLinear]) -> KernelCall | None:
     """W8A8 layers reading one input with one smoothing (quantize/w8a8.py gives q/k/v, gate/up one): one op
-    over their int8 weights and scales joined along the output channels."""
+    over their weights (plain or packed quads), compensations and scales joined along the output channels."""
     first = modules[0]
-    if first.kernel_call() is None or len(modules) == 1:
+    if len(modules) == 1 or first.kernel_call() is None:
         return first.kernel_call()
-    if any(not torch.equal(m.inv_smooth, first.inv_smooth) for m in modules[1:]):
+    if any(m.kernel_kind() != first.kernel_kind() or not torch.equal(m.inv_smooth, first.inv_smooth)
+           for m in modules[1:]):
         return None
-    weight, scales = _share(modules, "weight_int8"), _share(modules, "scales")
-    return KernelCall(first.kernel_call().op, (weight, scales, first.inv_smooth), (), False)
+    names = ("_packed", "_compensation", "scales") if first.kernel_kind() == "vnni" else ("weight_int8", "scales")
+    tensors = tuple(_share(modules, name) for name in names)
+    return KernelCall(first.kernel_op(), (*tensors, first.inv_smooth), (), False)
 
 
 def _share(modules: list, name: str, parts: list[torch.Tensor] | None = None, dim: int = 0) -> torch.Tensor:

@@ -19,7 +19,10 @@
 #include <immintrin.h>
 #endif
 
+#include "w8a8_vnni.h"
+
 #include <algorithm>
+#include <utility>
 #include <cmath>
 #include <cstdint>
 #include <vector>
@@ -72,7 +75,8 @@ float scaled_row(const T* x, const float* inv_smooth, int64_t k, float* scaled) 
   return peak / 127.0f;
 }
 
-void codes_of(const float* scaled, float inv, int64_t k, int8_t* out) {
+// The row's codes, or with `flip` as unsigned bytes q + 128 (the top bit flipped: VPDPBUSD's unsigned operand).
+void codes_of(const float* scaled, float inv, int64_t k, bool flip, int8_t* out) {
   int64_t i = 0;
 #if defined(__AVX2__)
   const __m256 scale = _mm256_set1_ps(inv);
@@ -83,22 +87,23 @@ void codes_of(const float* scaled, float inv, int64_t k, int8_t* out) {
     const __m256i b = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(scaled + i + 8), scale));
     const __m256i words = _mm256_permute4x64_epi64(_mm256_packs_epi32(a, b), 0xD8);  // 16 int16 in order
     const __m128i bytes = _mm_packs_epi16(_mm256_castsi256_si128(words), _mm256_extracti128_si256(words, 1));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), bytes);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), _mm_xor_si128(bytes, _mm_set1_epi8(flip ? -128 : 0)));
   }
 #endif
   for (; i < k; ++i) {
     const float v = std::min(127.0f, std::max(-127.0f, (scaled[i] * inv + kRoundMagic) - kRoundMagic));
-    out[i] = static_cast<int8_t>(static_cast<int32_t>(v));
+    out[i] = static_cast<int8_t>(static_cast<int32_t>(v) ^ (flip ? 0x80 : 0));
   }
 }
 
 template <typename T>
-void quantize_rows(const T* x, const float* inv_smooth, int64_t m, int64_t k, int8_t* codes, float* row_scale) {
+void quantize_rows(const T* x, const float* inv_smooth, int64_t m, int64_t k, bool flip, int8_t* codes,
+                   float* row_scale) {
   at::parallel_for(0, m, std::max<int64_t>(1, kSerialBelow / k), [&](int64_t begin, int64_t end) {
     std::vector<float> scaled(static_cast<size_t>(k));
     for (int64_t r = begin; r < end; ++r) {
       const float scale = scaled_row(x + r * k, inv_smooth, k, scaled.data());
-      codes_of(scaled.data(), scale > 0.0f ? 1.0f / scale : 0.0f, k, codes + r * k);
+      codes_of(scaled.data(), scale > 0.0f ? 1.0f / scale : 0.0f, k, flip, codes + r * k);
       row_scale[r] = scale;
     }
   });
@@ -123,26 +128,38 @@ void scale_sums(const int32_t* sums, const float* row_scale, const float* scales
   });
 }
 
-at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales,
-                       const at::Tensor& inv_smooth) {
+void check_rows(const at::Tensor& x, const at::Tensor& scales, const at::Tensor& inv_smooth, int64_t n) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "w8a8_linear: x must be contiguous [M, K]");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "w8a8_linear: x must be fp32 or bf16");
-  const int64_t m = x.size(0), k = x.size(1), n = weight.size(0);
-  TORCH_CHECK(weight.dim() == 2 && weight.size(1) == k && weight.scalar_type() == at::kChar && weight.is_contiguous(),
-              "w8a8_linear: weight must be contiguous int8 [N, K=", k, "]");
   TORCH_CHECK(scales.numel() == n && scales.scalar_type() == at::kFloat && scales.is_contiguous(),
               "w8a8_linear: scales must be fp32 [N]");
-  TORCH_CHECK(inv_smooth.numel() == k && inv_smooth.scalar_type() == at::kFloat && inv_smooth.is_contiguous(),
+  TORCH_CHECK(inv_smooth.numel() == x.size(1) && inv_smooth.scalar_type() == at::kFloat && inv_smooth.is_contiguous(),
               "w8a8_linear: inv_smooth must be fp32 [K]");
-  auto out = at::empty({m, n}, x.options());
-  if (m == 0) return out;
+}
+
+// The rows' codes [M, K] (unsigned with `flip`) and scales [M].
+std::pair<at::Tensor, at::Tensor> quantized(const at::Tensor& x, const at::Tensor& inv_smooth, bool flip) {
+  const int64_t m = x.size(0), k = x.size(1);
   auto codes = at::empty({m, k}, x.options().dtype(at::kChar));
   auto row_scale = at::empty({m}, x.options().dtype(at::kFloat));
   if (x.scalar_type() == at::kFloat)
-    quantize_rows(x.data_ptr<float>(), inv_smooth.data_ptr<float>(), m, k, codes.data_ptr<int8_t>(), row_scale.data_ptr<float>());
-  else
-    quantize_rows(x.data_ptr<at::BFloat16>(), inv_smooth.data_ptr<float>(), m, k, codes.data_ptr<int8_t>(),
+    quantize_rows(x.data_ptr<float>(), inv_smooth.data_ptr<float>(), m, k, flip, codes.data_ptr<int8_t>(),
                   row_scale.data_ptr<float>());
+  else
+    quantize_rows(x.data_ptr<at::BFloat16>(), inv_smooth.data_ptr<float>(), m, k, flip, codes.data_ptr<int8_t>(),
+                  row_scale.data_ptr<float>());
+  return {codes, row_scale};
+}
+
+at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales,
+                       const at::Tensor& inv_smooth) {
+  const int64_t m = x.size(0), n = weight.size(0);
+  check_rows(x, scales, inv_smooth, n);
+  TORCH_CHECK(weight.dim() == 2 && weight.size(1) == x.size(1) && weight.scalar_type() == at::kChar &&
+              weight.is_contiguous(), "w8a8_linear: weight must be contiguous int8 [N, K=", x.size(1), "]");
+  auto out = at::empty({m, n}, x.options());
+  if (m == 0) return out;
+  const auto [codes, row_scale] = quantized(x, inv_smooth, false);
   const auto sums = at::_int_mm(codes, weight.t()).contiguous();
   if (x.scalar_type() == at::kFloat)
     scale_sums(sums.data_ptr<int32_t>(), row_scale.data_ptr<float>(), scales.data_ptr<float>(), m, n, out.data_ptr<float>());
@@ -152,10 +169,49 @@ at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& weight, const at::
   return out;
 }
 
+bool vnni_ready() {
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+         __builtin_cpu_supports("avx512vnni");
+}
+
+template <typename T>
+void run_vnni(const at::Tensor& codes, const at::Tensor& packed, const at::Tensor& compensation,
+              const at::Tensor& scales, const at::Tensor& row_scale, at::Tensor& out) {
+  const vnni::Problem<T> p{reinterpret_cast<const uint8_t*>(codes.data_ptr<int8_t>()), packed.data_ptr<int8_t>(),
+                           compensation.data_ptr<int32_t>(), scales.data_ptr<float>(), row_scale.data_ptr<float>(),
+                           out.data_ptr<T>(), out.size(0), out.size(1), codes.size(1)};
+  vnni::run(p);
+}
+
+// The products on VPDPBUSD over the weight packed in quads (w8a8_vnni.h); compensation = 128 * sum_k w[n, k].
+at::Tensor w8a8_linear_vnni(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& compensation,
+                            const at::Tensor& scales, const at::Tensor& inv_smooth) {
+  TORCH_CHECK(vnni_ready(), "w8a8_linear_vnni: this CPU has no AVX-512 VNNI");
+  const int64_t m = x.size(0), n = packed.size(0) * vnni::kTile;
+  check_rows(x, scales, inv_smooth, n);
+  TORCH_CHECK(packed.dim() == 4 && packed.size(1) * 4 == x.size(1) && packed.size(2) == vnni::kTile &&
+              packed.size(3) == 4 && packed.scalar_type() == at::kChar && packed.is_contiguous(),
+              "w8a8_linear_vnni: packed must be contiguous int8 [N/16, K/4, 16, 4] with K=", x.size(1));
+  TORCH_CHECK(compensation.numel() == n && compensation.scalar_type() == at::kInt && compensation.is_contiguous(),
+              "w8a8_linear_vnni: compensation must be int32 [N]");
+  auto out = at::empty({m, n}, x.options());
+  if (m == 0) return out;
+  const auto [codes, row_scale] = quantized(x, inv_smooth, true);
+  if (x.scalar_type() == at::kFloat) run_vnni<float>(codes, packed, compensation, scales, row_scale, out);
+  else run_vnni<at::BFloat16>(codes, packed, compensation, scales, row_scale, out);
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(quantgate_w8a8, m) {
   m.def("linear(Tensor x, Tensor weight, Tensor scales, Tensor inv_smooth) -> Tensor");
+  m.def("linear_vnni(Tensor x, Tensor packed, Tensor compensation, Tensor scales, Tensor inv_smooth) -> Tensor");
+  m.def("vnni_ready() -> bool", &vnni_ready);
 }
 
-TORCH_LIBRARY_IMPL(quantgate_w8a8, CPU, m) { m.impl("linear", &w8a8_linear); }
+TORCH_LIBRARY_IMPL(quantgate_w8a8, CPU, m) {
+  m.impl("linear", &w8a8_linear);
+  m.impl("linear_vnni", &w8a8_linear_vnni);
+}

@@ -1,8 +1,9 @@
-"""The W8A8 linear (w8a8.cpp): int8 rows chosen per call times int8 weights, through torch's int8 GEMM.
+"""The W8A8 linear (w8a8.cpp): int8 rows chosen per call times int8 weights.
 
 One build serves every kernel path: the op's own loops (quantizing the rows, scaling the sums) are a pass
-each over the rows and outputs, compiled for the x86-64 baseline; the products run in `at::_int_mm`, whose
-oneDNN picks the CPU's int8 instructions (VNNI, AMX-INT8, or AVX2's VPMADDUBSW) at run time.
+each over the rows and outputs; the products run in our VNNI kernel (w8a8_vnni.h, compiled for AVX-512 VNNI
+by target attribute, called only where the CPU has it) over the weight packed once in quads, or elsewhere in
+`at::_int_mm`, whose oneDNN picks the CPU's int8 instructions (AVX2's VPMADDUBSW, AMX-INT8) at run time.
 """
 
 from __future__ import annotations
@@ -34,5 +35,18 @@ def ops():
 
 
 def linear_op() -> torch._ops.OpOverload | None:
+    """Our op around torch's int8 GEMM: any CPU."""
     loaded = ops()
     return None if loaded is None else loaded.linear.default
+
+
+@cache
+def vnni_ready() -> bool:
+    """The CPU runs w8a8_vnni.h (AVX-512 F/BW/VL/DQ and VNNI)."""
+    loaded = ops()
+    return loaded is not None and bool(loaded.vnni_ready())
+
+
+def vnni_op() -> torch._ops.OpOverload | None:
+    """Our VNNI kernel over the weight packed in quads, where the CPU has AVX-512 VNNI."""
+    return ops().linear_vnni.default if vnni_ready() else None

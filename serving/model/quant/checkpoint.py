@@ -85,7 +85,7 @@ def load_weight_only(directory: Path, device: str = "cpu", dtype: torch.dtype | 
     for i, module in enumerate(model.modules()):  # serve from the kernel's layout alone, unless an embedding reads it
         if isinstance(module, Int4WeightOnlyLinear) and id(module.codes) not in shared:
             module.drop_codes()
-        elif isinstance(module, Int8WeightOnlyLinear) and id(module.weight_int8) not in shared:
+        elif isinstance(module, Int8WeightOnlyLinear | Int8DynamicLinear) and id(module.weight_int8) not in shared:
             module.drop_plain()
         if i % 16 == 15:
             release_freed_memory()
@@ -179,6 +179,9 @@ def _embedding_reads_head_layout(model: PreTrainedModel) -> None:
     if isinstance(embed, Int8Embedding) and isinstance(head, Int8WeightOnlyLinear):
         if embed.weight_int8 is head.weight_int8 and head._own_kernel():
             embed.read_packed(head.kernel_layout(), head.kernel_path().kind)
+    elif isinstance(embed, Int8Embedding) and isinstance(head, Int8DynamicLinear):
+        if embed.weight_int8 is head.weight_int8 and head.kernel_layout() is not None:
+            embed.read_packed(head.kernel_layout(), "wo_bf16")  # the quads: wo_bf16.packed_rows reads any width
     elif isinstance(embed, Int4Embedding) and isinstance(head, Int4WeightOnlyLinear):
         if embed.codes is head.codes and head._own_kernel():
             embed.read_packed(head.kernel_layout(), head.kernel_path().kind)

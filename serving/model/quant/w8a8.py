@@ -18,8 +18,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from serving.kernels.cpu import isa as isas
 from serving.kernels.cpu import w8a8 as kernel
+from serving.kernels.cpu import wo_bf16
 from serving.model.quant.kernel_path import KernelCall
+
+VNNI_PATHS = ("amx", "avx512bf16", "avx512")  # paths whose CPUs run w8a8_vnni.h (where they have AVX-512 VNNI)
 
 
 class Int8DynamicLinear(nn.Module):
@@ -30,7 +34,11 @@ class Int8DynamicLinear(nn.Module):
         self.register_buffer("weight_int8", torch.zeros(out_features, in_features, dtype=torch.int8))
         self.register_buffer("scales", torch.ones(out_features, dtype=torch.float32))
         self.register_buffer("inv_smooth", torch.ones(in_features, dtype=torch.float32))
+        self.register_buffer("_packed", None, persistent=False)  # [N/16, K/4, 16, 4]: w8a8_vnni.h's quads
+        self.register_buffer("_compensation", None, persistent=False)  # 128 * sum_k w[n, k], int32
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype), requires_grad=False) if bias else None
+        self.isa = isas.resolve()  # the kernel path in force when the layer was built
+        self._kind: str | None = None  # "vnni", "int_mm" (torch's int8 GEMM inside our op) or "torch"
         self._call: KernelCall | None = None
 
     @classmethod
@@ -49,24 +57,62 @@ class Int8DynamicLinear(nn.Module):
             module.bias.data.copy_(linear.bias.detach())
         return module.to(linear.weight.device)
 
+    def plain_weight(self) -> torch.Tensor:
+        return self.weight_int8 if self.weight_int8.numel() else wo_bf16.unpack_int8(self._packed)
+
     def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The weight this layer multiplies by (smoothing undone), for comparisons."""
-        w = self.weight_int8.float() * self.scales[:, None] * self.inv_smooth[None, :]
+        w = self.plain_weight().float() * self.scales[:, None] * self.inv_smooth[None, :]
         return w.to(dtype)
+
+    def kernel_kind(self) -> str:
+        """Which kernel serves this layer, decided (and the quads packed) once: our VNNI kernel on the AVX-512
+        paths of a CPU with AVX-512 VNNI, else our op around torch's int8 GEMM, else torch's ops."""
+        if self._kind is None:
+            if self.weight_int8.device.type != "cpu" or self.isa == "torch" or kernel.linear_op() is None:
+                self._kind = "torch"
+            elif (self.isa in VNNI_PATHS and kernel.vnni_ready() and self.out_features % 16 == 0
+                  and self.in_features % 4 == 0):
+                self._packed = wo_bf16.pack_int8(self.weight_int8, 4)
+                self._compensation = 128 * self.weight_int8.to(torch.int32).sum(1, dtype=torch.int32)
+                self._kind = "vnni"
+            else:
+                self._kind = "int_mm"
+        return self._kind
+
+    def kernel_tensors(self) -> tuple[torch.Tensor, ...]:
+        """The tensors the op reads after the rows, as the layer holds them now."""
+        if self.kernel_kind() == "vnni":
+            return self._packed, self._compensation, self.scales, self.inv_smooth
+        return self.weight_int8, self.scales, self.inv_smooth
+
+    def kernel_op(self) -> torch._ops.OpOverload | None:
+        kind = self.kernel_kind()
+        return None if kind == "torch" else kernel.vnni_op() if kind == "vnni" else kernel.linear_op()
+
+    def kernel_layout(self) -> torch.Tensor | None:
+        """The packed quads a tied embedding may look its rows up in (wo_bf16.packed_rows), where packed."""
+        return self._packed if self.kernel_kind() == "vnni" else None
+
+    def drop_plain(self) -> None:
+        """Serve from the quads alone (a loaded variant is never saved again): half the bytes."""
+        if self.kernel_kind() == "vnni":
+            self.weight_int8 = torch.empty(0, dtype=torch.int8)
 
     def kernel_call(self) -> KernelCall | None:
         """The compiled op over this layer's tensors (None: torch's ops serve, off CPU or without a compiler)."""
-        if self.weight_int8.device.type != "cpu" or kernel.linear_op() is None:
+        op = self.kernel_op()
+        if op is None:
             return None
-        tensors = (self.weight_int8, self.scales, self.inv_smooth)
+        tensors = self.kernel_tensors()
         if self._call is None or any(a is not b for a, b in zip(self._call.tensors, tensors, strict=True)):
-            self._call = KernelCall(kernel.linear_op(), tensors, (), False)
+            self._call = KernelCall(op, tensors, (), False)
         return self._call
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
         call = self.kernel_call()
-        y = call(rows) if call is not None else reference_linear(rows, self.weight_int8, self.scales, self.inv_smooth)
+        y = call(rows) if call is not None else reference_linear(rows, self.plain_weight(), self.scales, self.inv_smooth)
         y = y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
 
