@@ -193,8 +193,11 @@ def _bytes(modules) -> int:
     return sum(seen.values())
 
 
-def bounds(engine, batch: int, context: int, bandwidth_gbs: float, peak_flops: float) -> dict[str, float]:
-    """Seconds each bounded part needs at least: max(bytes ÷ read bandwidth, FLOPs ÷ peak GEMM rate)."""
+def bounds(engine, batch: int, context: int, bandwidth_gbs: float, peak_flops: float,
+           gemm_peak: float | None = None) -> dict[str, float]:
+    """Seconds each bounded part needs at least: max(bytes ÷ read bandwidth, FLOPs ÷ peak GEMM rate); the
+    projections' at `gemm_peak` where they multiply in another type (w8a8: int8), attention's at the dtype's."""
+    gemm_peak = gemm_peak or peak_flops
     model, shape = engine.runner.model, engine.runner.shape
     cfg, bw = model.config, bandwidth_gbs * 1e9
     hidden, inter, dim = cfg.hidden_size, cfg.intermediate_size, shape.head_dim
@@ -203,8 +206,8 @@ def bounds(engine, batch: int, context: int, bandwidth_gbs: float, peak_flops: f
             for layer in model.model.layers for name in PROJECTIONS]
     per_layer = hidden * (heads + 2 * kv_heads) * dim + heads * dim * hidden + 3 * hidden * inter
     kv_bytes = 2 * layers * kv_heads * dim * shape.storage_dtype.itemsize * batch * context
-    return {"weight_gemms": max(_bytes(proj) / bw, 2 * batch * per_layer * layers / peak_flops),
-            "lm_head": max(_bytes([model.lm_head]) / bw, 2 * batch * hidden * cfg.vocab_size / peak_flops),
+    return {"weight_gemms": max(_bytes(proj) / bw, 2 * batch * per_layer * layers / gemm_peak),
+            "lm_head": max(_bytes([model.lm_head]) / bw, 2 * batch * hidden * cfg.vocab_size / gemm_peak),
             "attention": max(kv_bytes / bw, 4 * layers * heads * dim * batch * context / peak_flops),
             "sampling": 4 * batch * cfg.vocab_size / bw}
 
@@ -219,6 +222,25 @@ def peak_gemm_gflops(dtype: torch.dtype, n: int = 1024, reps: int = 5) -> float:
         torch.mm(a, b)
         best = min(best, time.perf_counter() - start)
     return 2 * n**3 / best / 1e9
+
+
+def peak_int8_gops(n: int = 1024, reps: int = 5) -> float:
+    """The same for torch's int8 GEMM (oneDNN: VNNI, AMX-INT8): what a W8A8 projection's products reach."""
+    a = torch.randint(-127, 128, (n, n), dtype=torch.int8)
+    b = torch.randint(-127, 128, (n, n), dtype=torch.int8)
+    torch._int_mm(a, b)
+    best = float("inf")
+    for _ in range(reps):
+        start = time.perf_counter()
+        torch._int_mm(a, b)
+        best = min(best, time.perf_counter() - start)
+    return 2 * n**3 / best / 1e9
+
+
+def multiplies_int8(engine) -> bool:
+    from serving.model.quant.w8a8 import Int8DynamicLinear
+
+    return any(isinstance(m, Int8DynamicLinear) for m in engine.runner.model.modules())
 
 
 def _fake_run(scheduled):
@@ -281,7 +303,7 @@ def drain(engine, ids: list[str]) -> None:
 
 
 def measure(engine, batch: int, context: int, rounds: int, bandwidth: float, peak: float,
-            scattered: bool = False) -> dict:
+            scattered: bool = False, gemm_peak: float | None = None) -> dict:
     """Whole step and its parts, `rounds` interleaved rounds after one warm-up; medians."""
     ids = fill(engine, batch, context, steps=2 * rounds + 4, seed=batch * 7919 + context, scattered=scattered)
     whole: list[float] = []
@@ -307,7 +329,7 @@ def measure(engine, batch: int, context: int, rounds: int, bandwidth: float, pea
     med = {name: statistics.median(v) for name, v in parts.items()}
     row_parts = {name: med[name] for name in PARTS}
     step = statistics.median(whole)
-    bound = bounds(engine, batch, context, bandwidth, peak)
+    bound = bounds(engine, batch, context, bandwidth, peak, gemm_peak)
     decoder_parts = sum(med[name] for name in ("prelude", "weight_gemms", "attention", "elementwise"))
     return {"batch": batch, "context": context, "step_s": step, "step_min_s": min(whole), "step_rounds": whole,
             "parts_s": row_parts, "parts_min_s": {name: min(parts[name]) for name in PARTS},
@@ -347,13 +369,15 @@ def run(model: str, variants: list[str], paths: list[str], batches: list[int], c
             dtype = engine.runner.shape.dtype
             key = str(dtype).removeprefix("torch.")
             peak = peaks.setdefault(key, peak_gemm_gflops(dtype))
+            gemm_peak = peaks.setdefault("int8", peak_int8_gops()) if multiplies_int8(engine) else peak
             plan = engine.runner.fast_forward is not None and engine.runner.fast_forward.step is not None
             for batch in batches:
                 for context in contexts:
                     row = {"variant": variant, "path": path, "dtype": key, "decode_plan": plan,
                            "load_avg": os.getloadavg()[0], "scattered": scattered,
                            "kv_blocks": engine.block_manager.num_blocks,
-                           **measure(engine, batch, context, rounds, bandwidth, peak * 1e9, scattered)}
+                           **measure(engine, batch, context, rounds, bandwidth, peak * 1e9, scattered,
+                                     gemm_peak * 1e9)}
                     rows.append(row)
                     print_row(row)
             del engine

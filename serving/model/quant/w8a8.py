@@ -23,7 +23,9 @@ from serving.kernels.cpu import w8a8 as kernel
 from serving.kernels.cpu import wo_bf16
 from serving.model.quant.kernel_path import KernelCall
 
-VNNI_PATHS = ("amx", "avx512bf16", "avx512")  # paths whose CPUs run w8a8_vnni.h (where they have AVX-512 VNNI)
+# The paths whose CPUs run w8a8_vnni.h (where they have AVX-512 VNNI). Not `amx`: there torch's int8 GEMM runs on
+# AMX-INT8 tiles (8x VPDPBUSD's products a cycle), which our VNNI loop cannot match at prefill (not measured yet).
+VNNI_PATHS = ("avx512bf16", "avx512")
 
 
 class Int8DynamicLinear(nn.Module):
