@@ -11,6 +11,7 @@ from torch import nn
 import quantize
 from quantize.w8a8 import InputStats, _error, smooth_inputs
 from serving import LLMEngine, SamplingParams
+from serving.kernels.cpu import isa as isas
 from serving.kernels.cpu import w8a8 as kernel
 from serving.kernels.cpu import wo_bf16
 from serving.model.quant.int8 import Int8Embedding
@@ -119,3 +120,17 @@ def test_the_variant_builds_loads_and_serves_as_transformers_runs_its_layers(tin
                                        num_kv_blocks=64, enable_prefix_caching=False)
     out = engine.generate([prompt], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0]
     assert out.token_ids == want
+
+
+@needs_op
+@pytest.mark.parametrize("path", [p for p in ("avx512bf16", "avx2") if p in isas.supported()])
+def test_the_benchmark_pairs_every_format_against_the_path_baseline(path, tmp_path):
+    import json
+
+    from benchmarks.w8a8_linear import main
+
+    assert main(["--path", path, "--rows", "3", "--shapes", "64x64", "--layers", "2", "--rounds", "2",
+                 "--out-dir", str(tmp_path)]) == 0
+    row = json.loads((tmp_path / "w8a8_linear.json").read_text())["rows"][0]
+    assert set(row["ms"]) >= {"baseline", "w8a8_int_mm"} and len(row["w8a8_int_mm_speedup"]) == 3
+    assert ("w8a8_vnni" in row["ms"]) == kernel.vnni_ready()
