@@ -1,4 +1,4 @@
-"""`quantgate bench hol|dynamic|parallel|serve|kv-waste|sweep|tenants|tenant-leak|throughput|variants|isa|woq|autoscale|fleet-router|peers`: the benchmarks, each printing a table and writing JSON (+ PNGs)."""
+"""`quantgate bench hol|dynamic|parallel|serve|kv-waste|sweep|tenants|tenant-leak|throughput|variants|isa|wo_bf16|w8a8|step|autoscale|fleet-router|peers|...: the benchmarks, each printing a table and writing JSON (+ PNGs)."""
 
 from __future__ import annotations
 
@@ -156,6 +156,8 @@ def _add_script_benchmarks(verbs: argparse._SubParsersAction) -> None:
         ("prefill-attention", "benchmarks.prefill_attention", "a fresh prompt's causal attention: our kernel "
                                                                "(AMX or VDPBF16PS) vs torch's flash kernel, paired"),
         ("wo_bf16", "benchmarks.woq_linear", "weight-only int8/int4 linear: quantgate's kernel vs torch's vs bf16"),
+        ("w8a8", "benchmarks.w8a8_linear", "W8A8 projections (our VNNI kernel, around torch's int8 GEMM) vs the "
+                                           "path's baseline kernel, paired"),
         ("isa", "benchmarks.isa_paths", "weight-only linear on every kernel path (avx512, avx2) vs fp32, paired, "
                                         "with the machine's read bandwidth"),
         ("scale", "benchmarks.scale", "peak memory and wall time of convert / quantize / load against parameters"),
@@ -164,7 +166,8 @@ def _add_script_benchmarks(verbs: argparse._SubParsersAction) -> None:
                                                         "release's peak anonymous and resident memory"),
         ("ray-release", "benchmarks.ray_release", "the release on a local Ray cluster against one process: overhead"),
     ):
-        p = verbs.add_parser(name, help=what, add_help=False)  # its options (and --help) are the script's
+        aliases = ["woq"] if name == "wo_bf16" else []  # the name older pages use
+        p = verbs.add_parser(name, aliases=aliases, help=what, add_help=False)  # its options (and --help): the script's
         p.set_defaults(func=_script, module=module, passes_extra_args=True, script_args=[])
 
 
