@@ -49,8 +49,12 @@ def test_the_vnni_kernel_equals_the_reference_exactly(m, k, n, dtype):
     x, weight, scales, inv_smooth = _problem(m, k, n, seed=m)
     x = x.to(dtype)
     compensation = 128 * weight.to(torch.int32).sum(1, dtype=torch.int32)
-    got = kernel.vnni_op()(x, wo_bf16.pack_int8(weight, 4), compensation, scales, inv_smooth)
+    packed = wo_bf16.pack_int8(weight, 4)
+    got = kernel.vnni_op()(x, packed, compensation, scales, inv_smooth)
     assert torch.equal(got, reference_linear(x, weight, scales, inv_smooth))
+    if dtype == torch.bfloat16:  # the bf16 paths' convention: bf16 rows in, the engine's dtype out
+        wide = kernel.vnni_op(bf16_rows=True)(x, packed, compensation, scales, inv_smooth, torch.float32)
+        assert torch.equal(wide, reference_linear(x.float(), weight, scales, inv_smooth))
 
 
 @needs_op
@@ -80,7 +84,8 @@ def test_the_layer_is_close_to_the_linear_it_quantizes_and_smoothing_undoes_itse
     assert torch.allclose(layer.dequantized_weight(), linear.weight, atol=float(2 * linear.weight.detach().abs().max() / 127))
     y, want = layer(x), linear(x)
     assert (y - want).norm() / want.norm() < 0.02
-    assert torch.equal(y, reference_linear(x, layer.weight_int8, layer.scales, layer.inv_smooth) + linear.bias)
+    rows = x.bfloat16().float() if layer.bf16_rows() else x  # a bf16 path's kernel reads bf16 rows
+    assert torch.equal(y, reference_linear(rows, layer.plain_weight(), layer.scales, layer.inv_smooth) + linear.bias)
 
 
 def test_smoothing_is_chosen_where_a_channel_holds_outliers_and_never_loses_to_none():

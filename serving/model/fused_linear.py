@@ -79,7 +79,7 @@ def _fused_dynamic(modules: list[Int8DynamicLinear]) -> KernelCall | None:
         return None
     names = ("_packed", "_compensation", "scales") if first.kernel_kind() == "vnni" else ("weight_int8", "scales")
     tensors = tuple(_share(modules, name) for name in names)
-    return KernelCall(first.kernel_op(), (*tensors, first.inv_smooth), (), False)
+    return KernelCall(first.kernel_op(), (*tensors, first.inv_smooth), (), first.bf16_rows())
 
 
 def _share(modules: list, name: str, parts: list[torch.Tensor] | None = None, dim: int = 0) -> torch.Tensor:

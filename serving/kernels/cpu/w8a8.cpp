@@ -185,9 +185,11 @@ void run_vnni(const at::Tensor& codes, const at::Tensor& packed, const at::Tenso
 }
 
 // The products on VPDPBUSD over the weight packed in quads (w8a8_vnni.h); compensation = 128 * sum_k w[n, k].
-at::Tensor w8a8_linear_vnni(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& compensation,
-                            const at::Tensor& scales, const at::Tensor& inv_smooth) {
+// The result in `out_dtype` (fp32 or bf16), whatever the rows' own.
+at::Tensor vnni_linear_into(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& compensation,
+                            const at::Tensor& scales, const at::Tensor& inv_smooth, at::ScalarType out_dtype) {
   TORCH_CHECK(vnni_ready(), "w8a8_linear_vnni: this CPU has no AVX-512 VNNI");
+  TORCH_CHECK(out_dtype == at::kFloat || out_dtype == at::kBFloat16, "w8a8_linear_vnni: out_dtype must be fp32 or bf16");
   const int64_t m = x.size(0), n = packed.size(0) * vnni::kTile;
   check_rows(x, scales, inv_smooth, n);
   TORCH_CHECK(packed.dim() == 4 && packed.size(1) * 4 == x.size(1) && packed.size(2) == vnni::kTile &&
@@ -195,12 +197,24 @@ at::Tensor w8a8_linear_vnni(const at::Tensor& x, const at::Tensor& packed, const
               "w8a8_linear_vnni: packed must be contiguous int8 [N/16, K/4, 16, 4] with K=", x.size(1));
   TORCH_CHECK(compensation.numel() == n && compensation.scalar_type() == at::kInt && compensation.is_contiguous(),
               "w8a8_linear_vnni: compensation must be int32 [N]");
-  auto out = at::empty({m, n}, x.options());
+  auto out = at::empty({m, n}, x.options().dtype(out_dtype));
   if (m == 0) return out;
   const auto [codes, row_scale] = quantized(x, inv_smooth, true);
-  if (x.scalar_type() == at::kFloat) run_vnni<float>(codes, packed, compensation, scales, row_scale, out);
+  if (out_dtype == at::kFloat) run_vnni<float>(codes, packed, compensation, scales, row_scale, out);
   else run_vnni<at::BFloat16>(codes, packed, compensation, scales, row_scale, out);
   return out;
+}
+
+at::Tensor w8a8_linear_vnni(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& compensation,
+                            const at::Tensor& scales, const at::Tensor& inv_smooth) {
+  return vnni_linear_into(x, packed, compensation, scales, inv_smooth, x.scalar_type());
+}
+
+// wo_bf16's calling convention (bf16 rows, the out dtype last): what a bf16 engine's projections and its decode
+// plan call, so the rows reach the op as they are held and leave in the engine's dtype.
+at::Tensor w8a8_linear_vnni_bf16(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& compensation,
+                                 const at::Tensor& scales, const at::Tensor& inv_smooth, at::ScalarType out_dtype) {
+  return vnni_linear_into(x, packed, compensation, scales, inv_smooth, out_dtype);
 }
 
 }  // namespace
@@ -208,10 +222,13 @@ at::Tensor w8a8_linear_vnni(const at::Tensor& x, const at::Tensor& packed, const
 TORCH_LIBRARY(quantgate_w8a8, m) {
   m.def("linear(Tensor x, Tensor weight, Tensor scales, Tensor inv_smooth) -> Tensor");
   m.def("linear_vnni(Tensor x, Tensor packed, Tensor compensation, Tensor scales, Tensor inv_smooth) -> Tensor");
+  m.def("linear_vnni_bf16(Tensor x, Tensor packed, Tensor compensation, Tensor scales, Tensor inv_smooth, "
+        "ScalarType out_dtype) -> Tensor");
   m.def("vnni_ready() -> bool", &vnni_ready);
 }
 
 TORCH_LIBRARY_IMPL(quantgate_w8a8, CPU, m) {
   m.impl("linear", &w8a8_linear);
   m.impl("linear_vnni", &w8a8_linear_vnni);
+  m.impl("linear_vnni_bf16", &w8a8_linear_vnni_bf16);
 }

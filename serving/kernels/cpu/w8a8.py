@@ -47,6 +47,9 @@ def vnni_ready() -> bool:
     return loaded is not None and bool(loaded.vnni_ready())
 
 
-def vnni_op() -> torch._ops.OpOverload | None:
-    """Our VNNI kernel over the weight packed in quads, where the CPU has AVX-512 VNNI."""
-    return ops().linear_vnni.default if vnni_ready() else None
+def vnni_op(bf16_rows: bool = False) -> torch._ops.OpOverload | None:
+    """Our VNNI kernel over the weight packed in quads, where the CPU has AVX-512 VNNI; `bf16_rows`: in
+    wo_bf16's convention (bf16 rows, the out dtype last), for the bf16 paths."""
+    if not vnni_ready():
+        return None
+    return ops().linear_vnni_bf16.default if bf16_rows else ops().linear_vnni.default

@@ -88,9 +88,14 @@ class Int8DynamicLinear(nn.Module):
             return self._packed, self._compensation, self.scales, self.inv_smooth
         return self.weight_int8, self.scales, self.inv_smooth
 
+    def bf16_rows(self) -> bool:
+        """The op takes bf16 rows and an out dtype (wo_bf16's convention): the VNNI kernel on a bf16 path, where
+        the engine holds bf16 rows (as int8wo's layers there, an fp32 engine's rows are rounded to bf16 first)."""
+        return self.kernel_kind() == "vnni" and self.isa in isas.BF16_PATHS
+
     def kernel_op(self) -> torch._ops.OpOverload | None:
         kind = self.kernel_kind()
-        return None if kind == "torch" else kernel.vnni_op() if kind == "vnni" else kernel.linear_op()
+        return None if kind == "torch" else kernel.vnni_op(self.bf16_rows()) if kind == "vnni" else kernel.linear_op()
 
     def kernel_layout(self) -> torch.Tensor | None:
         """The packed quads a tied embedding may look its rows up in (wo_bf16.packed_rows), where packed."""
@@ -108,7 +113,7 @@ class Int8DynamicLinear(nn.Module):
             return None
         tensors = self.kernel_tensors()
         if self._call is None or any(a is not b for a, b in zip(self._call.tensors, tensors, strict=True)):
-            self._call = KernelCall(op, tensors, (), False)
+            self._call = KernelCall(op, tensors, (), self.bf16_rows())
         return self._call
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
