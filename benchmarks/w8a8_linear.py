@@ -5,6 +5,8 @@ layers do) run through: the path's baseline (our bf16 kernel over pair-packed we
 bf16 rows; our fp32 kernel on avx512 / avx2 with fp32 rows), w8a8 on our VNNI kernel (w8a8_vnni.h, where the CPU
 has AVX-512 VNNI) and w8a8 around torch's int8 GEMM (`at::_int_mm`). Interleaved rounds in a shuffled order;
 each round's baseline ÷ variant ratio gives a geometric mean with its 95 % t interval. Writes w8a8_linear.json.
+`--path` picks the baseline kernel only: torch's int8 GEMM runs at this CPU's best ISA (`quantgate bench variants
+--isa avx2` forces it too).
 
     python benchmarks/w8a8_linear.py [--path avx512bf16] [--rows 1,16,64,512] [--shapes 960x576,...]
         [--layers 30] [--rounds 7] [--out-dir DIR]
