@@ -213,26 +213,19 @@ def bounds(engine, batch: int, context: int, bandwidth_gbs: float, peak_flops: f
 
 
 def peak_gemm_gflops(dtype: torch.dtype, n: int = 1024, reps: int = 5) -> float:
-    """Best of `reps` square n×n×n matmuls in `dtype` with torch's threads: the machine's GEMM rate."""
-    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
-    torch.mm(a, b)
+    """Best of `reps` square n×n×n matmuls in `dtype` with torch's threads: the machine's GEMM rate; for int8,
+    torch's int8 GEMM (oneDNN: VNNI, AMX-INT8), what a W8A8 projection's products reach."""
+    if dtype == torch.int8:
+        a, b = (torch.randint(-127, 128, (n, n), dtype=dtype) for _ in range(2))
+        mm = torch._int_mm
+    else:
+        a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+        mm = torch.mm
+    mm(a, b)
     best = float("inf")
     for _ in range(reps):
         start = time.perf_counter()
-        torch.mm(a, b)
-        best = min(best, time.perf_counter() - start)
-    return 2 * n**3 / best / 1e9
-
-
-def peak_int8_gops(n: int = 1024, reps: int = 5) -> float:
-    """The same for torch's int8 GEMM (oneDNN: VNNI, AMX-INT8): what a W8A8 projection's products reach."""
-    a = torch.randint(-127, 128, (n, n), dtype=torch.int8)
-    b = torch.randint(-127, 128, (n, n), dtype=torch.int8)
-    torch._int_mm(a, b)
-    best = float("inf")
-    for _ in range(reps):
-        start = time.perf_counter()
-        torch._int_mm(a, b)
+        mm(a, b)
         best = min(best, time.perf_counter() - start)
     return 2 * n**3 / best / 1e9
 
@@ -369,7 +362,7 @@ def run(model: str, variants: list[str], paths: list[str], batches: list[int], c
             dtype = engine.runner.shape.dtype
             key = str(dtype).removeprefix("torch.")
             peak = peaks.setdefault(key, peak_gemm_gflops(dtype))
-            gemm_peak = peaks.setdefault("int8", peak_int8_gops()) if multiplies_int8(engine) else peak
+            gemm_peak = peaks.setdefault("int8", peak_gemm_gflops(torch.int8)) if multiplies_int8(engine) else peak
             plan = engine.runner.fast_forward is not None and engine.runner.fast_forward.step is not None
             for batch in batches:
                 for context in contexts:
