@@ -47,8 +47,9 @@ def save_weight_only(model: PreTrainedModel, out: Path, method: str = "int8wo") 
     embeddings = sorted(n for n, m in modules.items() if isinstance(m, Int8Embedding | Int4Embedding))
     group_size = next((m.group_size for m in modules.values() if isinstance(m, Int4WeightOnlyLinear)), None)
     metadata = {"format": "pt", "quantgate_method": method, "linears": json.dumps(linears),
-                "embeddings": json.dumps(embeddings), "tied": json.dumps(tied), "group_size": json.dumps(group_size),
-                "dynamic": json.dumps(dynamic)}
+                "embeddings": json.dumps(embeddings), "tied": json.dumps(tied), "group_size": json.dumps(group_size)}
+    if dynamic:  # w8a8's layers; int8wo / int4wo files stay as the streamed builds write them
+        metadata["dynamic"] = json.dumps(dynamic)
     out.mkdir(parents=True, exist_ok=True)
     save_file(state, str(out / WEIGHTS_FILES[method]), metadata=metadata)
     model.config.save_pretrained(out)
