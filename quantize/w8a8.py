@@ -82,7 +82,6 @@ def collect_inputs(model: nn.Module, linears: dict[str, nn.Linear], ids: torch.T
 
     def hook(name: str):
         def record(module: nn.Module, args: tuple) -> None:
-            x = args[0].detach().reshape(-1, args[0].shape[-1]).float()
             stats = owner.get(name)
             if stats is None:  # first sequence: group by the tensor each linear of one module reads
                 key = (name.rpartition(".")[0], args[0].data_ptr(), tuple(args[0].shape))
@@ -90,6 +89,7 @@ def collect_inputs(model: nn.Module, linears: dict[str, nn.Linear], ids: torch.T
                 stats.names.append(name)
             if stats.names[0] != name:
                 return  # the set's first member records for all
+            x = args[0].detach().reshape(-1, args[0].shape[-1]).float()
             peak = x.abs().amax(0)
             stats.peak = peak if stats.peak is None else torch.maximum(stats.peak, peak)
             stats.rows.append(x[::stride])

@@ -3,11 +3,12 @@
 //
 // At the batches a server runs (16+ rows) a weight-only GEMM on a CPU is compute-bound: its int8 or int4
 // weights are widened to bf16 or int16 and multiplied at the bf16 rate. With int8 on both sides the products
-// run on VPDPBUSD / AMX-INT8 (64 per instruction, twice VDPBF16PS's), through torch's int8 GEMM (oneDNN,
-// `at::_int_mm`, which reads the [N, K] weight in place as its transpose). This file adds what _int_mm lacks:
-// the rows' quantization (times the layer's SmoothQuant 1 / smooth, folded into one pass) and the epilogue
-// (int32 sums times the row's and the channel's scales, in the rows' dtype), each one pass in one op, so a
-// decode step's plan (decode_step.cpp) calls one op per projection.
+// run on VPDPBUSD / AMX-INT8 (64 per instruction, twice VDPBF16PS's). Two ops, each one call per projection
+// (what a decode step's plan, decode_step.cpp, calls): `linear_vnni` (and `linear_vnni_bf16`, wo_bf16's calling
+// convention) over the weight packed once in quads, on our VNNI loop (w8a8_vnni.h); `linear` elsewhere, through
+// torch's int8 GEMM (oneDNN, `at::_int_mm`, reading the [N, K] weight in place as its transpose). Both share the
+// rows' quantization (times the layer's SmoothQuant 1 / smooth, folded into one pass); `linear` adds the
+// epilogue _int_mm lacks (int32 sums times the row's and the channel's scales, in the rows' dtype).
 //
 // Rounding is to nearest even, as torch.round: the tests rebuild every code and sum exactly in Python.
 
