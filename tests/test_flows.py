@@ -20,6 +20,15 @@ from flows.runtime import prepare
 prepare()
 
 
+@pytest.fixture(scope="module", autouse=True)
+def own_registry(tmp_path_factory):
+    """This module's MLflow store: its first release must find no champion, whatever other modules the same
+    `pytest -n` worker ran before (test_kv_quant's release registered tiny-llama's champion in the session's)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path_factory.mktemp('flows-mlflow') / 'mlflow.db'}")
+        yield
+
+
 @pytest.fixture(scope="module")
 def prefect_api():
     from prefect.testing.utilities import prefect_test_harness

@@ -186,7 +186,7 @@ def test_release_methods_name_their_kv_dimension():
             check_methods([bad])
 
 
-def test_a_release_with_a_kv_variant_records_and_gates_its_capacity(tiny_model_dir, tmp_path):
+def test_a_release_with_a_kv_variant_records_and_gates_its_capacity(store, tiny_model_dir, tmp_path):
     """int8wo and int8wo+kv8 share one quantized directory; only the KV-quantized one clears a policy that
     asks for 1.5x the baseline's concurrent sequences (fp32 cache here: int8 codes + fp16 scales are 3.6x
     denser at head_dim 16)."""
