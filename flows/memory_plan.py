@@ -11,7 +11,9 @@ its peak:
   (quantize/calibrated_stream.py) one decoder layer in the build dtype (fp32) twice for GPTQ (the probe runs
   the source layer beside the quantized one), AWQ_LAYER_COPIES times for AWQ (its scale search's copies too),
   the calibration hidden states in and out and the widest linear's inputs, and GPTQ's Hessian of its widest
-  input (then the head and its Hessian, whichever is more). A
+  input (then the head and its Hessian, whichever is more); a streamed w8a8 build (quantize/w8a8_stream.py) one
+  layer in the build dtype, its int8 codes twice, the smoothing search's copies of its widest input set
+  (W8A8_SEARCH_BYTES a parameter) and the calibration hidden states. A
   source without safetensors builds in memory: ~12 bytes per parameter (streaming.py's docstring).
 - `measure <model>`: one engine at a time (flows/measuring.py): its weights as served, the KV cache
   (MeasureConfig.kv_cache_memory_gb) and the activations of one scheduler step.
@@ -64,6 +66,9 @@ CALIBRATED = ("int4-awq", "int4-gptq")
 # (measured: the build's working set over the runtime is 0.32 / 0.93 / 3.5 GB at 0.5B / 1.5B / 8B-shaped,
 # docs/results/2026-12-06-release-memory.md; one layer 0.06 / 0.19 / 0.87 GB in fp32)
 AWQ_LAYER_COPIES = 4
+# w8a8's smoothing search over one input set (quantize/w8a8.py `_error_sum`), per parameter of the set: its fp32
+# weights, their smoothed copy, the codes and the codes widened to fp32
+W8A8_SEARCH_BYTES = 13
 CAPACITY_HEADROOM_GB = 1.0  # the capacity budget: the baseline as served + this much KV, at least the default
 WAYS_OUT = ("fewer methods (--methods)", "serve in bfloat16 (QUANTGATE_DTYPE=bfloat16; --dtype bfloat16 where "
             "the verb has it)", "a smaller KV budget (the policy's speed points and long_context lengths; "
@@ -238,17 +243,21 @@ def build_bytes(shape: ModelShape, method: str, inputs: Inputs) -> tuple[int, in
     from flows.recipes import parse
 
     algo = parse(base).method
-    if not inputs.streamable or algo not in ("int8wo", "int4wo", *CALIBRATED):
+    if not inputs.streamable or algo not in ("int8wo", "int4wo", "w8a8", *CALIBRATED):
         return IN_MEMORY_BYTES_PER_PARAM * shape.num_params(), 0
     b = DTYPE_BYTES[inputs.build_dtype]
     largest = max([o * i for o, i in shape.layer_linears()] + [shape.vocab_size * shape.hidden_size])
     block = min(largest * 4 * 4, STREAM_BLOCK_BYTES)
     scales = 4 * largest // 32  # the largest tensor's scales (int4's groups of 32; int8's rows are fewer)
-    if algo not in CALIBRATED:
+    if algo not in (*CALIBRATED, "w8a8"):
         return block + scales, 0
     layer = sum(o * i for o, i in shape.layer_linears()) * b
     t, widest = inputs.calibration_tokens, max(i for _, i in shape.layer_linears())
     acts = t * (2 * shape.hidden_size + widest) * b
+    if algo == "w8a8":  # the layer, its codes twice (as saved, and the probe's packed quads), the widest set's search
+        widest_set = max(2 * shape.intermediate_size * shape.hidden_size, sum(o for o, _ in shape.layer_linears()[:3])
+                         * shape.hidden_size)
+        return layer // b * (b + 2) + W8A8_SEARCH_BYTES * widest_set + block + scales, acts
     if algo == "int4-awq":  # its head is round-to-nearest from row blocks: only the layer's copies count
         return AWQ_LAYER_COPIES * layer + block + scales, acts
     hessian = widest * widest * 4 if algo == "int4-gptq" else 0

@@ -161,7 +161,7 @@ class _LayerRun:
     def __init__(self, model: nn.Module, plan: streaming.Plan, writer: VariantWriter, recipe: Recipe):
         self.model, self.plan, self.writer, self.recipe = model, plan, writer, recipe
         self.prefix, self.layers = decoder_layers(model)
-        self.aliases = _tied_aliases(model)
+        self.aliases = tied_aliases(model)
         self.layer_errors: list[float] = []
         self.normed: torch.Tensor | None = None
 
@@ -191,7 +191,7 @@ class _LayerRun:
                 if x is not None:
                     x = calibration_forward(layer, x, kwargs[index])
                 h_quant = run_layer(layer, h_quant, probe_kwargs[index])
-                self.layer_errors.append(_relative(h_quant, h_float))
+                self.layer_errors.append(relative_error(h_quant, h_float))
                 layer.to("meta")
                 log.info("int4-%s: layer %d/%d written", self.recipe.algorithm, index + 1, len(self.layers))
             norm = getattr(inner, "norm", None)
@@ -269,7 +269,7 @@ class _LayerRun:
         return (float_h @ weight.T)[0], (quant_h @ weight.T)[0]
 
 
-def _tied_aliases(model: nn.Module) -> dict[str, str]:
+def tied_aliases(model: nn.Module) -> dict[str, str]:
     """A tied lm_head's weight is stored under the embedding's name (or the other way round)."""
     if not getattr(model.config, "tie_word_embeddings", False):
         return {}
@@ -277,5 +277,5 @@ def _tied_aliases(model: nn.Module) -> dict[str, str]:
     return {"lm_head.weight": embed, embed: "lm_head.weight"}
 
 
-def _relative(quantized: torch.Tensor, reference: torch.Tensor) -> float:
+def relative_error(quantized: torch.Tensor, reference: torch.Tensor) -> float:
     return round((quantized - reference).norm().item() / max(reference.norm().item(), 1e-12), 6)

@@ -205,12 +205,17 @@ def _w8a8() -> Method:
 
         save_weight_only(model, out, "w8a8")
 
+    def stream(source: Path, opts: dict[str, Any], out: Path) -> dict[str, Any] | None:
+        from quantize.w8a8_stream import stream_w8a8
+
+        return stream_w8a8(source, opts, out)
+
     return Method("w8a8", 8, "quantgate", "int8 weights per output channel and int8 activations per row at each "
                   "call (SmoothQuant scales from calibration text); products on the CPU's int8 dot products, "
                   "fast prefill and decode under load", None, build, save,
                   defaults={"calibration_tokens": 1024, "seq_len": 256, "quantize_lm_head": True,
                             "quantize_embeddings": True, "dtype": "float32"},
-                  weight_files=("w8a8.safetensors",))
+                  weight_files=("w8a8.safetensors",), stream=stream)
 
 
 _BNB_4BIT_DEFAULTS = {"double_quant": True, "compute_dtype": "float32"}

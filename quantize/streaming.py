@@ -103,46 +103,29 @@ def plan_stream(source_dir: Path, method: str, opts: dict[str, Any]) -> Plan:
     import torch
 
     from quantize.tensor_table import tensor_table
+    from serving.model.quant.checkpoint import file_metadata
 
     source = open_source(source_dir)  # raises on a shard missing from its index, before any work
     group_size = opts.get("group_size") if method == "int4wo" else None
     model, aliases = _quantized_meta_model(source_dir, opts, group_size)
     state = model.state_dict(keep_vars=True)
-    stored, tied = _dedupe(state)
+    stored, tied = dedupe(state)
     jobs = _jobs(model, stored, group_size)
     specs = {key: (st_dtype(state[key].dtype), tuple(state[key].shape)) for key in stored}
     for job in jobs:
         job.source_key = _source_key(job.source_key, aliases, source)
-    linears, embeddings = _quantized_names(model)
-    metadata = {"format": "pt", "quantgate_method": method, "linears": json.dumps(linears),
-                "embeddings": json.dumps(embeddings), "tied": json.dumps(tied),
-                "group_size": json.dumps(group_size)}
+    metadata = file_metadata(model, method, tied)
     dtype = getattr(torch, opts["dtype"])
     return Plan(method, source, dtype, specs, jobs, metadata, model.config, tensor_table(model))
 
 
 def _quantized_meta_model(source_dir: Path, opts: dict[str, Any], group_size: int | None):
-    """The model quantize_model makes, on the meta device (no values), and each parameter's other names
-    (a tied lm_head's weight is the embedding's: the source stores it under one of them)."""
+    """The model quantize_model makes, on the meta device (no values), and each parameter's other names."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
 
-    from quantgate.loading import model_construction
     from serving.model.quant.int8 import quantize_model
 
-    try:
-        config = AutoConfig.from_pretrained(source_dir)
-        with model_construction(), torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, opts["dtype"]))
-    except (ValueError, KeyError, TypeError, AttributeError) as exc:
-        raise ValueError(f"{source_dir}: the engine cannot build this model from its config.json: {exc}") from exc
-    aliases: dict[str, list[str]] = {}
-    by_id: dict[int, list[str]] = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        by_id.setdefault(id(param), []).append(name)
-    for names in by_id.values():
-        for name in names:
-            aliases[name] = names
+    model, aliases = meta_model(source_dir, opts["dtype"])
     if group_size:
         from serving.model.quant.int4 import check_group_size
 
@@ -154,7 +137,31 @@ def _quantized_meta_model(source_dir: Path, opts: dict[str, Any], group_size: in
     return model, aliases
 
 
-def _dedupe(state: dict[str, torch.Tensor]) -> tuple[list[str], dict[str, str]]:
+def meta_model(source_dir: Path, dtype: str) -> tuple[nn.Module, dict[str, list[str]]]:
+    """The source's model on the meta device (no values), and each parameter's other names (a tied lm_head's
+    weight is the embedding's: the source stores it under one of them)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from quantgate.loading import model_construction
+
+    try:
+        config = AutoConfig.from_pretrained(source_dir)
+        with model_construction(), torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise ValueError(f"{source_dir}: the engine cannot build this model from its config.json: {exc}") from exc
+    aliases: dict[str, list[str]] = {}
+    by_id: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        by_id.setdefault(id(param), []).append(name)
+    for names in by_id.values():
+        for name in names:
+            aliases[name] = names
+    return model, aliases
+
+
+def dedupe(state: dict[str, torch.Tensor]) -> tuple[list[str], dict[str, str]]:
     """Stored names in state-dict order and {tied name: stored name}: save_weight_only's rule (a tensor
     seen before is stored once, under its first name), by identity since meta tensors have no address."""
     seen: dict[int, str] = {}
@@ -193,16 +200,6 @@ def _source_key(key: str, aliases: dict[str, list[str]], source: SourceWeights) 
         if name in source.files:
             return name
     raise NotStreamable(f"{source.directory}: no tensor {key!r} in its safetensors (names differ from the model's)")
-
-
-def _quantized_names(model: nn.Module) -> tuple[list[str], list[str]]:
-    from serving.model.quant.int4 import Int4Embedding, Int4WeightOnlyLinear
-    from serving.model.quant.int8 import Int8Embedding, Int8WeightOnlyLinear
-
-    modules = dict(model.named_modules())
-    linears = sorted(n for n, m in modules.items() if isinstance(m, Int8WeightOnlyLinear | Int4WeightOnlyLinear))
-    embeddings = sorted(n for n, m in modules.items() if isinstance(m, Int8Embedding | Int4Embedding))
-    return linears, embeddings
 
 
 def write_stream(plan: Plan, out: Path) -> Path:

@@ -21,7 +21,7 @@ def tensor_table(model: nn.Module) -> dict[str, dict[str, Any]]:
             entry = {"format": "int4", "group_size": module.group_size}
             held = module.codes
         elif isinstance(module, Int8DynamicLinear):
-            smoothed = bool((module.inv_smooth != 1).any())
+            smoothed = None if module.inv_smooth.is_meta else bool((module.inv_smooth != 1).any())  # meta: a plan
             entry, held = {"format": "int8-per-row, int8 activations per row", "smoothed": smoothed}, module.weight_int8
         elif isinstance(module, Int8WeightOnlyLinear | Int8Embedding):
             entry, held = {"format": "int8-per-row"}, module.weight_int8

@@ -51,6 +51,7 @@ class VariantWriter:
                  offsets: dict[str, tuple[int, int]]):
         self.fd, self.base, self.specs, self.offsets = fd, base, specs, offsets
         self.unsynced = 0
+        self.written: set[str] = set()  # the tensors given (some or all of their rows)
 
     def write(self, key: str, tensor: torch.Tensor) -> int:
         """The whole tensor `key`, cast to the layout's dtype; its shape must be the layout's."""
@@ -67,6 +68,7 @@ class VariantWriter:
         if at + size > end - start:
             raise ValueError(f"{key}: {size} bytes at {at} run past its {end - start}")
         written = _pwrite(self.fd, tensor, self.base + start + at)
+        self.written.add(key)
         self.unsynced += written
         if self.unsynced >= WRITE_BACK_BYTES:
             self.write_back()
@@ -107,6 +109,10 @@ def open_variant_file(path: Path, specs: dict[str, tuple[str, tuple[int, ...]]],
         handle.truncate(len(header) + total)
         writer = VariantWriter(handle.fileno(), len(header), specs, places)
         yield writer
+        missing = sorted(k for k, (_, shape) in specs.items() if math.prod(shape) and k not in writer.written)
+        if missing:  # the file holds zeros there: never a variant
+            raise ValueError(f"{path.name}: {len(missing)} tensor(s) of the layout were never written: "
+                             f"{', '.join(missing[:5])}")
         writer.write_back()
 
 

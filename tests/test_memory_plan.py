@@ -79,6 +79,19 @@ def test_the_calibrated_build_holds_a_layer_and_gptq_its_hessian():
     assert _stage(in_memory, "quantize int8wo").weights == 12 * ModelShape.from_config(LLAMA_8B).num_params()
 
 
+def test_a_streamed_w8a8_build_holds_a_layer_and_fits_an_8b_where_in_memory_cannot():
+    shape = ModelShape.from_config(LLAMA_8B)
+    layer_params = sum(o * i for o, i in shape.layer_linears())
+    plan = P.plan(P.Inputs(LLAMA_8B, ("w8a8",)), P.Machine(24 * GB, "pretend"))
+    w8a8 = _stage(plan, "quantize w8a8")
+    gate_up = 2 * 14336 * 4096
+    assert w8a8.weights >= 6 * layer_params + P.W8A8_SEARCH_BYTES * gate_up  # fp32 layer, codes twice, the search
+    assert w8a8.weights < 4 * GB and w8a8.total < 24 * GB
+    in_memory = P.plan(P.Inputs(LLAMA_8B, ("w8a8",), streamable=False), P.Machine(24 * GB, "pretend"))
+    assert _stage(in_memory, "quantize w8a8").weights == 12 * shape.num_params()
+    assert "quantize w8a8" in [s.name for s in in_memory.unfit()]
+
+
 def test_predicted_weights_match_the_safetensors_bytes(tiny_model_dir, default_model_dir):
     import json
 

@@ -41,6 +41,15 @@ def save_weight_only(model: PreTrainedModel, out: Path, method: str = "int8wo") 
             continue
         seen[ptr] = key
         state[key] = tensor.detach().contiguous().cpu()
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(state, str(out / WEIGHTS_FILES[method]), metadata=file_metadata(model, method, tied))
+    model.config.save_pretrained(out)
+    if getattr(model, "generation_config", None) is not None and model.can_generate():
+        model.generation_config.save_pretrained(out)
+
+
+def file_metadata(model: torch.nn.Module, method: str, tied: dict[str, str]) -> dict[str, str]:
+    """The weight file's metadata: which modules are quantized how, and the tied names ({name: stored name})."""
     modules = dict(model.named_modules())
     linears = sorted(n for n, m in modules.items() if isinstance(m, QUANTIZED_LINEARS))
     dynamic = sorted(n for n, m in modules.items() if isinstance(m, Int8DynamicLinear))
@@ -50,11 +59,7 @@ def save_weight_only(model: PreTrainedModel, out: Path, method: str = "int8wo") 
                 "embeddings": json.dumps(embeddings), "tied": json.dumps(tied), "group_size": json.dumps(group_size)}
     if dynamic:  # w8a8's layers; int8wo / int4wo files stay as the streamed builds write them
         metadata["dynamic"] = json.dumps(dynamic)
-    out.mkdir(parents=True, exist_ok=True)
-    save_file(state, str(out / WEIGHTS_FILES[method]), metadata=metadata)
-    model.config.save_pretrained(out)
-    if getattr(model, "generation_config", None) is not None and model.can_generate():
-        model.generation_config.save_pretrained(out)
+    return metadata
 
 
 def load_weight_only(directory: Path, device: str = "cpu", dtype: torch.dtype | None = None,

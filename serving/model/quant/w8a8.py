@@ -106,6 +106,10 @@ class Int8DynamicLinear(nn.Module):
         if self.kernel_kind() == "vnni":
             self.weight_int8 = torch.empty(0, dtype=torch.int8)
 
+    def forget_kernel(self) -> None:
+        """Drop the packed quads and the compiled call that holds them (a build streaming layers frees each one)."""
+        self._packed = self._compensation = self._call = self._kind = None
+
     def kernel_call(self) -> KernelCall | None:
         """The compiled op over this layer's tensors (None: torch's ops serve, off CPU or without a compiler)."""
         op = self.kernel_op()
