@@ -47,7 +47,7 @@ def stream_calibrated(source: Path, opts: dict[str, Any], recipe: Recipe, out: P
                       show_progress: bool = True) -> dict[str, Any] | None:
     """Build the variant into `out`; returns the manifest's "tensors", "probe" and the algorithm record, or
     None where the source is not streamable (the in-memory build then runs)."""
-    from quantize.probe import MIN_COSINE, compare
+    from quantize.probe import check_layer_by_layer
 
     if not streaming.streamable(source):
         return None
@@ -66,10 +66,7 @@ def stream_calibrated(source: Path, opts: dict[str, Any], recipe: Recipe, out: P
         run.all_layers(ids, show_progress)
         logits_float, logits_quantized = run.outer_tensors()
     streaming.write_configs(plan, out)
-    probe = compare(logits_quantized, logits_float)
-    if not probe.cosine >= MIN_COSINE:
-        raise ValueError(f"int4-{recipe.algorithm}: the variant's logits are unrelated to the source's "
-                         f"(cosine {probe.cosine:.3f} < {MIN_COSINE}); nothing was saved")
+    probe = check_layer_by_layer(logits_quantized, logits_float, f"int4-{recipe.algorithm}")
     record: dict[str, Any] = {"algorithm": {"name": recipe.algorithm, **recipe.__dict__,
                                             "seconds": round(time.perf_counter() - started, 3),
                                             "streamed": "one decoder layer at a time"}}

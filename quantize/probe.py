@@ -61,6 +61,16 @@ def compare(variant: torch.Tensor, source: torch.Tensor) -> ProbeResult:
     return ProbeResult(round(cosine, 6), round(top1, 6))
 
 
+def check_layer_by_layer(variant: torch.Tensor, source: torch.Tensor, method: str) -> ProbeResult:
+    """A streamed build's probe (its logits beside the source's, the layers run side by side as they passed):
+    refused below MIN_COSINE, as check_built refuses an in-memory build."""
+    result = compare(variant, source)
+    if not result.cosine >= MIN_COSINE:
+        raise ValueError(f"{method}: the variant's logits are unrelated to the source's (cosine {result.cosine:.3f} < "
+                         f"{MIN_COSINE}); nothing was saved")
+    return result
+
+
 def check_built(model: PreTrainedModel, source: Path, content_hash: str, method: str) -> ProbeResult:
     """Refuse a built model that has unmaterialised tensors or does not behave like its source."""
     check_materialised(model, f"{method} variant of {source}")

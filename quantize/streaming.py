@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 # Rows are read, cast and quantized this many elements at a time (32 MiB as fp32): quantize_groups makes a
 # few temporaries of the block's size, so the block bounds the working memory whatever the tensor's size.
 CHUNK_ELEMENTS = 8 << 20
-WEIGHTS_FILES = {"int8wo": "int8wo.safetensors", "int4wo": "int4wo.safetensors"}
+WEIGHTS_FILES = {"int8wo": "int8wo.safetensors", "int4wo": "int4wo.safetensors", "w8a8": "w8a8.safetensors"}
 
 
 class NotStreamable(ValueError):

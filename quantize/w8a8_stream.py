@@ -48,7 +48,6 @@ from serving.model.quant.w8a8 import Int8DynamicLinear, reference_linear
 
 log = logging.getLogger(__name__)
 
-WEIGHTS_FILE = "w8a8.safetensors"
 
 
 def stream_w8a8(source: Path, opts: dict[str, Any], out: Path, show_progress: bool = True) -> dict[str, Any] | None:
@@ -57,7 +56,7 @@ def stream_w8a8(source: Path, opts: dict[str, Any], out: Path, show_progress: bo
     from transformers import AutoTokenizer
 
     from quantize.calibration import calibration_set
-    from quantize.probe import MIN_COSINE, compare
+    from quantize.probe import check_layer_by_layer
 
     if not streaming.streamable(source):
         return None
@@ -71,15 +70,12 @@ def stream_w8a8(source: Path, opts: dict[str, Any], out: Path, show_progress: bo
     calibration = calibration_set(AutoTokenizer.from_pretrained(source), int(opts["calibration_tokens"]),
                                   int(opts["seq_len"]))
     started = time.perf_counter()
-    with streaming.variant_file(plan, out / WEIGHTS_FILE) as writer:
+    with streaming.variant_file(plan, out / streaming.WEIGHTS_FILES["w8a8"]) as writer:
         walk = _Walk(model, plan, writer, tied)
         walk.layers(calibration.ids, show_progress)
         float_logits, quant_logits = walk.outside()
     streaming.write_configs(plan, out)
-    probe = compare(quant_logits, float_logits)
-    if not probe.cosine >= MIN_COSINE:
-        raise ValueError(f"w8a8: the variant's logits are unrelated to the source's (cosine {probe.cosine:.3f} < "
-                         f"{MIN_COSINE}); nothing was saved")
+    probe = check_layer_by_layer(quant_logits, float_logits, "w8a8")
     for name, alpha in walk.chosen.items():
         plan.table[name]["smoothed"] = alpha is not None
     record = {"algorithm": {"name": "smoothquant", "alphas": list(ALPHAS), "sample_rows": SAMPLE_ROWS,

@@ -3,19 +3,18 @@ smoothing choices bit for bit, tied and untied, sharded or not; a tensor never w
 
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors import safe_open
+from test_quantize_stream import _assert_same
 
 import quantize
 from quantize import streaming
 from quantize.methods import get_method
 from quantize.variant_writer import open_variant_file
-from quantize.w8a8_stream import WEIGHTS_FILE, plan_w8a8, stream_w8a8
+from quantize.w8a8_stream import plan_w8a8, stream_w8a8
 
 
 def _both(source: Path, tmp: Path, **options) -> tuple[Path, Path, dict, dict]:
@@ -28,17 +27,6 @@ def _both(source: Path, tmp: Path, **options) -> tuple[Path, Path, dict, dict]:
     del model
     streamed = stream_w8a8(source, opts, new, show_progress=False)
     return old, new, chosen, streamed
-
-
-def _assert_same(old: Path, new: Path) -> None:
-    with safe_open(str(old / WEIGHTS_FILE), "pt") as a, safe_open(str(new / WEIGHTS_FILE), "pt") as b:
-        assert a.metadata() == b.metadata()
-        assert sorted(a.keys()) == sorted(b.keys())
-        for key in a.keys():
-            x, y = a.get_tensor(key), b.get_tensor(key)
-            assert x.dtype == y.dtype and torch.equal(x, y), key
-    for name in ("config.json", "generation_config.json"):
-        assert json.loads((old / name).read_text()) == json.loads((new / name).read_text()), name
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +50,7 @@ def untied_sharded(tiny_model_dir, tmp_path_factory) -> Path:
 
 def test_streamed_equals_the_in_memory_build_on_a_tied_model(tiny_model_dir, tmp_path):
     old, new, chosen, streamed = _both(tiny_model_dir, tmp_path)
-    _assert_same(old, new)
+    _assert_same(old, new, "w8a8")
     assert streamed["record"]["algorithm"]["chosen"] == chosen
     assert chosen["lm_head"] is None and any(a is not None for a in chosen.values())
     assert streamed["probe"]["logit_cosine"] > 0.99 and len(streamed["probe"]["layers"]) == 2
@@ -71,7 +59,7 @@ def test_streamed_equals_the_in_memory_build_on_a_tied_model(tiny_model_dir, tmp
 @pytest.mark.parametrize("options", [{}, {"quantize_embeddings": False}, {"quantize_lm_head": False}])
 def test_streamed_equals_the_in_memory_build_untied_and_sharded(untied_sharded, tmp_path, options):
     old, new, chosen, streamed = _both(untied_sharded, tmp_path, **options)
-    _assert_same(old, new)
+    _assert_same(old, new, "w8a8")
     assert streamed["record"]["algorithm"]["chosen"] == chosen
     if not options:  # the head's own smoothing, searched over its row blocks
         assert chosen["lm_head"] is not None and streamed["tensors"]["lm_head"]["smoothed"] is True
@@ -92,7 +80,7 @@ def test_a_tensor_never_written_is_refused(tiny_model_dir, tmp_path):
     plan, tied = plan_w8a8(tiny_model_dir, get_method("w8a8").options({}))
     assert tied
     with pytest.raises(ValueError, match="never written"):
-        with open_variant_file(tmp_path / WEIGHTS_FILE, plan.specs, plan.metadata) as writer:
+        with open_variant_file(tmp_path / "w8a8.safetensors", plan.specs, plan.metadata) as writer:
             for key in list(plan.specs)[1:]:
                 writer.write(key, torch.zeros(plan.specs[key][1]))
     assert streaming.streamable(tiny_model_dir)
