@@ -251,13 +251,14 @@ def build_bytes(shape: ModelShape, method: str, inputs: Inputs) -> tuple[int, in
     scales = 4 * largest // 32  # the largest tensor's scales (int4's groups of 32; int8's rows are fewer)
     if algo not in (*CALIBRATED, "w8a8"):
         return block + scales, 0
-    layer = sum(o * i for o, i in shape.layer_linears()) * b
+    layer_params = sum(o * i for o, i in shape.layer_linears())
+    layer = layer_params * b
     t, widest = inputs.calibration_tokens, max(i for _, i in shape.layer_linears())
     acts = t * (2 * shape.hidden_size + widest) * b
     if algo == "w8a8":  # the layer, its codes twice (as saved, and the probe's packed quads), the widest set's search
         widest_set = max(2 * shape.intermediate_size * shape.hidden_size, sum(o for o, _ in shape.layer_linears()[:3])
                          * shape.hidden_size)
-        return layer // b * (b + 2) + W8A8_SEARCH_BYTES * widest_set + block + scales, acts
+        return layer_params * (b + 2) + W8A8_SEARCH_BYTES * widest_set + block + scales, acts
     if algo == "int4-awq":  # its head is round-to-nearest from row blocks: only the layer's copies count
         return AWQ_LAYER_COPIES * layer + block + scales, acts
     hessian = widest * widest * 4 if algo == "int4-gptq" else 0
