@@ -148,6 +148,7 @@ def search_smoothing(stats: InputStats, weight_blocks: Callable[[], Iterable[tor
     (a whole weight, or a streamed head's row blocks: per-row codes make the blocks' errors add up)."""
     x = torch.cat(stats.rows)[:SAMPLE_ROWS]
     references: list[torch.Tensor] = []  # x @ block^T per block: the same for every candidate
+    peaks: list[torch.Tensor] = []  # max|w| per input channel per block, taken on the first pass
 
     def error(smooth: torch.Tensor | None) -> float:
         total, count = 0.0, 0
@@ -155,13 +156,14 @@ def search_smoothing(stats: InputStats, weight_blocks: Callable[[], Iterable[tor
             block = block.float()
             if i == len(references):
                 references.append(x @ block.t())
+                peaks.append(block.abs().amax(0))
             total += _error_sum(x, block, smooth, references[i])
             count += x.shape[0] * block.shape[0]
         return total / count
 
     best: tuple[float, torch.Tensor | None, float | None] = (error(None), None, None)
     if not fixed:
-        w_peak = torch.stack([b.float().abs().amax(0) for b in weight_blocks()]).amax(0).clamp(min=1e-5)
+        w_peak = torch.stack(peaks).amax(0).clamp(min=1e-5)
         x_peak = stats.peak.clamp(min=1e-5)
         for alpha in ALPHAS:
             smooth = (x_peak.pow(alpha) / w_peak.pow(1 - alpha)).clamp(min=1e-5)
